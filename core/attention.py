@@ -1,0 +1,66 @@
+"""The attention backend interface: plan once per step, run once per layer."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+from .batch import BatchMetadata
+from .cache import CacheManager, KVStorage
+from .model_spec import ModelSpec
+from .plugin import Plugin, PluginOptions, SelectionContext
+
+
+class AttentionBackend(Plugin):
+    """Computes causal attention for a packed batch against the KV cache.
+
+    Contract:
+    - ``cache_formats`` / ``cache_dtypes`` name the ``KVLayout`` formats and storage dtypes
+      it can read (checked by the default ``unsupported_reasons``); ``head_dims`` the head
+      sizes it supports (None: any).
+    - ``plan(batch, cache)`` runs once per engine step and returns whatever per-step state
+      every layer shares (gather indices, split-K partitions, page selections); it must not
+      depend on layer weights.
+    - ``forward(layer, q, k, v, kv, plan)`` stores the step's new k, v into ``kv`` (through
+      ``kv.store`` or a fused kernel) and returns softmax(q K^T * scale + causal mask) V over
+      each sequence's whole context: q [T, num_heads, head_dim], k, v [T, num_kv_heads,
+      head_dim] -> [T, num_heads, head_dim]. Query token i of a sequence with context length L
+      and query length Q sits at position L - Q + i and sees keys 0..L-Q+i (and, with a
+      sliding window W, only the last W of those).
+    """
+
+    kind: ClassVar[str] = "attention"
+    cache_formats: ClassVar[frozenset[str]] = frozenset({"kv"})
+    cache_dtypes: ClassVar[frozenset[torch.dtype] | None] = None
+    head_dims: ClassVar[frozenset[int] | None] = None
+
+    def __init__(self, options: PluginOptions, model: ModelSpec, device: torch.device, dtype: torch.dtype):
+        self.options = options
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.scale = model.attention_scale
+        self.sliding_window = model.sliding_window
+
+    @classmethod
+    def unsupported_reasons(cls, ctx: SelectionContext) -> list[str]:
+        reasons = super().unsupported_reasons(ctx)
+        layout = ctx.kv_layout
+        if layout is not None and layout.format not in cls.cache_formats:
+            reasons.append(f"reads cache formats {sorted(cls.cache_formats)}, but the cache stores {layout.format!r}")
+        if layout is not None and cls.cache_dtypes is not None and layout.dtype not in cls.cache_dtypes:
+            reasons.append(f"reads cache dtypes {sorted(str(d) for d in cls.cache_dtypes)}, not {layout.dtype}")
+        if cls.head_dims is not None and ctx.model.head_dim not in cls.head_dims:
+            reasons.append(f"supports head dims {sorted(cls.head_dims)}, the model has {ctx.model.head_dim}")
+        return reasons
+
+    def plan(self, batch: BatchMetadata, cache: CacheManager) -> Any:
+        """Per-step planning shared by all layers; the default plan is the batch itself."""
+        return batch
+
+    @abstractmethod
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv: KVStorage, plan: Any) -> torch.Tensor:
+        """Store k, v and attend q to the cached context; see the class contract."""

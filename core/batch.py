@@ -1,0 +1,158 @@
+"""Per-step batch metadata: planned once per engine step, read by every layer.
+
+The batch is packed ("varlen"): the query tokens of all scheduled sequences are laid end to
+end in one tensor, with no padding, and per-sequence offsets say where each begins. A
+prefill chunk, a single decode token and a speculative verification of k+1 tokens are the
+same thing with different query lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from .cache import CacheManager
+
+
+@dataclass
+class ScheduledSeq:
+    """A sequence chosen for this step and how many of its uncomputed tokens to process."""
+
+    seq: Sequence
+    num_query_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """What one ``Scheduler.schedule()`` call decided."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    """Sequences whose cache was freed to make room; they are recomputed later."""
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SampleSlot:
+    """Where one sequence's logits sit in the step's logits tensor.
+
+    ``num_rows`` is 1 for plain decoding and 1 + len(draft_tokens) for speculative
+    verification; the rows are consecutive. Parallel sampling (n > 1) gives each forked
+    sequence its own slot pointing at the same rows.
+    """
+
+    seq: Sequence
+    first_row: int
+    num_rows: int
+    draft_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def last_row(self) -> int:
+        return self.first_row + self.num_rows - 1
+
+
+@dataclass
+class BatchMetadata:
+    """Everything a forward needs about the packed batch; built once per step.
+
+    Example with block size 16: sequence A has 20 tokens cached and decodes 1, sequence B
+    prefills a 3-token chunk at positions 0..2. Then ``input_ids`` has 4 rows,
+    ``query_start_loc = [0, 1, 4]``, ``seq_lens = [21, 3]``, ``positions = [20, 0, 1, 2]``;
+    if A's block table is [7, 2] and B's is [5], ``slot_mapping = [2*16+4, 80, 81, 82]``.
+    """
+
+    input_ids: torch.Tensor  # [T] int64, packed query tokens
+    positions: torch.Tensor  # [T] int64, absolute position of each query token
+    query_start_loc: torch.Tensor  # [B+1] int32, sequence i's queries are rows [q[i], q[i+1])
+    seq_lens: torch.Tensor  # [B] int32, KV length of each sequence after this step
+    slot_mapping: torch.Tensor  # [T] int64, cache slot (block * block_size + offset) per query token
+    block_tables: torch.Tensor  # [B, max_blocks] int32, physical blocks per sequence, -1 padded
+    logits_indices: torch.Tensor  # [R] int64, packed rows whose logits the decoder needs
+    query_lens_cpu: list[int]  # host copies, so planning never waits on the device
+    seq_lens_cpu: list[int]
+    block_tables_cpu: list[list[int]]
+    block_size: int
+    seqs: list[Sequence]  # the scheduled sequences, in batch order
+    samples: list[SampleSlot]  # which sequences sample this step, in logits-row order
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_cpu, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
+
+def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torch.device,
+                drafts: dict[int, list[int]] | None = None,
+                forks: dict[int, list[Sequence]] | None = None, all_logits: bool = False) -> BatchMetadata:
+    """Pack ``scheduled`` into a batch; the cache must already hold slots for every token.
+
+    ``drafts`` (seq_id -> draft tokens) extends a decoding sequence's query with tokens to
+    verify; ``forks`` (seq_id -> forked sequences) lets those sample from its logits too;
+    ``all_logits`` asks for the logits of every query row (scoring), not only sampled ones.
+    """
+    drafts = drafts or {}
+    forks = forks or {}
+    bs = cache.layout.block_size
+    ids: list[int] = []
+    pos: list[int] = []
+    slots: list[int] = []
+    qsl = [0]
+    seq_lens: list[int] = []
+    tables: list[list[int]] = []
+    rows: list[int] = []
+    samples: list[SampleSlot] = []
+    for item in scheduled:
+        seq = item.seq
+        start = seq.num_computed_tokens
+        end = start + item.num_query_tokens
+        draft = drafts.get(seq.seq_id, [])
+        tokens = seq.token_ids[start:end] + draft
+        n = len(tokens)
+        table = cache.block_table(seq)
+        base = len(ids)
+        ids.extend(tokens)
+        for p in range(start, start + n):
+            pos.append(p)
+            slots.append(table[p // bs] * bs + p % bs)
+        qsl.append(base + n)
+        seq_lens.append(start + n)
+        tables.append(table)
+        if end == seq.num_tokens:  # the chunk reaches the sequence's end: it samples
+            first = len(rows)
+            rows.extend(range(base + n - 1 - len(draft), base + n))
+            for s in [seq, *forks.get(seq.seq_id, [])]:
+                samples.append(SampleSlot(s, first, 1 + len(draft), list(draft)))
+    if all_logits:
+        rows = list(range(len(ids)))
+    width = max((len(t) for t in tables), default=1)
+    padded = [t + [-1] * (width - len(t)) for t in tables]
+
+    def tensor(values, dtype):
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    return BatchMetadata(
+        input_ids=tensor(ids, torch.long), positions=tensor(pos, torch.long),
+        query_start_loc=tensor(qsl, torch.int32), seq_lens=tensor(seq_lens, torch.int32),
+        slot_mapping=tensor(slots, torch.long), block_tables=tensor(padded, torch.int32),
+        logits_indices=tensor(rows, torch.long),
+        query_lens_cpu=[b - a for a, b in zip(qsl, qsl[1:])], seq_lens_cpu=seq_lens,
+        block_tables_cpu=tables, block_size=bs, seqs=[s.seq for s in scheduled], samples=samples)

@@ -1,0 +1,172 @@
+"""The KV-cache manager interface: physical storage per layer and the logical-to-physical
+map of every sequence.
+
+Storage is a set of fixed-size blocks; a sequence owns a block table (list of block ids) and
+token ``p`` of it lives in slot ``table[p // block_size] * block_size + p % block_size``.
+A contiguous cache is the special case of one block of ``max_model_len`` slots per sequence,
+so one metadata format serves every layout.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from .plugin import Plugin, PluginOptions, SelectionContext
+from .sequence import Sequence
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a cache stores, declared before anything is allocated, so attention backends can
+    say which layouts they read.
+
+    - ``format``: what one slot holds: "kv" (a key and a value per KV head), "latent" (one
+      compressed vector per token, MLA). Quantized storage keeps its format and sets ``dtype``.
+    - ``block_size``: tokens per block (a contiguous cache: max_model_len).
+    - ``dtype``: the storage dtype; torch.int8 means values plus per-token scales.
+    - ``extras``: side data the cache keeps current on every store, e.g. "key_bounds"
+      (per-block key min/max, for QUEST).
+    """
+
+    format: str
+    block_size: int
+    dtype: torch.dtype
+    extras: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """The model-side facts a cache needs to allocate storage."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # the model's compute dtype
+    device: torch.device
+    max_model_len: int
+
+
+class KVStorage(ABC):
+    """One layer's cache storage. Fast kernels read its tensors directly (they know the
+    layout they declared); ``gather`` is the reference path any backend can use.
+
+    For the "latent" format (MLA) ``k`` is the compressed latent [T, 1, latent_dim] and
+    ``v`` is None: one vector per token serves as both key and value.
+    """
+
+    layout: KVLayout
+
+    @abstractmethod
+    def store(self, k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
+        """Write new tokens: k, v [T, num_kv_heads, head_dim] into slots [T] (int64)."""
+
+    @abstractmethod
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """K and V at ``slots`` (any shape S, int64): [*S, num_kv_heads, head_dim] each, in the
+        compute dtype (dequantized if stored quantized)."""
+
+    def read(self, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """K and V of one sequence's first ``length`` tokens, [length, num_kv_heads, head_dim]."""
+        bs = self.layout.block_size
+        pos = torch.arange(length)
+        table = torch.tensor(block_table, dtype=torch.long)
+        return self.gather((table[pos // bs] * bs + pos % bs).to(self.device))
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Where the storage lives."""
+
+
+class CacheManager(Plugin):
+    """Owns KV storage and every sequence's block table.
+
+    Contract:
+    - ``kv_layout(options, ctx)`` declares the layout before construction.
+    - ``reserve(seq, n)`` makes slots exist for tokens [0, n) of ``seq``, allocating blocks as
+      needed; ``can_reserve`` answers first whether that fits. A shared (copy-on-write) block
+      about to be written is copied here.
+    - ``truncate(seq, n)`` drops slots past token n (speculative rollback); ``free(seq)``
+      releases everything; ``fork(parent, child)`` gives the child the parent's tokens
+      (sharing blocks where the layout allows); ``can_fork`` answers first whether it fits
+      (if not, the engine lets the child recompute its prompt later instead).
+    - ``match_prefix(seq)`` attaches cached blocks holding a prefix of the prompt and returns
+      how many tokens they cover (at most prompt length - 1); ``commit(seq)`` is called after
+      each step with ``seq.num_computed_tokens`` valid, so full blocks can be indexed.
+    - ``max_seq_tokens`` is the most tokens one sequence can ever hold; the scheduler rejects
+      requests above it at admission.
+    """
+
+    kind: ClassVar[str] = "cache"
+
+    def __init__(self, options: PluginOptions, spec: CacheSpec, layout: KVLayout):
+        self.options = options
+        self.spec = spec
+        self.layout = layout
+
+    @classmethod
+    @abstractmethod
+    def kv_layout(cls, options: PluginOptions, ctx: SelectionContext) -> KVLayout:
+        """The layout this cache will allocate for the pipeline in ``ctx``."""
+
+    @abstractmethod
+    def layer(self, index: int) -> KVStorage:
+        """Storage of layer ``index``."""
+
+    @property
+    @abstractmethod
+    def num_blocks(self) -> int:
+        """Total blocks."""
+
+    @property
+    @abstractmethod
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (including evictable cached ones)."""
+
+    @property
+    @abstractmethod
+    def max_seq_tokens(self) -> int:
+        """The most tokens a single sequence can ever occupy."""
+
+    @abstractmethod
+    def can_reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether ``reserve(seq, num_tokens)`` would succeed now."""
+
+    @abstractmethod
+    def reserve(self, seq: Sequence, num_tokens: int) -> None:
+        """Ensure slots for tokens [0, num_tokens) of ``seq``; raises RuntimeError if full."""
+
+    @abstractmethod
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Release slots of tokens at positions >= num_tokens."""
+
+    @abstractmethod
+    def free(self, seq: Sequence) -> None:
+        """Release every slot of ``seq``; a no-op for a sequence holding none."""
+
+    @abstractmethod
+    def can_fork(self, parent: Sequence) -> bool:
+        """Whether ``fork(parent, child)`` would succeed now."""
+
+    @abstractmethod
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give ``child`` the parent's cached tokens (its first ``parent.num_computed_tokens``)."""
+
+    @abstractmethod
+    def block_table(self, seq: Sequence) -> list[int]:
+        """Physical block ids of ``seq``, in order."""
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach cached blocks holding a prefix of ``seq``'s prompt; return tokens covered."""
+        return 0
+
+    def commit(self, seq: Sequence) -> None:
+        """Note that ``seq.num_computed_tokens`` tokens of ``seq`` now hold valid KV."""
+
+    def num_allocated_slots(self) -> int:
+        """Slots held by live sequences (for KV-waste figures)."""
+        return (self.num_blocks - self.num_free_blocks) * self.layout.block_size

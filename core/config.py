@@ -1,0 +1,168 @@
+"""The pipeline config: which model, device and dtype, and one ``{name, options}`` section
+per kind of plugin. Read from YAML, TOML or JSON; ``--set key=value`` overrides any field.
+
+    model: smollm2-135m
+    device: auto
+    dtype: auto
+    attention: {name: auto}
+    cache: {name: contiguous, options: {max_seqs: 16}}
+    decoding: {name: sample}
+
+The config itself is plain data; ``tessellm.core.resolve`` checks names and options against
+the plugin registry and picks the ``auto`` plugins.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import ConfigError
+from .model_loader import DEFAULT_MODEL
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+DType = Literal["auto", "float32", "float16", "bfloat16", "float64"]
+
+
+class PluginSection(BaseModel):
+    """Selects one plugin of a kind by name and passes it options."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    name: str = "auto"
+    """A registered plugin name, or ``auto``: the first plugin, in priority order, that can serve."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Validated by the chosen plugin's own Options model."""
+
+
+class PipelineConfig(BaseModel):
+    """Everything that defines a pipeline. Every field has a default."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    model: str = DEFAULT_MODEL
+    """A model name (smollm2-135m), a Hugging Face folder, or a .gguf file."""
+    device: str = "auto"
+    """``auto`` (cuda if available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``."""
+    dtype: DType = "auto"
+    """Compute dtype; ``auto`` is bfloat16 on cuda and float32 on cpu."""
+    max_model_len: Optional[int] = Field(None, gt=0)
+    """Longest sequence (prompt + output); default: the model's max_position_embeddings."""
+    seed: int = Field(0, ge=0)
+    """Seeds the generators of requests that give no seed of their own."""
+    model_cache_dir: Optional[str] = None
+    """Where converted GGUF models are cached; default $TESSELLM_CACHE_DIR or ~/.cache/tessellm."""
+    attention: PluginSection = Field(default_factory=PluginSection)
+    cache: PluginSection = Field(default_factory=PluginSection)
+    scheduler: PluginSection = Field(default_factory=PluginSection)
+    decoding: PluginSection = Field(default_factory=PluginSection)
+    quant: PluginSection = Field(default_factory=PluginSection)
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit()):
+            return value
+        raise ValueError(f"must be auto, cpu, cuda or cuda:N, not {value!r}")
+
+    def section(self, kind: str) -> PluginSection:
+        return getattr(self, kind)
+
+
+def _format_validation(exc: ValidationError, where: str) -> str:
+    parts = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        value = err.get("input")
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            allowed = ", ".join(PipelineConfig.model_fields) if len(err["loc"]) == 1 else "name, options"
+            msg = f"unknown field; allowed: {allowed}"
+        parts.append(f"{field}: {msg} (got {value!r})" if err["type"] != "missing" else f"{field}: {msg}")
+    return f"{where}: " + "; ".join(parts)
+
+
+def config_from_dict(data: Any, where: str = "config") -> PipelineConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of fields, got {type(data).__name__}")
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation(exc, where)) from None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The raw mapping in a .yaml/.yml, .toml or .json file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text)
+        elif path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ConfigError(f"config file {str(path)!r}: unknown extension {path.suffix!r}; use .yaml, .yml, .toml or .json")
+    except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        first = str(exc).strip().split("\n")[0]
+        raise ConfigError(f"config file {str(path)!r} is malformed: {first}") from None
+    return {} if data is None else data
+
+
+def _parse_value(text: str) -> Any:
+    """``--set`` values are YAML scalars: 32 -> int, true -> bool, [1, 2] -> list."""
+    try:
+        return yaml.safe_load(text) if text != "" else ""
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``section.key=value`` overrides to a raw config mapping (a new dict)."""
+    data = json.loads(json.dumps(data))  # deep copy of plain data
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. cache.options.block_size=32")
+        path = key.strip().split(".")
+        if path[0] not in PipelineConfig.model_fields:
+            raise ConfigError(f"--set {item!r}: unknown field {path[0]!r}; allowed: {', '.join(PipelineConfig.model_fields)}")
+        node = data
+        for part in path[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            elif not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: {part!r} is not a section")
+            node = child
+        value = _parse_value(raw)
+        # model paths and plugin names stay strings even if they look like numbers
+        if path[-1] in ("model", "name", "device", "model_cache_dir") and value is not None:
+            value = raw
+        node[path[-1]] = value
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> PipelineConfig:
+    """The config in ``path`` (or the default config) with ``overrides`` applied."""
+    data = read_config_file(path) if path is not None else default_config_data()
+    where = f"config {str(path)!r}" if path is not None else "config"
+    return config_from_dict(apply_overrides(data, overrides or []) if overrides else data, where)
+
+
+def default_config_data() -> dict[str, Any]:
+    """The embedded default config (core/default_config.yaml)."""
+    return yaml.safe_load((Path(__file__).parent / "default_config.yaml").read_text()) or {}
+

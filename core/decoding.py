@@ -1,0 +1,57 @@
+"""The decoder interface: logits in, accepted tokens out."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from .batch import BatchMetadata, SchedulerOutput
+from .model_spec import ModelSpec
+from .plugin import Plugin, PluginOptions
+from .sequence import SamplingParams
+
+if TYPE_CHECKING:
+    from .llm import Pipeline
+
+
+class Decoder(Plugin):
+    """Turns a step's logits into tokens, proposing draft tokens first if it speculates.
+
+    Contract:
+    - ``num_lookahead_tokens``: the most draft tokens it proposes per sequence and step; the
+      scheduler reserves that many extra slots.
+    - ``bind(pipeline)`` is called once, after every part is built: a speculative decoder
+      takes the model runner (layer-skip drafting), or builds a draft pipeline of its own.
+    - ``check(params)`` raises ``InvalidRequestError`` for sampling parameters it cannot honor.
+    - ``propose(out)`` returns seq_id -> draft tokens for the scheduled decoding sequences;
+      the engine appends them to the sequence's query (plain decoders return {}).
+    - ``decode(logits, batch)`` gets logits [R, vocab] float32 for ``batch.logits_indices``
+      and returns, for each ``batch.samples`` slot in order, the accepted tokens: exactly one
+      for plain decoding, 1 to k+1 when verifying k drafts (accepted drafts, then one token
+      sampled from the target). The engine keeps the KV of accepted drafts and rolls the rest
+      back.
+    """
+
+    kind: ClassVar[str] = "decoding"
+    num_lookahead_tokens: int = 0
+
+    def __init__(self, options: PluginOptions, model: ModelSpec, device: torch.device):
+        self.options = options
+        self.model = model
+        self.device = device
+
+    def bind(self, pipeline: Pipeline) -> None:
+        """Take what the decoder needs from the assembled pipeline; nothing by default."""
+
+    def check(self, params: SamplingParams) -> None:
+        """Raise InvalidRequestError if ``params`` ask for what this decoder cannot do."""
+
+    def propose(self, out: SchedulerOutput) -> dict[int, list[int]]:
+        """Draft tokens per decoding sequence; none by default."""
+        return {}
+
+    @abstractmethod
+    def decode(self, logits: torch.Tensor, batch: BatchMetadata) -> list[list[int]]:
+        """Accepted tokens for each sample slot of ``batch``."""

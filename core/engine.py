@@ -1,0 +1,238 @@
+"""The engine: one step reads as schedule, run the model, post-process."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .batch import ScheduledSeq, build_batch
+from .cache import CacheManager
+from .decoding import Decoder
+from .errors import InvalidRequestError, RequestRejectedError
+from .model_runner import ModelRunner
+from .scheduler import Scheduler
+from .sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+
+
+@dataclass
+class RequestState:
+    """A request's sequences (n > 1 forks them after the prompt) and its stop rules."""
+
+    request_id: str
+    params: SamplingParams
+    seqs: list[Sequence]
+    forked: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs) and (self.forked or self.params.n == 1)
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    preemptions: int = 0
+    step_seconds: list[float] = field(default_factory=list)
+
+
+class Engine:
+    """Owns the live requests and advances them one step at a time.
+
+    ``add_request`` validates and admits; ``step`` runs one forward for the scheduler's batch
+    and returns the requests that finished in it; ``abort`` stops a request and frees its
+    cache. ``decode_text`` turns token ids into text for stop strings.
+    """
+
+    def __init__(self, runner: ModelRunner, cache: CacheManager, scheduler: Scheduler, decoder: Decoder,
+                 *, max_model_len: int, eos_token_ids: set[int], vocab_size: int, seed: int = 0,
+                 decode_text: Callable[[list[int]], str] | None = None):
+        self.runner = runner
+        self.cache = cache
+        self.scheduler = scheduler
+        self.decoder = decoder
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self.decode_text = decode_text
+        self.requests: dict[str, RequestState] = {}
+        self.stats = EngineStats()
+        self._counter = 0
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    *, priority: int = 0, cache_salt: str | None = None) -> RequestState:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty; give at least one token")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(f"prompt has {len(prompt_token_ids)} tokens; the context window "
+                                      f"(max_model_len) is {self.max_model_len}, leaving no room to generate")
+        self.decoder.check(params)
+        seq = Sequence(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
+        seq.generator = self._generator(params, 0)
+        self.scheduler.add([seq])  # raises RequestRejectedError if it can never fit
+        state = RequestState(request_id, params, [seq])
+        self.requests[request_id] = state
+        self.stats.prompt_tokens += len(prompt_token_ids)
+        return state
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator:
+        if params.seed is not None:
+            seed = params.seed + index
+        else:
+            self._counter += 1
+            seed = self.seed * 1_000_003 + self._counter
+        return torch.Generator().manual_seed(seed)
+
+    def abort(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return
+        for seq in state.seqs:
+            if not seq.is_finished:
+                self._finish(seq, FinishReason.ABORT)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.unfinished())
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> list[RequestState]:
+        """Run one step; return the requests that finished in it."""
+        start = time.perf_counter()
+        out = self.scheduler.schedule()
+        self.stats.preemptions += len(out.preempted)
+        if out.is_empty:
+            if self.has_unfinished():
+                raise RuntimeError("scheduler returned an empty batch while requests are waiting "
+                                   f"({self.scheduler.num_waiting} waiting, {self.scheduler.num_running} running)")
+            return []
+        drafts = self.decoder.propose(out)
+        forks = self._plan_forks(out)
+        batch = build_batch(out.scheduled, self.cache, self.runner.device, drafts, forks)
+        logits = self.runner.forward(batch)
+        tokens = self.decoder.decode(logits, batch)
+        # every query token (chunk, last token, drafts) now has KV in the cache
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_query_tokens + len(drafts.get(item.seq.seq_id, []))
+        for parent_id, children in forks.items():
+            parent = next(i.seq for i in out.scheduled if i.seq.seq_id == parent_id)
+            for child in children:
+                if self.cache.can_fork(parent):
+                    child.num_computed_tokens = parent.num_computed_tokens
+                    self.cache.fork(parent, child)
+                else:  # no room to share or copy the prompt's cache: the child recomputes it later
+                    child.num_computed_tokens = 0
+                self.scheduler.adopt(child)
+            self.requests[parent.request_id].forked = True
+        finished: list[RequestState] = []
+        for slot, accepted in zip(batch.samples, tokens):
+            seq = slot.seq
+            rejected = len(slot.draft_tokens) - (len(accepted) - 1)
+            if rejected > 0:  # roll back the KV of drafts the decoder did not accept
+                seq.num_computed_tokens -= rejected
+                self.cache.truncate(seq, seq.num_computed_tokens)
+            for token in accepted:
+                if self._append(seq, token):
+                    break
+        for item in out.scheduled:
+            if not item.seq.is_finished:
+                self.cache.commit(item.seq)
+        for seq in [s.seq for s in batch.samples]:
+            state = self.requests.get(seq.request_id)
+            if state is not None and seq.is_finished and state.finished and state not in finished:
+                finished.append(state)
+        self.stats.steps += 1
+        self.stats.step_seconds.append(time.perf_counter() - start)
+        return finished
+
+    def _plan_forks(self, out) -> dict[int, list[Sequence]]:
+        """Sequences of n > 1 requests whose prompt completes this step fork now, sampling
+        from the parent's logits; their cache is forked after the forward."""
+        forks: dict[int, list[Sequence]] = {}
+        for item in out.scheduled:
+            seq = item.seq
+            state = self.requests.get(seq.request_id)
+            if state is None or state.forked or state.params.n == 1:
+                continue
+            if seq.num_computed_tokens + item.num_query_tokens == seq.num_tokens:
+                children = []
+                for i in range(1, state.params.n):
+                    child = seq.fork(i)
+                    child.generator = self._generator(state.params, i)
+                    children.append(child)
+                state.seqs.extend(children)
+                forks[seq.seq_id] = children
+        return forks
+
+    def _append(self, seq: Sequence, token: int) -> bool:
+        """Append a generated token; finish the sequence if a stop rule fires. True if it did."""
+        now = time.perf_counter()
+        seq.token_ids.append(token)
+        self.stats.generated_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        params = seq.params
+        reason = None
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            reason = FinishReason.STOP
+        elif params.stop and self.decode_text is not None and self._hit_stop_string(seq):
+            reason = FinishReason.STOP
+        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self._finish(seq, reason)
+            return True
+        return False
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        text = self.decode_text(seq.output_token_ids)
+        hits = [text.find(s) for s in seq.params.stop if s and s in text]
+        if hits:
+            seq.stop_text_len = min(hits)
+            return True
+        return False
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = time.perf_counter()
+        self.scheduler.finish(seq)
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [len(token_ids), vocab] float32 at every position of ``token_ids``, run as one
+        prefill of its own (teacher forcing): for equivalence checks, KL and perplexity."""
+        if not token_ids:
+            raise InvalidRequestError("nothing to score: token_ids is empty")
+        if len(token_ids) > self.max_model_len:
+            raise InvalidRequestError(f"{len(token_ids)} tokens exceed the context window "
+                                      f"(max_model_len {self.max_model_len})")
+        seq = Sequence("score", token_ids, SamplingParams(max_tokens=1))
+        if not self.cache.can_reserve(seq, len(token_ids)):
+            raise RequestRejectedError(f"no cache room to score {len(token_ids)} tokens now")
+        self.cache.reserve(seq, len(token_ids))
+        try:
+            batch = build_batch([ScheduledSeq(seq, len(token_ids))], self.cache, self.runner.device,
+                                all_logits=True)
+            return self.runner.forward(batch)
+        finally:
+            self.cache.free(seq)
+
+    def pop_finished(self, request_id: str) -> RequestState:
+        return self.requests.pop(request_id)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
+                "free_blocks": self.cache.num_free_blocks, "total_blocks": self.cache.num_blocks}

@@ -1,0 +1,37 @@
+"""The exceptions tessellm raises for bad input. Each message is one line naming what was
+wrong, the value given and what is allowed; the CLI prints it and exits with status 2."""
+
+from __future__ import annotations
+
+
+class TessellmError(Exception):
+    """Base class of every error caused by the user's input (config, model, request)."""
+
+
+class ConfigError(TessellmError, ValueError):
+    """A pipeline config that cannot be read, validated or served."""
+
+
+class PluginError(TessellmError):
+    """A plugin that could not be loaded, or two plugins that collide."""
+
+
+class PluginLoadError(PluginError):
+    """A plugin failed to import, register, or targets another plugin-API version."""
+
+
+class PluginConflictError(PluginError):
+    """Two packages register a plugin of the same kind and name."""
+
+
+class ModelLoadError(TessellmError):
+    """A model that is missing, corrupt, or of an unsupported architecture."""
+
+
+class InvalidRequestError(TessellmError, ValueError):
+    """A request that is malformed (empty prompt, bad sampling parameters)."""
+
+
+class RequestRejectedError(InvalidRequestError):
+    """A well-formed request that can never be served (longer than the context window or
+    than the whole cache): rejected at admission instead of waiting forever."""

@@ -1,0 +1,61 @@
+"""Hook specifications: the extension points a plugin package implements.
+
+A plugin module implements one or more of these with ``@tessellm.hookimpl`` and is named in
+the ``tessellm`` entry-point group of its package. Each hook receives a ``register``
+callback and calls it with plugin classes; it returns nothing, so the core owns the registry
+(the register-callback pattern of simonw/llm). Every hook is called once per plugin module
+when the registry loads, in no guaranteed order.
+
+    import tessellm
+    from tessellm.core.attention import AttentionBackend
+
+    class MyAttention(AttentionBackend):
+        name = "mine"
+        api_version = "1.0"
+        ...
+
+    @tessellm.hookimpl
+    def register_attention(register):
+        register(MyAttention)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import pluggy
+
+PROJECT = "tessellm"
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+Register = Callable[[type], None]
+
+
+# ---------------------------------------------------------------- one hook per plugin kind
+
+
+@hookspec
+def register_attention(register: Register) -> None:
+    """Register attention backends: subclasses of ``tessellm.core.attention.AttentionBackend``."""
+
+
+@hookspec
+def register_cache(register: Register) -> None:
+    """Register KV-cache managers: subclasses of ``tessellm.core.cache.CacheManager``."""
+
+
+@hookspec
+def register_scheduler(register: Register) -> None:
+    """Register schedulers: subclasses of ``tessellm.core.scheduler.Scheduler``."""
+
+
+@hookspec
+def register_decoding(register: Register) -> None:
+    """Register decoders: subclasses of ``tessellm.core.decoding.Decoder``."""
+
+
+@hookspec
+def register_quant(register: Register) -> None:
+    """Register quantizers: subclasses of ``tessellm.core.quant.Quantizer``."""

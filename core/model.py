@@ -1,0 +1,133 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over packed batches.
+
+Module and parameter names follow Hugging Face's, so a checkpoint's state dict loads as is.
+There is no padding: activations are [num_tokens, hidden]; attention goes through the
+configured backend, which reads and writes the cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionBackend
+from .cache import CacheManager
+from .model_spec import ModelSpec
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()  # normalise in float32 whatever the compute dtype, as transformers does
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for the batch's positions (RoPE, with the model's scaling type)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        inv_freq, self.scaling = spec.inv_freq()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        h = spec.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=spec.o_bias)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                backend: AttentionBackend, cache: CacheManager, plan: Any) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        out = backend.forward(self.layer, q, k, v, cache.layer(self.layer), plan)  # [T, Hq, D]
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, i = spec.hidden_size, spec.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=spec.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=spec.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int):
+        super().__init__()
+        self.self_attn = Attention(spec, layer)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, x, cos, sin, backend, cache, plan):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, cache, plan)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaBody(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder. ``forward`` returns float32 logits for the requested rows only."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.model = LlamaBody(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(spec)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
+                backend: AttentionBackend, cache: CacheManager, plan: Any,
+                layers: Sequence[int] | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> logits [len(logits_indices), vocab] float32.
+
+        ``layers`` runs a subset of the decoder layers (self-drafting by layer skipping)."""
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary(positions, x.dtype)
+        for i in (range(len(self.model.layers)) if layers is None else layers):
+            x = self.model.layers[i](x, cos, sin, backend, cache, plan)
+        x = self.model.norm(x[logits_indices])  # norm is per row: select first, then normalise
+        return self.lm_head(x).float()

@@ -1,0 +1,170 @@
+"""Validate-then-select: turn a ``PipelineConfig`` into concrete plugin classes and options.
+
+Every named plugin must exist and accept its options; every chosen plugin is asked for the
+reasons it cannot serve this pipeline. ``auto`` takes the first plugin in priority order
+(``tessellm plugins`` shows it) with no reasons, given the choices for the other kinds; a
+plugin named explicitly that has reasons fails with them, never falling back to another.
+Kinds are chosen in the order quant, cache, attention, scheduler, decoding, so a later kind
+sees the earlier choices (an attention backend sees the cache's layout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from pydantic import ValidationError
+
+from .cache import KVLayout
+from .config import PipelineConfig
+from .errors import ConfigError
+from .model_spec import ModelSpec
+from .plugin import PluginOptions, SelectionContext
+from .registry import PluginEntry, PluginRegistry
+
+ORDER = ("quant", "cache", "attention", "scheduler", "decoding")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+
+
+@dataclass
+class Choice:
+    """The plugin chosen for one kind."""
+
+    entry: PluginEntry
+    options: PluginOptions
+
+    @property
+    def cls(self) -> type:
+        return self.entry.cls
+
+
+@dataclass
+class ResolvedPipeline:
+    """A config with everything decided: device, dtype, length limit and one plugin per kind."""
+
+    config: PipelineConfig
+    device: torch.device
+    dtype: torch.dtype
+    model: ModelSpec
+    max_model_len: int
+    choices: dict[str, Choice] = field(default_factory=dict)
+    kv_layout: KVLayout | None = None
+
+    def summary(self) -> dict[str, Any]:
+        return {"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+                "max_model_len": self.max_model_len,
+                **{k: {"name": c.entry.name, "options": c.options.model_dump()} for k, c in self.choices.items()}}
+
+
+def resolve_device(value: str) -> torch.device:
+    if value == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(value)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device: {value!r} requested but CUDA is not available here; use cpu or auto")
+    return device
+
+
+def resolve_dtype(value: str, device: torch.device) -> torch.dtype:
+    if value == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[value]
+
+
+def _validate_options(kind: str, entry: PluginEntry, raw: dict[str, Any]) -> PluginOptions:
+    try:
+        return entry.cls.Options.model_validate(raw)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            loc = ".".join(str(p) for p in err["loc"])
+            if err["type"] == "extra_forbidden":
+                allowed = ", ".join(entry.cls.Options.model_fields) or "none"
+                problems.append(f"{kind}.options.{loc}: {entry.name!r} has no such option; allowed: {allowed}")
+            else:
+                problems.append(f"{kind}.options.{loc}: {err['msg']} (got {err.get('input')!r})")
+        raise ConfigError("; ".join(problems)) from None
+
+
+def _candidates(kind: str, config: PipelineConfig, registry: PluginRegistry) -> list[PluginEntry]:
+    name = config.section(kind).name
+    if name == "auto":
+        ranked = registry.auto_order(kind)
+        if not ranked:
+            raise ConfigError(f"{kind}.name: auto, but no registered {kind} plugin takes part in auto "
+                              f"selection; name one of: {', '.join(registry.names(kind)) or '(none registered)'}")
+        return ranked
+    entry = registry.get(kind, name)
+    if entry is None:
+        hint = "".join(f"; note: {f}" for f in registry.failures_for(kind, name))
+        raise ConfigError(f"{kind}.name: unknown {kind} plugin {name!r}; valid choices: "
+                          f"{', '.join(['auto', *registry.names(kind)])}{hint}")
+    return [entry]
+
+
+def resolve(config: PipelineConfig, registry: PluginRegistry, model: ModelSpec) -> ResolvedPipeline:
+    """Choose a plugin for every kind, or raise ConfigError naming the field and the reasons."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    limit = model.max_position_embeddings
+    max_len = config.max_model_len or limit
+    if max_len > limit:
+        raise ConfigError(f"max_model_len: {max_len} exceeds the model's max_position_embeddings ({limit})")
+    resolved = ResolvedPipeline(config, device, dtype, model, max_len)
+    candidates = {kind: _candidates(kind, config, registry) for kind in ORDER}
+    # explicit choices get their options checked up front, so a typo is reported as such
+    for kind in ORDER:
+        if config.section(kind).name != "auto":
+            _validate_options(kind, candidates[kind][0], config.section(kind).options)
+    _choose(0, resolved, candidates, registry)
+    return resolved
+
+
+def _choose(depth: int, resolved: ResolvedPipeline, candidates: dict[str, list[PluginEntry]],
+            registry: PluginRegistry) -> None:
+    if depth == len(ORDER):
+        return
+    kind = ORDER[depth]
+    section = resolved.config.section(kind)
+    rejected: list[str] = []
+    downstream: ConfigError | None = None
+    for entry in candidates[kind]:
+        try:
+            options = _validate_options(kind, entry, section.options)
+        except ConfigError as exc:
+            rejected.append(f"{entry.name}: {exc}")
+            continue
+        ctx = SelectionContext(resolved.config, resolved.device, resolved.dtype, resolved.model, options,
+                               resolved.max_model_len, resolved.kv_layout, {k: (c.cls, c.options) for k, c in resolved.choices.items()})
+        reasons = entry.cls.unsupported_reasons(ctx)
+        if reasons:
+            rejected.append(f"{entry.name}: {'; '.join(reasons)}")
+            continue
+        resolved.choices[kind] = Choice(entry, options)
+        saved_layout = resolved.kv_layout
+        if kind == "cache":
+            resolved.kv_layout = entry.cls.kv_layout(options, ctx)
+        try:
+            _choose(depth + 1, resolved, candidates, registry)
+            return
+        except ConfigError as exc:
+            downstream = downstream or exc
+            del resolved.choices[kind]
+            resolved.kv_layout = saved_layout
+    if downstream is not None:
+        raise downstream
+    if section.name == "auto":
+        raise ConfigError(f"{kind}.name: auto found no {kind} plugin that can serve this pipeline ("
+                          + " | ".join(rejected) + ")")
+    raise ConfigError(f"{kind}.name: {section.name!r} cannot serve this pipeline: "
+                      + rejected[0].split(": ", 1)[1])
+
+
+def model_dir_for(config: PipelineConfig) -> Path:
+    """The Hugging Face folder holding ``config.model`` (converting a GGUF once)."""
+    from .model_loader import model_folder, resolve_model
+
+    cache_dir = Path(config.model_cache_dir).expanduser() if config.model_cache_dir else None
+    return model_folder(resolve_model(config.model), cache_dir)

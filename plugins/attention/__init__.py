@@ -1,0 +1,1 @@
+"""Built-in attention plugins. Each module registers one plugin through the `tessellm` entry-point group."""

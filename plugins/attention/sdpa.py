@@ -1,0 +1,149 @@
+"""Attention `sdpa`: torch's scaled_dot_product_attention over K/V gathered from the cache.
+
+The reference backend every other one is checked against, and the one that runs anywhere
+torch does. ``plan`` turns the step's block tables into gather indices and masks once; each
+layer then stores its new K/V, gathers the context and calls SDPA:
+
+- decode tokens (query length 1) of all sequences run as one padded SDPA call;
+- every other sequence (a prompt, a prefill chunk, a speculative verification) runs alone,
+  with ``is_causal`` when it has no earlier context and an explicit mask when it has.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+import tessellm
+from tessellm.core.attention import AttentionBackend
+from tessellm.core.batch import BatchMetadata
+from tessellm.core.cache import CacheManager, KVStorage
+from tessellm.core.plugin import PluginOptions, SelectionContext
+
+
+class SdpaOptions(PluginOptions):
+    """Options of the `sdpa` attention backend."""
+
+    batch_decode: bool = Field(True)
+    """Run all decode tokens of a step as one padded SDPA call (else one call per sequence)."""
+
+
+@dataclass
+class _Group:
+    """Sequences attended in one SDPA call.
+
+    rows [B, Q]: packed query rows (padding repeats a valid row and is discarded);
+    slots [B, L]: cache slots of each sequence's context (padding reads slot 0, masked);
+    mask [B, 1, Q, L] bool or None with ``causal`` set (query i sees keys 0..i).
+    """
+
+    rows: torch.Tensor
+    slots: torch.Tensor
+    mask: torch.Tensor | None
+    causal: bool
+    valid_rows: torch.Tensor | None  # [B, Q] bool, None when there is no query padding
+
+
+@dataclass
+class SdpaPlan:
+    """The step's groups plus the slot mapping every layer stores through."""
+
+    slot_mapping: torch.Tensor
+    groups: list[_Group]
+
+
+class SdpaAttention(AttentionBackend):
+    """Reference attention: any float KV cache, any head size, GQA, sliding windows.
+
+    Exact up to SDPA's own rounding; float64 works too, which the tests use as ground truth.
+    """
+
+    name = "sdpa"
+    api_version = "1.0"
+    description = "torch scaled_dot_product_attention over the KV cache (reference, CPU and CUDA)"
+    Options = SdpaOptions
+    auto_priority = 10
+    cache_formats = frozenset({"kv"})
+    cache_dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+    @classmethod
+    def unsupported_reasons(cls, ctx: SelectionContext) -> list[str]:
+        reasons = super().unsupported_reasons(ctx)
+        if ctx.kv_layout is not None and ctx.kv_layout.extras:
+            reasons.append(f"does not use cache extras {sorted(ctx.kv_layout.extras)}")
+        return reasons
+
+    # ---------------------------------------------------------------- per step
+
+    def plan(self, batch: BatchMetadata, cache: CacheManager) -> SdpaPlan:
+        device = batch.input_ids.device
+        bs = batch.block_size
+        qsl = [0]
+        for q in batch.query_lens_cpu:
+            qsl.append(qsl[-1] + q)
+        decodes = [i for i, q in enumerate(batch.query_lens_cpu) if q == 1]
+        if not self.options.batch_decode:
+            decodes = []
+        others = [i for i in range(batch.num_seqs) if i not in set(decodes)]
+        groups: list[_Group] = []
+        if decodes:
+            groups.append(self._group(batch, decodes, qsl, bs, device))
+        for i in others:
+            groups.append(self._group(batch, [i], qsl, bs, device))
+        return SdpaPlan(batch.slot_mapping, groups)
+
+    def _group(self, batch: BatchMetadata, seqs: list[int], qsl: list[int], bs: int,
+               device: torch.device) -> _Group:
+        q_lens = [batch.query_lens_cpu[i] for i in seqs]
+        kv_lens = [batch.seq_lens_cpu[i] for i in seqs]
+        q_max, kv_max = max(q_lens), max(kv_lens)
+        tables = torch.tensor([batch.block_tables_cpu[i] + [0] * (-(-kv_max // bs) - len(batch.block_tables_cpu[i]))
+                               for i in seqs], dtype=torch.long)  # [B, blocks]
+        pos = torch.arange(kv_max)
+        slots = tables[:, pos // bs] * bs + pos % bs  # [B, L]
+        q_idx = torch.arange(q_max)
+        rows = torch.tensor([qsl[i] for i in seqs])[:, None] + torch.minimum(
+            q_idx[None, :], torch.tensor(q_lens)[:, None] - 1)  # [B, Q]; padding repeats the last row
+        alone_causal = len(seqs) == 1 and q_lens[0] == kv_lens[0] and self.sliding_window is None
+        mask = valid = None
+        if not alone_causal:
+            q_len = torch.tensor(q_lens)[:, None, None]
+            kv_len = torch.tensor(kv_lens)[:, None, None]
+            q_pos = kv_len - q_len + q_idx[None, :, None]  # [B, Q, 1] absolute position of each query
+            k_pos = pos[None, None, :]  # [1, 1, L]
+            mask = (k_pos <= q_pos) & (k_pos < kv_len)
+            if self.sliding_window is not None:
+                mask &= q_pos - k_pos < self.sliding_window
+            mask = mask[:, None].to(device)  # [B, 1, Q, L]
+            if q_max > min(q_lens):
+                valid = (q_idx[None, :] < torch.tensor(q_lens)[:, None]).to(device)
+        return _Group(rows.to(device), slots.to(device), mask, alone_causal, valid)
+
+    # ---------------------------------------------------------------- per layer
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv: KVStorage, plan: SdpaPlan) -> torch.Tensor:
+        # q: [T, Hq, D]; k, v: [T, Hkv, D]
+        kv.store(k, v, plan.slot_mapping)
+        out = torch.empty_like(q)
+        for g in plan.groups:
+            keys, values = kv.gather(g.slots)  # [B, L, Hkv, D]
+            query = q[g.rows]  # [B, Q, Hq, D]
+            o = F.scaled_dot_product_attention(
+                query.transpose(1, 2), keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
+                attn_mask=g.mask, is_causal=g.causal, scale=self.scale,
+                enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)  # [B, Q, Hq, D]
+            if g.valid_rows is None:
+                out[g.rows.reshape(-1)] = o.reshape(-1, *o.shape[2:])
+            else:
+                out[g.rows[g.valid_rows]] = o[g.valid_rows]
+        return out
+
+
+@tessellm.hookimpl
+def register_attention(register):
+    register(SdpaAttention)

@@ -1,0 +1,37 @@
+"""Decoding `greedy`: the most likely token, every time."""
+
+from __future__ import annotations
+
+import torch
+
+import tessellm
+from tessellm.core.batch import BatchMetadata
+from tessellm.core.decoding import Decoder
+from tessellm.core.errors import InvalidRequestError
+from tessellm.core.sequence import SamplingParams
+
+
+class GreedyDecoder(Decoder):
+    """Argmax of each sequence's last logits row. Requests that ask for sampling are refused
+    (not silently decoded greedily): pick `sample` for those."""
+
+    name = "greedy"
+    api_version = "1.0"
+    description = "argmax decoding; refuses requests that ask for sampling"
+    auto_priority = 5
+
+    def check(self, params: SamplingParams) -> None:
+        if not params.greedy:
+            raise InvalidRequestError(
+                f"decoding plugin 'greedy' only decodes greedily, but the request asks for temperature="
+                f"{params.temperature} (top_k={params.top_k}); set temperature 0 or use decoding.name=sample")
+
+    def decode(self, logits: torch.Tensor, batch: BatchMetadata) -> list[list[int]]:
+        # logits: [R, vocab] float32
+        rows = torch.tensor([s.first_row for s in batch.samples], device=logits.device)
+        return [[t] for t in logits[rows].argmax(dim=-1).tolist()]
+
+
+@tessellm.hookimpl
+def register_decoding(register):
+    register(GreedyDecoder)

@@ -1,0 +1,74 @@
+"""Decoding `sample`: temperature, top-k and top-p sampling with a generator per request.
+
+Each sequence draws from its own ``torch.Generator`` (seeded from the request's ``seed``),
+so a request's tokens do not depend on what else is in the batch. Temperature 0 is greedy.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import tessellm
+from tessellm.core.batch import BatchMetadata
+from tessellm.core.decoding import Decoder
+from tessellm.core.sequence import SamplingParams
+
+
+def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor) -> torch.Tensor:
+    """Scale by temperature, then keep the top_k tokens (0: all), then the smallest set of
+    those whose probability mass reaches top_p; everything else becomes -inf.
+
+    logits [R, V] float; temperature [R] (> 0), top_k [R] int, top_p [R] in (0, 1].
+    """
+    vocab = logits.shape[-1]
+    scaled = logits / temperature[:, None]
+    ordered, order = scaled.sort(dim=-1, descending=True)  # [R, V]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+    drop = ranks >= k[:, None]
+    probs = ordered.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the tokens ranked above each one
+    drop |= mass_before >= top_p[:, None]  # already reached p without it
+    drop[:, 0] = False  # the most likely token always stays
+    return torch.full_like(scaled, float("-inf")).scatter(-1, order, ordered.masked_fill(drop, float("-inf")))
+
+
+def sampling_tensors(params: list[SamplingParams], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Per-row temperature, top_k, top_p tensors for ``filter_logits``."""
+    temperature = torch.tensor([p.temperature or 1.0 for p in params], dtype=torch.float32, device=device)
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+    return temperature, top_k, top_p
+
+
+class SampleDecoder(Decoder):
+    """Samples each sequence's next token from its filtered distribution with its own
+    generator; rows with temperature 0 take the argmax. Reproducible: the same request
+    (prompt, params, seed) gives the same tokens in any batch."""
+
+    name = "sample"
+    api_version = "1.0"
+    description = "temperature / top-k / top-p sampling with per-request seeds (temperature 0: greedy)"
+    auto_priority = 10
+
+    def decode(self, logits: torch.Tensor, batch: BatchMetadata) -> list[list[int]]:
+        # logits: [R, vocab] float32
+        rows = torch.tensor([s.first_row for s in batch.samples], device=logits.device)
+        logits = logits[rows]
+        params = [s.seq.params for s in batch.samples]
+        tokens = logits.argmax(dim=-1).tolist()
+        sampled = [i for i, p in enumerate(params) if p.temperature > 0]
+        if sampled:
+            idx = torch.tensor(sampled, device=logits.device)
+            filtered = filter_logits(logits[idx], *sampling_tensors([params[i] for i in sampled], logits.device))
+            probs = filtered.softmax(dim=-1).cpu()
+            for j, i in enumerate(sampled):
+                gen = batch.samples[i].seq.generator
+                tokens[i] = int(torch.multinomial(probs[j], 1, generator=gen))
+        return [[t] for t in tokens]
+
+
+@tessellm.hookimpl
+def register_decoding(register):
+    register(SampleDecoder)

@@ -1,0 +1,1 @@
+"""Built-in quant plugins. Each module registers one plugin through the `tessellm` entry-point group."""

@@ -1,0 +1,127 @@
+"""Scheduler `static`: first come, first served, one fixed batch at a time.
+
+A batch of up to ``max_batch_size`` waiting sequences is prefilled together and decoded
+together until every one has finished; only then does the next batch start. This is what
+transformers' padded ``generate`` does, without the padding, and the baseline continuous
+batching improves on.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from pydantic import Field
+
+import tessellm
+from tessellm.core.batch import ScheduledSeq, SchedulerOutput
+from tessellm.core.plugin import PluginOptions
+from tessellm.core.scheduler import Scheduler
+from tessellm.core.sequence import Sequence, SequenceStatus
+
+
+class StaticOptions(PluginOptions):
+    """Options of the `static` scheduler."""
+
+    max_batch_size: int = Field(16, ge=1, le=4096)
+    """Sequences per batch (a request with n samples counts n)."""
+
+
+class StaticScheduler(Scheduler):
+    """FCFS static batching. When the cache cannot grow a running sequence, the sequence
+    admitted last is preempted (its cache freed, recomputed in a later batch)."""
+
+    name = "static"
+    api_version = "1.0"
+    description = "FCFS static batches: a new batch starts when the last one has finished"
+    Options = StaticOptions
+    auto_priority = 10
+
+    def __init__(self, options, cache, limits):
+        super().__init__(options, cache, limits)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.check_admission(seq)
+        self.waiting.extend(seqs)
+
+    def _start_batch(self) -> list[Sequence]:
+        batch: list[Sequence] = []
+        width = 0
+        while self.waiting:
+            seq = self.waiting[0]
+            cost = seq.params.n if seq.num_output_tokens == 0 else 1  # its forks join this batch
+            if width and width + cost > self.options.max_batch_size:
+                break
+            if seq.num_computed_tokens == 0:
+                seq.num_computed_tokens = self.cache.match_prefix(seq)
+            if not self.cache.can_reserve(seq, seq.num_tokens):
+                break
+            self.cache.reserve(seq, seq.num_tokens)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            batch.append(seq)
+            width += cost
+        return batch
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.cache.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if not self.running:
+            self.running = self._start_batch()
+            out.scheduled = [ScheduledSeq(s, s.num_tokens - s.num_computed_tokens) for s in self.running]
+            return out
+        lookahead = self.limits.num_lookahead_tokens
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted while making room for an earlier one
+                continue
+            need = seq.num_tokens + lookahead
+            while not self.cache.can_reserve(seq, need) and self.running[-1] is not seq:
+                self._preempt(self.running[-1], out)
+            if not self.cache.can_reserve(seq, need):
+                self._preempt(seq, out)
+                continue
+            self.cache.reserve(seq, need)
+        out.scheduled = [ScheduledSeq(s, s.num_tokens - s.num_computed_tokens) for s in self.running]
+        if not out.scheduled and self.waiting:
+            return self.schedule()
+        return out
+
+    def adopt(self, seq: Sequence) -> None:
+        if seq.num_computed_tokens == 0:  # no room to fork its cache: recompute in a later batch
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+        else:
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.cache.free(seq)
+
+    def unfinished(self) -> list[Sequence]:
+        return [*self.running, *self.waiting]
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+
+@tessellm.hookimpl
+def register_scheduler(register):
+    register(StaticScheduler)
