@@ -54,6 +54,9 @@ class KVStorage(ABC):
     """One layer's cache storage. Fast kernels read its tensors directly (they know the
     layout they declared); ``gather`` is the reference path any backend can use.
 
+    A slot that was never written may hold anything, NaN included: backends must not read
+    it, not even under a mask (a zero weight times NaN is NaN).
+
     For the "latent" format (MLA) ``k`` is the compressed latent [T, 1, latent_dim] and
     ``v`` is None: one vector per token serves as both key and value.
     """

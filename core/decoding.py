@@ -27,7 +27,7 @@ class Decoder(Plugin):
     - ``check(params)`` raises ``InvalidRequestError`` for sampling parameters it cannot honor.
     - ``propose(out)`` returns seq_id -> draft tokens for the scheduled decoding sequences;
       the engine appends them to the sequence's query (plain decoders return {}).
-    - ``decode(logits, batch)`` gets logits [R, vocab] float32 for ``batch.logits_indices``
+    - ``decode(logits, batch)`` gets logits [R, vocab] (float32, or float64 in a float64 pipeline) for ``batch.logits_indices``
       and returns, for each ``batch.samples`` slot in order, the accepted tokens: exactly one
       for plain decoding, 1 to k+1 when verifying k drafts (accepted drafts, then one token
       sampled from the target). The engine keeps the KV of accepted drafts and rolls the rest

@@ -108,7 +108,8 @@ class LlamaBody(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """The whole decoder. ``forward`` returns float32 logits for the requested rows only."""
+    """The whole decoder. ``forward`` returns float32 logits (float64 in a float64 pipeline)
+    for the requested rows only."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -122,7 +123,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
                 backend: AttentionBackend, cache: CacheManager, plan: Any,
                 layers: Sequence[int] | None = None) -> torch.Tensor:
-        """input_ids, positions [T] -> logits [len(logits_indices), vocab] float32.
+        """input_ids, positions [T] -> logits [len(logits_indices), vocab].
 
         ``layers`` runs a subset of the decoder layers (self-drafting by layer skipping)."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
@@ -130,4 +131,5 @@ class LlamaForCausalLM(nn.Module):
         for i in (range(len(self.model.layers)) if layers is None else layers):
             x = self.model.layers[i](x, cos, sin, backend, cache, plan)
         x = self.model.norm(x[logits_indices])  # norm is per row: select first, then normalise
-        return self.lm_head(x).float()
+        logits = self.lm_head(x)
+        return logits if logits.dtype == torch.float64 else logits.float()  # float64 stays exact

@@ -37,7 +37,7 @@ class _Group:
     """Sequences attended in one SDPA call.
 
     rows [B, Q]: packed query rows (padding repeats a valid row and is discarded);
-    slots [B, L]: cache slots of each sequence's context (padding reads slot 0, masked);
+    slots [B, L]: cache slots of each sequence's context (padding re-reads its first token, masked);
     mask [B, 1, Q, L] bool or None with ``causal`` set (query i sees keys 0..i).
     """
 
@@ -105,6 +105,9 @@ class SdpaAttention(AttentionBackend):
                                for i in seqs], dtype=torch.long)  # [B, blocks]
         pos = torch.arange(kv_max)
         slots = tables[:, pos // bs] * bs + pos % bs  # [B, L]
+        # padding must not read unwritten slots: they may hold NaN, and a masked score's zero
+        # weight times NaN is still NaN; point it at the sequence's own first token instead
+        slots = torch.where(pos[None, :] < torch.tensor(kv_lens)[:, None], slots, slots[:, :1])
         q_idx = torch.arange(q_max)
         rows = torch.tensor([qsl[i] for i in seqs])[:, None] + torch.minimum(
             q_idx[None, :], torch.tensor(q_lens)[:, None] - 1)  # [B, Q]; padding repeats the last row

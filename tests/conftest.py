@@ -1,0 +1,116 @@
+"""Shared fixtures: the real SmolLM2 model, tiny random-weight models of each supported
+architecture, and a hypothesis profile that never flakes (no deadline, derandomized)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile("ci", deadline=None, derandomize=True, max_examples=30, print_blob=True,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+settings.register_profile("dev", deadline=None, max_examples=200)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The embedded SmolLM2-135M-Instruct as a Hugging Face folder (converted once)."""
+    from tessellm.core.model_loader import model_folder, resolve_model
+
+    return model_folder(resolve_model("smollm2-135m"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm():
+    """SmolLM2 in float32 on the CPU with the reference plugins."""
+    from tessellm import LLM
+
+    return LLM({"model": "smollm2-135m", "device": "cpu", "dtype": "float32",
+                "cache": {"name": "contiguous", "options": {"max_seqs": 16}},
+                "scheduler": {"name": "static", "options": {"max_batch_size": 16}}})
+
+
+TINY = {
+    "llama": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+                  tie_word_embeddings=True),
+    "llama3": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=1, max_position_embeddings=512, rms_norm_eps=1e-5,
+                   tie_word_embeddings=False,
+                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 64}),
+    "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False),
+    "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+                    tie_word_embeddings=False, sliding_window=8),
+}
+
+
+def build_tiny_model(target: Path, arch: str, tokenizer_dir: Path, seed: int = 0) -> Path:
+    """A random-weight Hugging Face folder of architecture ``arch`` (a key of TINY) with
+    SmolLM2's tokenizer, so pipelines load it like any model."""
+    import transformers
+
+    cls_name = {"llama": "Llama", "llama3": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[arch]
+    config_cls = getattr(transformers, f"{cls_name}Config")
+    model_cls = getattr(transformers, f"{cls_name}ForCausalLM")
+    config = config_cls(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2, **TINY[arch])
+    if arch == "qwen2":
+        config.use_sliding_window = False
+    torch.manual_seed(seed)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # larger weights than the init's std 0.02 make logits far from ties
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+            elif "bias" in str(p):
+                p.normal_(0, 0.1)
+    target.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(target, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copy(tokenizer_dir / name, target / name)
+    return target
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, smollm2_dir):
+    """Factory: ``tiny_model("qwen2")`` -> folder of a tiny random model (built once per arch)."""
+    built: dict[str, Path] = {}
+
+    def make(arch: str = "llama") -> Path:
+        if arch not in built:
+            built[arch] = build_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, smollm2_dir)
+        return built[arch]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def cpu_config():
+    """Factory: ``cpu_config(model, **overrides)`` -> a CPU config dict with the reference plugins."""
+
+    def make(model: Path | str, **overrides) -> dict:
+        config = {"model": str(model), "device": "cpu", "dtype": "float32",
+                  "cache": {"name": "contiguous", "options": {"max_seqs": 8}},
+                  "scheduler": {"name": "static"}, "decoding": {"name": "sample"}}
+        config.update(overrides)
+        return json.loads(json.dumps(config))
+
+    return make
