@@ -89,7 +89,7 @@ class BatchMetadata:
 
     @property
     def num_seqs(self) -> int:
-        return len(self.seqs)
+        return len(self.query_lens_cpu)
 
     @property
     def max_query_len(self) -> int:

@@ -55,9 +55,9 @@ class PipelineConfig(BaseModel):
     """``auto`` (cuda if available, else cpu), ``cpu``, ``cuda`` or ``cuda:N``."""
     dtype: DType = "auto"
     """Compute dtype; ``auto`` is bfloat16 on cuda and float32 on cpu."""
-    max_model_len: Optional[int] = Field(None, gt=0)
+    max_model_len: Optional[int] = Field(None, gt=0, strict=True)
     """Longest sequence (prompt + output); default: the model's max_position_embeddings."""
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, strict=True)
     """Seeds the generators of requests that give no seed of their own."""
     model_cache_dir: Optional[str] = None
     """Where converted GGUF models are cached; default $TESSELLM_CACHE_DIR or ~/.cache/tessellm."""
@@ -105,7 +105,10 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
-    text = path.read_text()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"config file {str(path)!r} is not UTF-8 text (byte {exc.start}); is it a config file?") from None
     try:
         if path.suffix in (".yaml", ".yml"):
             data = yaml.safe_load(text)
@@ -117,6 +120,13 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             raise ConfigError(f"config file {str(path)!r}: unknown extension {path.suffix!r}; use .yaml, .yml, .toml or .json")
     except (yaml.YAMLError, tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
         first = str(exc).strip().split("\n")[0]
+        if isinstance(exc, yaml.MarkedYAMLError):  # YAML keeps positions apart from the message
+
+            def at(mark) -> str:
+                return f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+
+            first = "; ".join(f"{text}{at(mark)}" for text, mark in
+                              ((exc.context, exc.context_mark), (exc.problem, exc.problem_mark)) if text)
         raise ConfigError(f"config file {str(path)!r} is malformed: {first}") from None
     return {} if data is None else data
 
@@ -147,6 +157,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             elif not isinstance(child, dict):
                 raise ConfigError(f"--set {item!r}: {part!r} is not a section")
             node = child
+        raw = raw.strip()
         value = _parse_value(raw)
         # model paths and plugin names stay strings even if they look like numbers
         if path[-1] in ("model", "name", "device", "model_cache_dir") and value is not None:

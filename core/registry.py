@@ -101,7 +101,8 @@ class PluginRegistry:
         """Register a module (or object) of hookimpls and the plugin classes its hooks register."""
         source = source or getattr(module, "__name__", repr(module))
         try:
-            self.pm.register(module, name=source)
+            # entry-point names are unique only within a package: qualify them
+            self.pm.register(module, name=f"{package}:{source}")
             self.pm.check_pending()  # a hookimpl named after no hook spec fails here
         except Exception as exc:
             if self.pm.is_registered(module):

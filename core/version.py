@@ -26,7 +26,7 @@ def api_version_problem(version: str | None) -> str | None:
     try:
         major, minor = _parse(version)
     except ValueError as exc:
-        return str(exc)
+        return f"{exc}; this tessellm {__version__} provides plugin API {PLUGIN_API_VERSION}"
     our_major, our_minor = _parse(PLUGIN_API_VERSION)
     if major != our_major or minor > our_minor:
         return (f"it targets plugin API {version}, but this tessellm {__version__} provides plugin API "

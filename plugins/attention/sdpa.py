@@ -22,7 +22,7 @@ import tessellm
 from tessellm.core.attention import AttentionBackend
 from tessellm.core.batch import BatchMetadata
 from tessellm.core.cache import CacheManager, KVStorage
-from tessellm.core.plugin import PluginOptions, SelectionContext
+from tessellm.core.plugin import PluginOptions
 
 
 class SdpaOptions(PluginOptions):
@@ -57,7 +57,8 @@ class SdpaPlan:
 
 
 class SdpaAttention(AttentionBackend):
-    """Reference attention: any float KV cache, any head size, GQA, sliding windows.
+    """Reference attention: any "kv" cache (read through ``KVStorage.gather``, so quantized
+    storage too), any head size, GQA, sliding windows.
 
     Exact up to SDPA's own rounding; float64 works too, which the tests use as ground truth.
     """
@@ -68,14 +69,7 @@ class SdpaAttention(AttentionBackend):
     Options = SdpaOptions
     auto_priority = 10
     cache_formats = frozenset({"kv"})
-    cache_dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
-
-    @classmethod
-    def unsupported_reasons(cls, ctx: SelectionContext) -> list[str]:
-        reasons = super().unsupported_reasons(ctx)
-        if ctx.kv_layout is not None and ctx.kv_layout.extras:
-            reasons.append(f"does not use cache extras {sorted(ctx.kv_layout.extras)}")
-        return reasons
+    cache_dtypes = None  # reads through KVStorage.gather, which dequantizes: any storage dtype
 
     # ---------------------------------------------------------------- per step
 

@@ -1,0 +1,110 @@
+"""Plain-torch attention reference and random packed batches, for every attention
+backend's tests: tessellm's own kernels and third-party ones are checked against it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from tessellm.core.batch import BatchMetadata
+from tessellm.core.cache import KVLayout
+from tessellm.core.kv_storage import DenseKVStorage
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        window: int | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale + causal mask) v for ONE sequence, in float64.
+
+    q [Q, Hq, D] are the last Q of the L positions whose keys/values are k, v [L, Hkv, D];
+    query i sits at position L - Q + i and sees keys j <= that position (and, with a window
+    W, only those with position - j < W). Returns [Q, Hq, D] float64.
+    """
+    q, k, v = q.double(), k.double(), v.double()
+    n_q, hq, _ = q.shape
+    n_k, hkv, _ = k.shape
+    k = k.repeat_interleave(hq // hkv, dim=1)  # GQA: each KV head serves hq // hkv query heads
+    v = v.repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, Q, L]
+    q_pos = torch.arange(n_k - n_q, n_k)[:, None]
+    k_pos = torch.arange(n_k)[None, :]
+    allowed = k_pos <= q_pos
+    if window is not None:
+        allowed &= q_pos - k_pos < window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+
+
+@dataclass
+class PackedCase:
+    """A random packed batch: per-sequence full K/V, query lengths, and a scattered cache."""
+
+    q: torch.Tensor  # [T, Hq, D] packed queries
+    k_new: torch.Tensor  # [T, Hkv, D] the new tokens' keys
+    v_new: torch.Tensor
+    k_full: list[torch.Tensor]  # per sequence [L, Hkv, D]
+    v_full: list[torch.Tensor]
+    q_lens: list[int]
+    kv_lens: list[int]
+    batch: BatchMetadata
+    storage: DenseKVStorage
+
+
+def make_case(kv_lens: list[int], q_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
+              block_size: int, dtype: torch.dtype, seed: int) -> PackedCase:
+    """Sequences of context ``kv_lens`` whose last ``q_lens`` tokens are this step's queries;
+    earlier tokens are already in a cache whose blocks are scattered at random."""
+    g = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(n / block_size) for n in kv_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # a few spare blocks, so tables are not a plain range
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, start = [], 0
+    for n in blocks_per_seq:
+        tables.append(perm[start:start + n])
+        start += n
+    storage = DenseKVStorage(KVLayout("kv", block_size, dtype), num_blocks * block_size, num_kv_heads, head_dim,
+                             torch.device("cpu"))
+    storage.k.fill_(float("nan"))  # unwritten slots must never be read, not even masked
+    storage.v.fill_(float("nan"))
+    k_full, v_full, qs, k_new, v_new, slots, positions = [], [], [], [], [], [], []
+    for n_kv, n_q, table in zip(kv_lens, q_lens, tables):
+        k = torch.randn(n_kv, num_kv_heads, head_dim, generator=g).to(dtype)
+        v = torch.randn(n_kv, num_kv_heads, head_dim, generator=g).to(dtype)
+        k_full.append(k)
+        v_full.append(v)
+        qs.append(torch.randn(n_q, num_heads, head_dim, generator=g).to(dtype))
+        seq_slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n_kv)])
+        past = n_kv - n_q
+        storage.store(k[:past], v[:past], seq_slots[:past])  # context cached by earlier steps
+        k_new.append(k[past:])
+        v_new.append(v[past:])
+        slots.append(seq_slots[past:])
+        positions.append(torch.arange(past, n_kv))
+    qsl = [0]
+    for n in q_lens:
+        qsl.append(qsl[-1] + n)
+    width = max(len(t) for t in tables)
+    batch = BatchMetadata(
+        input_ids=torch.zeros(qsl[-1], dtype=torch.long), positions=torch.cat(positions),
+        query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(kv_lens, dtype=torch.int32),
+        slot_mapping=torch.cat(slots), block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables]),
+        logits_indices=torch.tensor([e - 1 for e in qsl[1:]]), query_lens_cpu=list(q_lens),
+        seq_lens_cpu=list(kv_lens), block_tables_cpu=tables, block_size=block_size, seqs=[], samples=[])
+    return PackedCase(torch.cat(qs), torch.cat(k_new), torch.cat(v_new), k_full, v_full, list(q_lens),
+                      list(kv_lens), batch, storage)
+
+
+def reference_packed(case: PackedCase, scale: float, window: int | None = None) -> torch.Tensor:
+    """The float64 reference for every packed query row of ``case``: [T, Hq, D]."""
+    outs, start = [], 0
+    for k, v, n_q in zip(case.k_full, case.v_full, case.q_lens):
+        outs.append(reference_attention(case.q[start:start + n_q], k, v, scale, window))
+        start += n_q
+    return torch.cat(outs)
+
+
+def model_stub(head_dim: int, window: int | None = None) -> SimpleNamespace:
+    """The two ModelSpec facts an attention backend reads."""
+    return SimpleNamespace(attention_scale=head_dim ** -0.5, sliding_window=window, head_dim=head_dim)

@@ -1,0 +1,555 @@
+"""The plugin registry: built-in and out-of-tree plugins load through the ``tessellm``
+entry-point group; broken, conflicting or mis-versioned plugins are reported, not fatal
+(except a conflict, which names both packages); ``tessellm plugins --json`` lists them.
+
+Out-of-tree plugins are real distributions: a ``<name>-1.0.dist-info`` folder with METADATA
+and entry_points.txt plus the plugin module, written to tmp_path and put on sys.path.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+from pathlib import Path
+
+import pytest
+
+import tessellm
+from tessellm.core import registry as registry_module
+from tessellm.core.attention import AttentionBackend
+from tessellm.core.errors import PluginConflictError
+from tessellm.core.plugin import KINDS
+from tessellm.core.registry import DISABLE_ENV, ENTRY_POINT_GROUP, PluginRegistry
+from tessellm.core.version import PLUGIN_API_VERSION, __version__
+
+BUILTINS = {
+    "attention": ["sdpa"],
+    "cache": ["contiguous"],
+    "scheduler": ["static"],
+    "decoding": ["greedy", "sample"],
+    "quant": ["none"],
+}
+BUILTIN_ENTRY_POINTS = [f"{kind}.{name}" for kind, names in BUILTINS.items() for name in names]
+MODULE_PREFIX = "tessellm_testplug_"  # every module this file writes to disk starts with this
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def plugin_source(name: str, *, kind: str = "attention", api_version: str | None = "1.0",
+                  hook: str | None = None, extra: str = "") -> str:
+    """Source of a plugin module registering one trivial plugin class of ``kind``."""
+    base = {"attention": ("tessellm.core.attention", "AttentionBackend"),
+            "cache": ("tessellm.core.cache", "CacheManager"),
+            "scheduler": ("tessellm.core.scheduler", "Scheduler"),
+            "decoding": ("tessellm.core.decoding", "Decoder"),
+            "quant": ("tessellm.core.quant", "Quantizer")}[kind]
+    version_line = "" if api_version is None else f"api_version = {api_version!r}"
+    return textwrap.dedent(f"""\
+        import tessellm
+        from {base[0]} import {base[1]}
+
+        class FakePlugin({base[1]}):
+            \"\"\"A fake {kind} plugin for the registry tests.\"\"\"
+            name = {name!r}
+            {version_line}
+            description = "fake {kind} plugin {name}"
+            auto_priority = None
+
+        @tessellm.hookimpl
+        def {hook or "register_" + kind}(register):
+            register(FakePlugin)
+        """) + extra
+
+
+@pytest.fixture
+def fake_dist(tmp_path, monkeypatch):
+    """Factory: ``fake_dist("fakepkg", {"attention.fake": ("tessellm_testplug_x", source)})``
+    writes a real installed distribution with ``[tessellm]`` entry points and its modules
+    into tmp_path (on sys.path). Modules it imports are removed from sys.modules afterwards."""
+    root = tmp_path / "site"
+    root.mkdir()
+    monkeypatch.syspath_prepend(str(root))
+    before = set(sys.modules)
+
+    def make(dist: str, entry_points: dict[str, tuple[str, str]]) -> Path:
+        info = root / f"{dist}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+        lines = [f"[{ENTRY_POINT_GROUP}]"]
+        for ep_name, (module, source) in entry_points.items():
+            assert module.startswith(MODULE_PREFIX)
+            (root / f"{module}.py").write_text(source)
+            lines.append(f"{ep_name} = {module}")
+        (info / "entry_points.txt").write_text("\n".join(lines) + "\n")
+        return root
+
+    yield make
+    for name in set(sys.modules) - before:
+        if name.startswith(MODULE_PREFIX):
+            del sys.modules[name]
+
+
+def module_with(name: str, *hooks) -> types.ModuleType:
+    """A module-like object holding the given hookimpl functions."""
+    module = types.ModuleType(name)
+    for fn in hooks:
+        setattr(module, fn.__name__, fn)
+    return module
+
+
+def attention_class(name: str | None, api_version=PLUGIN_API_VERSION, *, version_attr: bool = True):
+    ns = {"description": f"throwaway {name}", "forward": lambda self, *a: None}
+    if name is not None:
+        ns["name"] = name
+    if version_attr:
+        ns["api_version"] = api_version
+    return type(f"Throwaway_{name}", (AttentionBackend,), ns)
+
+
+def registering(cls, kind: str = "attention"):
+    """A hookimpl function named register_<kind> that registers ``cls``."""
+    def hook(register):
+        register(cls)
+
+    hook.__name__ = f"register_{kind}"
+    return tessellm.hookimpl(hook)
+
+
+def empty_registry() -> PluginRegistry:
+    return PluginRegistry(entry_points=False)
+
+
+# ---------------------------------------------------------------------------- built-ins
+
+
+def test_builtin_plugins_load_through_entry_points():
+    registry = PluginRegistry()
+    assert registry.failures == []
+    for kind, names in BUILTINS.items():
+        for name in names:
+            entry = registry.get(kind, name)
+            assert entry is not None, f"{kind}.{name} missing; have {registry.names(kind)}"
+            assert entry.package == "tessellm"
+            assert entry.kind == kind and entry.name == name
+            assert entry.cls.api_version == PLUGIN_API_VERSION
+
+
+def test_builtins_are_declared_as_entry_points_not_hardcoded():
+    """The registry finds built-ins only through the entry-point group, like third-party
+    plugins: without entry points it is empty."""
+    import importlib.metadata
+
+    declared = {ep.name for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+                if ep.dist is not None and ep.dist.name == "tessellm"}
+    assert set(BUILTIN_ENTRY_POINTS) <= declared
+    registry = empty_registry()
+    assert all(registry.names(kind) == [] for kind in KINDS)
+    assert registry.failures == []
+
+
+def test_entries_describe_and_auto_order():
+    registry = PluginRegistry()
+    entries = registry.entries()
+    assert [(e.kind, e.name) for e in entries] == sorted(
+        [(e.kind, e.name) for e in entries], key=lambda kn: (KINDS.index(kn[0]), kn[1]))
+    for entry in entries:
+        described = entry.describe()
+        assert {"kind", "name", "package", "description", "api_version", "auto_priority", "options"} <= set(described)
+        json.dumps(described)
+    sample = registry.get("decoding", "sample").describe()
+    assert sample["package"] == "tessellm" and sample["description"]
+    # decoding.sample (priority 10) ranks before decoding.greedy (priority 5)
+    order = [e.name for e in registry.auto_order("decoding")]
+    assert order.index("sample") < order.index("greedy")
+    for kind in KINDS:
+        priorities = [e.cls.auto_priority for e in registry.auto_order(kind)]
+        assert None not in priorities and priorities == sorted(priorities, reverse=True)
+
+
+# ---------------------------------------------------------------------------- out of tree
+
+
+def test_out_of_tree_plugin_loads_from_a_real_entry_point(fake_dist):
+    fake_dist("fakepkg", {"attention.fake": (MODULE_PREFIX + "fake", plugin_source("fake"))})
+    registry = PluginRegistry()
+    assert registry.failures == []
+    entry = registry.get("attention", "fake")
+    assert entry is not None
+    assert entry.package == "fakepkg"
+    assert entry.describe()["package"] == "fakepkg"
+    assert entry.describe()["description"] == "fake attention plugin fake"
+    # built-ins are untouched
+    assert registry.get("attention", "sdpa").package == "tessellm"
+
+
+def test_out_of_tree_plugin_of_every_kind(fake_dist):
+    fake_dist("fakepkg", {f"{kind}.fake": (f"{MODULE_PREFIX}{kind}", plugin_source(f"fake_{kind}", kind=kind))
+                          for kind in KINDS})
+    registry = PluginRegistry()
+    assert registry.failures == []
+    for kind in KINDS:
+        assert registry.get(kind, f"fake_{kind}").package == "fakepkg"
+
+
+def test_plugin_raising_on_import_is_recorded_and_others_still_load(fake_dist):
+    fake_dist("brokenpkg", {
+        "attention.broken": (MODULE_PREFIX + "broken", "raise RuntimeError('boom: cannot find libfoo.so')\n"),
+    })
+    fake_dist("fakepkg", {"attention.fake": (MODULE_PREFIX + "fake", plugin_source("fake"))})
+    registry = PluginRegistry()
+    assert len(registry.failures) == 1
+    failure = registry.failures[0]
+    assert failure.package == "brokenpkg"
+    assert failure.source == "attention.broken"
+    assert "RuntimeError" in failure.error and "boom: cannot find libfoo.so" in failure.error
+    assert "brokenpkg" in str(failure) and "boom" in str(failure)
+    # every other plugin still loads, the built-ins and the other out-of-tree one
+    for kind, names in BUILTINS.items():
+        assert set(names) <= set(registry.names(kind))
+    assert registry.get("attention", "fake").package == "fakepkg"
+    assert registry.failures_for("attention", "broken") == [failure]
+
+
+def test_plugin_with_import_error_of_missing_dependency(fake_dist):
+    fake_dist("fakepkg", {"attention.needsdep": (MODULE_PREFIX + "needsdep",
+                                                 "import tessellm_no_such_module_xyz\n")})
+    registry = PluginRegistry()
+    [failure] = registry.failures
+    assert failure.package == "fakepkg"
+    assert "ModuleNotFoundError" in failure.error and "tessellm_no_such_module_xyz" in failure.error
+    assert registry.get("attention", "sdpa") is not None
+
+
+# ---------------------------------------------------------------------------- conflicts
+
+
+def test_two_packages_with_same_kind_and_name_conflict(fake_dist):
+    fake_dist("fakepkg", {"fake_dup": (MODULE_PREFIX + "dup_a", plugin_source("dup"))})
+    fake_dist("otherpkg", {"other_dup": (MODULE_PREFIX + "dup_b", plugin_source("dup"))})
+    with pytest.raises(PluginConflictError) as info:
+        PluginRegistry()
+    message = str(info.value)
+    assert "fakepkg" in message and "otherpkg" in message
+    assert "'dup'" in message and "attention" in message
+    assert "\n" not in message
+
+
+def test_conflict_when_both_packages_use_the_conventional_entry_point_name(fake_dist):
+    fake_dist("fakepkg", {"attention.dup": (MODULE_PREFIX + "dup_a", plugin_source("dup"))})
+    fake_dist("otherpkg", {"attention.dup": (MODULE_PREFIX + "dup_b", plugin_source("dup"))})
+    with pytest.raises(PluginConflictError) as info:
+        PluginRegistry()
+    assert "fakepkg" in str(info.value) and "otherpkg" in str(info.value)
+
+
+def test_same_entry_point_name_in_two_packages_is_no_conflict(fake_dist):
+    fake_dist("fakepkg", {"plugins": (MODULE_PREFIX + "ep_a", plugin_source("alpha"))})
+    fake_dist("otherpkg", {"plugins": (MODULE_PREFIX + "ep_b", plugin_source("beta"))})
+    registry = PluginRegistry()
+    assert registry.failures == []
+    assert registry.get("attention", "alpha").package == "fakepkg"
+    assert registry.get("attention", "beta").package == "otherpkg"
+
+
+def test_out_of_tree_plugin_shadowing_a_builtin_conflicts(fake_dist):
+    fake_dist("fakepkg", {"attention.mysdpa": (MODULE_PREFIX + "shadow", plugin_source("sdpa"))})
+    with pytest.raises(PluginConflictError) as info:
+        PluginRegistry()
+    message = str(info.value)
+    assert "fakepkg" in message and "tessellm" in message and "'sdpa'" in message
+    assert DISABLE_ENV in message  # says how to resolve it
+
+
+def test_add_module_conflict_names_both_packages():
+    registry = PluginRegistry()
+    with pytest.raises(PluginConflictError) as info:
+        registry.add_module(module_with("dup_mod", registering(attention_class("sdpa"))), package="testpkg")
+    assert "tessellm" in str(info.value) and "testpkg" in str(info.value)
+    assert registry.get("attention", "sdpa").package == "tessellm"  # the first one stays
+
+
+def test_same_name_in_different_kinds_is_no_conflict():
+    from tessellm.core.quant import Quantizer
+
+    registry = PluginRegistry()
+    quant = type("SdpaQuant", (Quantizer,), {"name": "sdpa", "api_version": "1.0"})
+    registry.add_module(module_with("q_mod", registering(quant, "quant")), package="testpkg")
+    assert registry.failures == []
+    assert registry.get("quant", "sdpa").cls is quant
+    assert registry.get("attention", "sdpa").package == "tessellm"
+
+
+# ---------------------------------------------------------------------------- api_version
+
+
+@pytest.mark.parametrize("version", [
+    "2.0", "1.9", "0.9", "3",
+    ("abc"),
+])
+def test_incompatible_api_version_is_a_load_failure(version):
+    registry = empty_registry()
+    registry.add_module(module_with("vmod", registering(attention_class("vplug", version))), package="testpkg")
+    assert registry.get("attention", "vplug") is None
+    [failure] = registry.failures
+    assert failure.package == "testpkg"
+    assert "vplug" in failure.error
+    assert version in failure.error  # what it targets
+    assert PLUGIN_API_VERSION in failure.error  # what tessellm provides
+
+
+def test_incompatible_api_version_message_is_explicit():
+    registry = empty_registry()
+    registry.add_module(module_with("vmod", registering(attention_class("vplug", "2.0"))), package="testpkg")
+    [failure] = registry.failures
+    assert "targets plugin API 2.0" in failure.error
+    assert f"provides plugin API {PLUGIN_API_VERSION}" in failure.error
+    assert __version__ in failure.error
+
+
+def test_missing_api_version_is_a_load_failure():
+    registry = empty_registry()
+    registry.add_module(module_with("vmod", registering(attention_class("nover", version_attr=False))),
+                        package="testpkg")
+    assert registry.get("attention", "nover") is None
+    [failure] = registry.failures
+    assert failure.package == "testpkg"
+    assert "api_version" in failure.error and "does not state" in failure.error
+    assert PLUGIN_API_VERSION in failure.error
+
+
+def test_api_version_must_be_set_on_the_concrete_class():
+    """Inheriting a base plugin's api_version does not count: the concrete class states it."""
+    registry = empty_registry()
+    parent = attention_class("parent")
+    child = type("Child", (parent,), {"name": "child"})
+    registry.add_module(module_with("vmod", registering(child)), package="testpkg")
+    assert registry.get("attention", "child") is None
+    assert "does not state" in registry.failures[0].error
+
+
+def test_none_api_version_is_missing():
+    registry = empty_registry()
+    registry.add_module(module_with("vmod", registering(attention_class("nover", None))), package="testpkg")
+    assert registry.get("attention", "nover") is None and len(registry.failures) == 1
+
+
+@pytest.mark.parametrize("version", ["1.0", "1", PLUGIN_API_VERSION])
+def test_compatible_api_version_loads(version):
+    registry = empty_registry()
+    registry.add_module(module_with("vmod", registering(attention_class("vplug", version))), package="testpkg")
+    assert registry.failures == []
+    assert registry.get("attention", "vplug").package == "testpkg"
+
+
+def test_api_version_failure_from_entry_point(fake_dist):
+    fake_dist("fakepkg", {"attention.future": (MODULE_PREFIX + "future", plugin_source("future", api_version="2.0"))})
+    registry = PluginRegistry()
+    [failure] = registry.failures
+    assert failure.package == "fakepkg" and failure.source == "attention.future"
+    assert "2.0" in failure.error and PLUGIN_API_VERSION in failure.error
+    assert registry.get("attention", "future") is None
+    assert registry.get("attention", "sdpa") is not None
+
+
+# ---------------------------------------------------------------------------- bad registrations
+
+
+def test_misspelled_hook_name_is_a_load_failure():
+    registry = empty_registry()
+    registry.add_module(module_with("typo_mod", registering(attention_class("typo"), kind="atention")),
+                        package="testpkg")
+    [failure] = registry.failures
+    assert failure.package == "testpkg"
+    assert "register_atention" in failure.error
+    assert registry.get("attention", "typo") is None
+    assert not registry.pm.get_plugins()  # the bad module is not left registered
+    # the registry keeps working after the failure
+    registry.add_module(module_with("good_mod", registering(attention_class("good"))), package="testpkg")
+    assert registry.get("attention", "good") is not None
+    assert len(registry.failures) == 1
+
+
+def test_misspelled_hook_from_entry_point(fake_dist):
+    fake_dist("fakepkg", {"attention.typo": (MODULE_PREFIX + "typo",
+                                             plugin_source("typo", hook="register_atention"))})
+    registry = PluginRegistry()
+    [failure] = registry.failures
+    assert failure.package == "fakepkg" and "register_atention" in failure.error
+    assert registry.get("attention", "typo") is None
+    assert set(BUILTINS["decoding"]) <= set(registry.names("decoding"))
+
+
+@pytest.mark.parametrize("thing", [int, object(), "sdpa", None, dict])
+def test_registering_a_non_plugin_is_a_load_failure(thing):
+    registry = empty_registry()
+    registry.add_module(module_with("np_mod", registering(thing)), package="testpkg")
+    [failure] = registry.failures
+    assert failure.package == "testpkg"
+    assert "not a subclass of AttentionBackend" in failure.error
+    assert registry.names("attention") == []
+
+
+def test_registering_a_plugin_of_another_kind_is_a_load_failure():
+    from tessellm.core.quant import Quantizer
+
+    quant = type("Q", (Quantizer,), {"name": "q", "api_version": "1.0"})
+    registry = empty_registry()
+    registry.add_module(module_with("wk_mod", registering(quant, "attention")), package="testpkg")
+    assert "not a subclass of AttentionBackend" in registry.failures[0].error
+    assert registry.names("attention") == [] and registry.names("quant") == []
+
+
+@pytest.mark.parametrize("name", [None, "", "auto", 42])
+def test_registering_a_class_without_a_name_is_a_load_failure(name):
+    cls = attention_class(None)
+    if name is not None:
+        cls.name = name
+    registry = empty_registry()
+    registry.add_module(module_with("nn_mod", registering(cls)), package="testpkg")
+    [failure] = registry.failures
+    assert failure.package == "testpkg"
+    assert "name" in failure.error
+    assert registry.names("attention") == []
+
+
+def test_hook_raising_is_a_load_failure_and_registers_nothing_from_that_module():
+    good = attention_class("first")
+
+    @tessellm.hookimpl
+    def register_attention(register):
+        register(good)
+        raise ValueError("hook exploded")
+
+    registry = empty_registry()
+    registry.add_module(module_with("boom_mod", register_attention), package="testpkg")
+    [failure] = registry.failures
+    assert "ValueError" in failure.error and "hook exploded" in failure.error
+    assert registry.names("attention") == []
+
+
+def test_one_bad_class_fails_its_whole_module_only():
+    registry = empty_registry()
+
+    @tessellm.hookimpl
+    def register_attention(register):
+        register(attention_class("ok_in_bad_module"))
+        register(attention_class("too_new", "2.0"))
+
+    registry.add_module(module_with("mixed_mod", register_attention), package="badpkg")
+    registry.add_module(module_with("fine_mod", registering(attention_class("fine"))), package="goodpkg")
+    assert [f.package for f in registry.failures] == ["badpkg"]
+    assert registry.names("attention") == ["fine"]
+
+
+def test_registry_from_modules_argument():
+    class Namespace:
+        register_attention = registering(attention_class("ns_attention"))
+
+    registry = PluginRegistry(entry_points=False, modules=[Namespace])
+    assert registry.failures == []
+    entry = registry.get("attention", "ns_attention")
+    assert entry is not None and entry.package == "Namespace"
+
+
+# ---------------------------------------------------------------------------- disabling
+
+
+def test_disable_env_skips_an_entry_point(monkeypatch):
+    monkeypatch.setenv(DISABLE_ENV, "decoding.greedy")
+    registry = PluginRegistry()
+    assert "greedy" not in registry.names("decoding") and "sample" in registry.names("decoding")
+    assert registry.get("attention", "sdpa") is not None
+    assert registry.failures == []
+
+
+def test_disable_env_takes_a_comma_separated_list(monkeypatch):
+    monkeypatch.setenv(DISABLE_ENV, " decoding.greedy , quant.none,")
+    registry = PluginRegistry()
+    assert "greedy" not in registry.names("decoding") and "sample" in registry.names("decoding")
+    assert "none" not in registry.names("quant")
+
+
+def test_disable_env_skips_a_broken_or_conflicting_out_of_tree_plugin(fake_dist, monkeypatch):
+    fake_dist("brokenpkg", {"attention.broken": (MODULE_PREFIX + "broken", "raise RuntimeError('boom')\n")})
+    fake_dist("fakepkg", {"attention.mysdpa": (MODULE_PREFIX + "shadow", plugin_source("sdpa"))})
+    monkeypatch.setenv(DISABLE_ENV, "attention.broken,attention.mysdpa")
+    registry = PluginRegistry()
+    assert registry.failures == []
+    assert registry.get("attention", "sdpa").package == "tessellm"
+    assert sys.modules.get(MODULE_PREFIX + "broken") is None  # not even imported
+
+
+def test_disable_env_accepts_a_distribution_name(fake_dist, monkeypatch):
+    fake_dist("fakepkg", {"attention.fake": (MODULE_PREFIX + "fake", plugin_source("fake"))})
+    monkeypatch.setenv(DISABLE_ENV, "fakepkg")
+    registry = PluginRegistry()
+    assert registry.get("attention", "fake") is None
+    assert registry.get("attention", "sdpa") is not None
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def _check_rows(rows):
+    assert isinstance(rows, list) and rows
+    for row in rows:
+        assert isinstance(row, dict)
+        for key in ("kind", "name", "package", "description"):
+            assert key in row, f"{key} missing from {row}"
+        assert isinstance(row["description"], str) and row["description"]
+
+
+def test_cli_plugins_json_subprocess(fake_dist, tmp_path):
+    root = fake_dist("fakepkg", {"attention.fake": (MODULE_PREFIX + "fake", plugin_source("fake"))})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    env.pop(DISABLE_ENV, None)
+    proc = subprocess.run([sys.executable, "-m", "tessellm.core.cli", "plugins", "--json"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    _check_rows(rows)
+    have = {(r["kind"], r["name"]): r["package"] for r in rows}
+    for kind, names in BUILTINS.items():
+        for name in names:
+            assert have[(kind, name)] == "tessellm"
+    assert have[("attention", "fake")] == "fakepkg"
+
+
+def test_cli_plugins_json_in_process_reports_failures_on_stderr(fake_dist, monkeypatch, capsys):
+    from tessellm.core import cli
+
+    fake_dist("brokenpkg", {"attention.broken": (MODULE_PREFIX + "broken", "raise RuntimeError('boom')\n")})
+    monkeypatch.setattr(registry_module, "_default", None)  # a fresh process-wide registry
+    assert cli.main(["plugins", "--json"]) == 0
+    out, err = capsys.readouterr()
+    rows = json.loads(out)
+    _check_rows(rows)
+    assert {(r["kind"], r["name"]) for r in rows} >= {tuple(ep.split(".")) for ep in BUILTIN_ENTRY_POINTS}
+    assert "brokenpkg" in err and "boom" in err
+
+
+def test_cli_plugins_table(monkeypatch, capsys):
+    from tessellm.core import cli
+
+    monkeypatch.setattr(registry_module, "_default", None)
+    assert cli.main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    for ep in BUILTIN_ENTRY_POINTS:
+        assert ep in out
+    assert "tessellm" in out
+
+
+def test_cli_plugins_conflict_is_a_one_line_error(fake_dist, monkeypatch, capsys):
+    from tessellm.core import cli
+
+    fake_dist("fakepkg", {"attention.mysdpa": (MODULE_PREFIX + "shadow", plugin_source("sdpa"))})
+    monkeypatch.setattr(registry_module, "_default", None)
+    assert cli.main(["plugins", "--json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tessellm: error:") and "\n" not in err
+    assert "fakepkg" in err and "tessellm" in err
