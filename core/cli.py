@@ -126,6 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tessellm: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `tessellm plugins --json | head`: the reader left, which is fine
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
 
 
 def _quiet_libraries() -> None:

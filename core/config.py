@@ -60,7 +60,8 @@ class PipelineConfig(BaseModel):
     seed: int = Field(0, ge=0, strict=True)
     """Seeds the generators of requests that give no seed of their own."""
     model_cache_dir: Optional[str] = None
-    """Where converted GGUF models are cached; default $TESSELLM_CACHE_DIR or ~/.cache/tessellm."""
+    """Where converted GGUF models are cached; default $TESSELLM_CACHE_DIR, else
+    $XDG_CACHE_HOME/tessellm, else ~/.cache/tessellm."""
     attention: PluginSection = Field(default_factory=PluginSection)
     cache: PluginSection = Field(default_factory=PluginSection)
     scheduler: PluginSection = Field(default_factory=PluginSection)
@@ -160,7 +161,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         raw = raw.strip()
         value = _parse_value(raw)
         # model paths and plugin names stay strings even if they look like numbers
-        if path[-1] in ("model", "name", "device", "model_cache_dir") and value is not None:
+        verbatim = len(path) == 1 and path[0] in ("model", "device", "model_cache_dir") or (
+            len(path) == 2 and path[1] == "name")
+        if verbatim and value is not None:
             value = raw
         node[path[-1]] = value
     return data

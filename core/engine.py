@@ -212,7 +212,7 @@ class Engine:
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits [len(token_ids), vocab] float32 at every position of ``token_ids``, run as one
+        """Logits [len(token_ids), vocab] (float32; float64 in a float64 pipeline) at every position of ``token_ids``, run as one
         prefill of its own (teacher forcing): for equivalence checks, KL and perplexity."""
         if not token_ids:
             raise InvalidRequestError("nothing to score: token_ids is empty")

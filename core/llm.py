@@ -125,9 +125,9 @@ def to_sampling_params(value: Any) -> Any:
     try:
         return SamplingParams.model_validate(value)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        field = ".".join(str(p) for p in err["loc"])
-        raise InvalidRequestError(f"{field}: {err['msg']} (got {err.get('input')!r})") from None
+        problems = [f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']} (got {err.get('input')!r})"
+                    for err in exc.errors()]
+        raise InvalidRequestError("; ".join(problems)) from None
 
 
 class LLM:
@@ -157,7 +157,7 @@ class LLM:
         """Run every prompt as one batch; outputs come back in prompt order.
 
         ``params`` is one SamplingParams (or dict) for all prompts or a list of them."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)
         if not prompts:

@@ -54,7 +54,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: BatchMetadata, layers: Sequence[int] | None = None) -> torch.Tensor:
-        """Logits [len(batch.logits_indices), vocab] float32."""
+        """Logits [len(batch.logits_indices), vocab]: float32 (float64 in a float64 pipeline)."""
         plan = self.backend.plan(batch, self.cache)
         return self.model(batch.input_ids, batch.positions, batch.logits_indices,
                           self.backend, self.cache, plan, layers)

@@ -62,12 +62,21 @@ class ModelSpec:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-        if rope_type in UNSUPPORTED_ROPE:
-            raise ModelLoadError(f"rope_type {rope_type!r} is not supported (its frequencies depend on "
-                                 f"sequence length); supported: default, linear, llama3, yarn")
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        known = ["default", *(t for t in ROPE_INIT_FUNCTIONS if t not in UNSUPPORTED_ROPE)]
+        if rope_type not in known:
+            why = " (its frequencies depend on sequence length)" if rope_type in UNSUPPORTED_ROPE else ""
+            raise ModelLoadError(f"rope_type {rope_type!r} is not supported{why}; supported: {', '.join(known)}")
         sliding = getattr(config, "sliding_window", None)
         if model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
             sliding = None
+        layer_types = set(getattr(config, "layer_types", None) or [])
+        if sliding is not None and "full_attention" in layer_types:
+            # e.g. Qwen2 with max_window_layers < num_hidden_layers: windows on some layers only
+            raise ModelLoadError(f"{model_type} with sliding-window attention on some layers and full attention "
+                                 f"on others (layer_types {sorted(layer_types)}) is not supported; supported: "
+                                 f"the same attention on every layer")
         return cls(
             model_type=model_type,
             vocab_size=config.vocab_size,

@@ -131,10 +131,10 @@ class PluginRegistry:
         base = _base_class(kind)
         if not (isinstance(cls, type) and issubclass(cls, base)):
             raise PluginLoadError(f"register_{kind} was given {cls!r}, which is not a subclass of {base.__name__}")
-        name = cls.__dict__.get("name") or getattr(cls, "name", None)
+        name = cls.__dict__.get("name")  # its own: a subclass must not pass as its parent
         if not isinstance(name, str) or not name or name == "auto":
-            raise PluginLoadError(f"{kind} plugin {cls.__qualname__} must set a class attribute name "
-                                  f"(a non-empty string other than 'auto')")
+            raise PluginLoadError(f"{kind} plugin {cls.__qualname__} must set its own class attribute name "
+                                  f"(a non-empty string other than 'auto'; it is not inherited)")
         problem = api_version_problem(cls.__dict__.get("api_version"))
         if problem:
             raise PluginLoadError(f"{kind} plugin {name!r}: {problem}")

@@ -138,7 +138,7 @@ def test_default_config_validates():
     config = load_config()
     assert isinstance(config, PipelineConfig)
     assert config.device == "auto" and config.dtype == "auto"
-    assert config.quant.name == "none"
+    assert all(config.section(kind).name == "auto" for kind in KINDS)
     for kind in KINDS:
         assert isinstance(config.section(kind), PluginSection)
     assert config == config_from_dict(default_config_data())

@@ -553,3 +553,16 @@ def test_cli_plugins_conflict_is_a_one_line_error(fake_dist, monkeypatch, capsys
     err = capsys.readouterr().err.strip()
     assert err.startswith("tessellm: error:") and "\n" not in err
     assert "fakepkg" in err and "tessellm" in err
+
+
+def test_subclass_must_declare_its_own_name():
+    """A subclass of a built-in that forgets ``name`` must not pass as the built-in."""
+    from tessellm.plugins.attention.sdpa import SdpaAttention
+
+    class Forgetful(SdpaAttention):
+        api_version = "1.0"
+
+    registry = empty_registry()
+    registry.add_module(module_with("forgetful", registering(Forgetful)), package="forgetpkg")
+    assert any("must set its own class attribute name" in str(f) for f in registry.failures)
+    assert registry.get("attention", "sdpa") is None or registry.get("attention", "sdpa").package != "forgetpkg"
