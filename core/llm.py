@@ -20,7 +20,7 @@ from .model_loader import load_hf_config, load_state_dict, load_tokenizer
 from .model_runner import ModelRunner, build_model
 from .model_spec import ModelSpec
 from .registry import PluginRegistry, get_registry
-from .resolve import ResolvedPipeline, model_dir_for, resolve
+from .resolve import ResolvedPipeline, model_dir_for, precheck, resolve
 from .scheduler import SchedulerLimits
 
 
@@ -64,6 +64,7 @@ class Pipeline:
     def __init__(self, config: PipelineConfig, registry: PluginRegistry | None = None):
         self.config = config
         self.registry = registry or get_registry()
+        precheck(config, self.registry)  # fail on a config typo before converting or loading a model
         self.model_dir = model_dir_for(config)
         hf_config = load_hf_config(self.model_dir)
         self.spec = ModelSpec.from_hf_config(hf_config)

@@ -104,8 +104,21 @@ def _candidates(kind: str, config: PipelineConfig, registry: PluginRegistry) -> 
     return [entry]
 
 
+def precheck(config: PipelineConfig, registry: PluginRegistry) -> dict[str, list[PluginEntry]]:
+    """What can be checked without the model: device, plugin names, and the options of every
+    plugin named explicitly (so a typo is reported as such, before a model is loaded).
+    Returns the candidates per kind."""
+    resolve_device(config.device)
+    candidates = {kind: _candidates(kind, config, registry) for kind in ORDER}
+    for kind in ORDER:
+        if config.section(kind).name != "auto":
+            _validate_options(kind, candidates[kind][0], config.section(kind).options)
+    return candidates
+
+
 def resolve(config: PipelineConfig, registry: PluginRegistry, model: ModelSpec) -> ResolvedPipeline:
     """Choose a plugin for every kind, or raise ConfigError naming the field and the reasons."""
+    candidates = precheck(config, registry)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     limit = model.max_position_embeddings
@@ -113,11 +126,6 @@ def resolve(config: PipelineConfig, registry: PluginRegistry, model: ModelSpec) 
     if max_len > limit:
         raise ConfigError(f"max_model_len: {max_len} exceeds the model's max_position_embeddings ({limit})")
     resolved = ResolvedPipeline(config, device, dtype, model, max_len)
-    candidates = {kind: _candidates(kind, config, registry) for kind in ORDER}
-    # explicit choices get their options checked up front, so a typo is reported as such
-    for kind in ORDER:
-        if config.section(kind).name != "auto":
-            _validate_options(kind, candidates[kind][0], config.section(kind).options)
     _choose(0, resolved, candidates, registry)
     return resolved
 

@@ -143,8 +143,9 @@ def test_malformed_config_file(tmp_path, capsys):
 
 
 def test_subprocess_exit_status_and_no_traceback(tmp_path):
+    """A config typo is reported before any model is converted or loaded (the cache dir is empty)."""
     env_cmd = [sys.executable, "-m", "tessellm.core.cli", "generate", "--set", "attention.name=nope", "hi"]
-    proc = subprocess.run(env_cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(env_cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("tessellm: error: attention.name")
