@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -37,7 +38,8 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
-    step_seconds: list[float] = field(default_factory=list)
+    step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
+    """Wall time of the most recent steps (bounded: an engine may run for days)."""
 
 
 class Engine:
@@ -89,7 +91,8 @@ class Engine:
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator:
         if params.seed is not None:
-            seed = params.seed + index
+            # sample 0 keeps the seed; others derive from it, so seeds s and s + 1 never share a stream
+            seed = params.seed if index == 0 else (params.seed * 1_000_003 + index) % 2**63
         else:
             self._counter += 1
             seed = self.seed * 1_000_003 + self._counter
