@@ -99,7 +99,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(c.text)
                 print(f"--- {len(c.token_ids)} tokens, finish: {c.finish_reason}")
     r = llm.pipeline.resolved
-    print(f"tessellm: {generated} tokens for {len(outputs)} prompts in {elapsed:.2f} s: "
+    print(f"tessellm: {generated} tokens for {len(outputs)} prompt{'s' if len(outputs) != 1 else ''} in {elapsed:.2f} s: "
           f"{generated / elapsed:.1f} tokens/s ({r.device}, {str(r.dtype).replace('torch.', '')}, "
           f"attention {r.choices['attention'].entry.name}, cache {r.choices['cache'].entry.name}, "
           f"scheduler {r.choices['scheduler'].entry.name})", file=sys.stderr)
