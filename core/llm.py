@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence as Seq
+from typing import Any, Sequence as Seq
 
 from pydantic import ValidationError
 from tqdm.auto import tqdm
@@ -96,8 +97,6 @@ class Pipeline:
                 ids.update(int(v) for v in value)
         gen = self.model_dir / "generation_config.json"
         if gen.is_file():
-            import json
-
             value = json.loads(gen.read_text()).get("eos_token_id")
             ids.update([value] if isinstance(value, int) else value or [])
         return ids
@@ -210,6 +209,3 @@ class LLM:
                              None if first.first_token_time is None else first.first_token_time - first.arrival_time,
                              (max(ends) if ends else time.perf_counter()) - first.arrival_time)
 
-
-def iter_texts(outputs: Iterable[RequestOutput]) -> list[str]:
-    return [o.text for o in outputs]

@@ -12,7 +12,6 @@ layer then stores its new K/V, gathers the context and calls SDPA:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
