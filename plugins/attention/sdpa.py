@@ -81,7 +81,8 @@ class SdpaAttention(AttentionBackend):
         decodes = [i for i, q in enumerate(batch.query_lens_cpu) if q == 1]
         if not self.options.batch_decode:
             decodes = []
-        others = [i for i in range(batch.num_seqs) if i not in set(decodes)]
+        batched = set(decodes)
+        others = [i for i in range(batch.num_seqs) if i not in batched]
         groups: list[_Group] = []
         if decodes:
             groups.append(self._group(batch, decodes, qsl, bs, device))

@@ -4,6 +4,7 @@ finished, and cache slots exist for every scheduled token."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -14,8 +15,6 @@ from tessellm.core.scheduler import SchedulerLimits
 from tessellm.core.sequence import SamplingParams, Sequence
 from tessellm.plugins.cache.contiguous import ContiguousCache, ContiguousOptions
 from tessellm.plugins.scheduler.static import StaticOptions, StaticScheduler
-
-import pytest
 
 MAX_LEN = 40
 
