@@ -50,6 +50,18 @@ class CacheSpec:
     max_model_len: int
 
 
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups so far: prompt tokens looked up and tokens found cached."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
 class KVStorage(ABC):
     """One layer's cache storage. Fast kernels read its tensors directly (they know the
     layout they declared); ``gather`` is the reference path any backend can use.
@@ -173,3 +185,12 @@ class CacheManager(Plugin):
     def num_allocated_slots(self) -> int:
         """Slots held by live sequences (for KV-waste figures)."""
         return (self.num_blocks - self.num_free_blocks) * self.layout.block_size
+
+    def num_used_slots(self) -> int | None:
+        """Distinct slots holding valid KV of live sequences (a shared block counts once);
+        None if the cache does not track it. Waste = 1 - used / allocated."""
+        return None
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Lookups and hits of the prefix cache (all zero for a cache without one)."""
+        return PrefixCacheStats()

@@ -38,8 +38,22 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     preemptions: int = 0
+    peak_kv_blocks: int = 0
+    """Most blocks held by live sequences after any step (cached-but-evictable ones excluded)."""
+    peak_running: int = 0
+    """Most sequences running in one step (the batch size reached)."""
+    kv_allocated_slots: int = 0
+    kv_used_slots: int = 0
+    """Sums over steps of allocated and used KV slots: waste = 1 - used / allocated."""
     step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     """Wall time of the most recent steps (bounded: an engine may run for days)."""
+
+    @property
+    def kv_waste(self) -> float | None:
+        """Share of allocated KV slots holding no token, averaged over steps (None: untracked)."""
+        if not self.kv_allocated_slots:
+            return None
+        return 1.0 - self.kv_used_slots / self.kv_allocated_slots
 
 
 class Engine:
@@ -125,7 +139,8 @@ class Engine:
         forks = self._plan_forks(out)
         batch = build_batch(out.scheduled, self.cache, self.runner.device, drafts, forks)
         logits = self.runner.forward(batch)
-        tokens = self.decoder.decode(logits, batch)
+        # a step of prefill chunks only (none reaching its prompt's end) samples nothing
+        tokens = self.decoder.decode(logits, batch) if batch.samples else []
         # every query token (chunk, last token, drafts) now has KV in the cache
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_query_tokens + len(drafts.get(item.seq.seq_id, []))
@@ -156,9 +171,20 @@ class Engine:
             state = self.requests.get(seq.request_id)
             if state is not None and seq.is_finished and state.finished and state not in finished:
                 finished.append(state)
+        self._sample_memory(len(out.scheduled))
         self.stats.steps += 1
         self.stats.step_seconds.append(time.perf_counter() - start)
         return finished
+
+    def _sample_memory(self, num_running: int) -> None:
+        stats = self.stats
+        allocated = self.cache.num_allocated_slots()
+        stats.peak_kv_blocks = max(stats.peak_kv_blocks, -(-allocated // self.cache.layout.block_size))
+        stats.peak_running = max(stats.peak_running, num_running)
+        used = self.cache.num_used_slots()
+        if used is not None:
+            stats.kv_allocated_slots += allocated
+            stats.kv_used_slots += used
 
     def _plan_forks(self, out) -> dict[int, list[Sequence]]:
         """Sequences of n > 1 requests whose prompt completes this step fork now, sampling

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from .batch import SchedulerOutput
 from .cache import CacheManager
@@ -87,3 +87,29 @@ class Scheduler(Plugin):
     @property
     @abstractmethod
     def num_running(self) -> int: ...
+
+
+class QueueScheduler(Scheduler):
+    """A scheduler keeping its sequences in two collections, ``running`` and ``waiting``
+    (lists or deques, in the subclass's order); it implements the bookkeeping from them."""
+
+    running: list[Sequence]
+    waiting: Any
+
+    def finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.cache.free(seq)
+
+    def unfinished(self) -> list[Sequence]:
+        return [*self.running, *self.waiting]
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)

@@ -68,6 +68,7 @@ class ContiguousCache(CacheManager):
         self._free = list(range(options.max_seqs - 1, -1, -1))  # pop() hands out region 0 first
         self._region: dict[int, int] = {}  # seq_id -> region
         self._reserved: dict[int, int] = {}  # seq_id -> tokens reserved
+        self._computed: dict[int, int] = {}  # seq_id -> tokens with valid KV (from commit)
 
     def layer(self, index: int) -> KVStorage:
         return self._layers[index]
@@ -99,10 +100,13 @@ class ContiguousCache(CacheManager):
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         if seq.seq_id in self._reserved:
             self._reserved[seq.seq_id] = min(self._reserved[seq.seq_id], num_tokens)
+        if seq.seq_id in self._computed:
+            self._computed[seq.seq_id] = min(self._computed[seq.seq_id], num_tokens)
 
     def free(self, seq: Sequence) -> None:
         region = self._region.pop(seq.seq_id, None)
         self._reserved.pop(seq.seq_id, None)
+        self._computed.pop(seq.seq_id, None)
         if region is not None:
             self._free.append(region)
 
@@ -117,12 +121,20 @@ class ContiguousCache(CacheManager):
         dst = torch.arange(n, device=self.spec.device) + self._region[child.seq_id] * bs
         for storage in self._layers:
             storage.copy_slots(src, dst)
+        self._computed[child.seq_id] = n
 
     def block_table(self, seq: Sequence) -> list[int]:
         return [self._region[seq.seq_id]]
 
+    def commit(self, seq: Sequence) -> None:
+        if seq.seq_id in self._region:
+            self._computed[seq.seq_id] = seq.num_computed_tokens
+
     def num_allocated_slots(self) -> int:
         return len(self._region) * self.layout.block_size
+
+    def num_used_slots(self) -> int:
+        return sum(self._computed.values())
 
 
 @tessellm.hookimpl

@@ -28,7 +28,7 @@ class GreedyDecoder(Decoder):
 
     def decode(self, logits: torch.Tensor, batch: BatchMetadata) -> list[list[int]]:
         # logits: [R, vocab] float32
-        rows = torch.tensor([s.first_row for s in batch.samples], device=logits.device)
+        rows = torch.tensor([s.first_row for s in batch.samples], dtype=torch.long, device=logits.device)
         return [[t] for t in logits[rows].argmax(dim=-1).tolist()]
 
 

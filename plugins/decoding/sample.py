@@ -54,7 +54,7 @@ class SampleDecoder(Decoder):
 
     def decode(self, logits: torch.Tensor, batch: BatchMetadata) -> list[list[int]]:
         # logits: [R, vocab] float32
-        rows = torch.tensor([s.first_row for s in batch.samples], device=logits.device)
+        rows = torch.tensor([s.first_row for s in batch.samples], dtype=torch.long, device=logits.device)
         logits = logits[rows]
         params = [s.seq.params for s in batch.samples]
         tokens = logits.argmax(dim=-1).tolist()

@@ -15,7 +15,7 @@ from pydantic import Field
 import tessellm
 from tessellm.core.batch import ScheduledSeq, SchedulerOutput
 from tessellm.core.plugin import PluginOptions
-from tessellm.core.scheduler import Scheduler
+from tessellm.core.scheduler import QueueScheduler
 from tessellm.core.sequence import Sequence, SequenceStatus
 
 
@@ -26,7 +26,7 @@ class StaticOptions(PluginOptions):
     """Sequences per batch (a request with n samples counts n)."""
 
 
-class StaticScheduler(Scheduler):
+class StaticScheduler(QueueScheduler):
     """FCFS static batching. When the cache cannot grow a running sequence, the sequence
     admitted last is preempted (its cache freed, recomputed in a later batch)."""
 
@@ -102,24 +102,6 @@ class StaticScheduler(Scheduler):
         else:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-
-    def finish(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
-        self.cache.free(seq)
-
-    def unfinished(self) -> list[Sequence]:
-        return [*self.running, *self.waiting]
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.waiting)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
 
 
 @tessellm.hookimpl

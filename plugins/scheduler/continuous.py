@@ -1,0 +1,187 @@
+"""Scheduler `continuous`: in-flight batching with a token budget, chunked prefill and
+preemption by recompute (Orca's iteration-level scheduling as vLLM and SGLang run it).
+
+Every step is planned afresh:
+
+1. Running sequences, most urgent first, each get their uncomputed tokens (one for a decode;
+   the next chunk of a prompt being prefilled in pieces) within ``max_num_batched_tokens``.
+   When the cache cannot hold a sequence's next tokens, the least urgent running sequence is
+   preempted (its blocks freed, its tokens recomputed later) until it can, or it preempts
+   itself if it is the least urgent.
+2. If nothing was preempted, waiting sequences join while the budget, ``max_num_seqs`` and
+   the cache allow, taking cached prefix blocks first; a prompt longer than the remaining
+   budget runs its first chunk now (``chunked_prefill``), so decodes are never starved by a
+   long prompt.
+
+Urgency: ``fcfs`` orders by arrival; ``priority`` by the request's priority (lower value
+first), then arrival. A preempted sequence keeps its place in that order.
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import Literal
+
+from pydantic import Field
+
+import tessellm
+from tessellm.core.batch import ScheduledSeq, SchedulerOutput
+from tessellm.core.errors import RequestRejectedError
+from tessellm.core.plugin import PluginOptions
+from tessellm.core.scheduler import QueueScheduler
+from tessellm.core.sequence import Sequence, SequenceStatus
+
+
+class ContinuousOptions(PluginOptions):
+    """Options of the `continuous` scheduler."""
+
+    max_num_seqs: int = Field(64, ge=1, le=4096)
+    """Most sequences running at once (forks of an n > 1 request count from admission)."""
+    max_num_batched_tokens: int = Field(1024, ge=1, le=1_048_576)
+    """Most query tokens in one step: decodes plus prefill chunks."""
+    chunked_prefill: bool = True
+    """Split prompts longer than the step's remaining budget across steps."""
+    policy: Literal["fcfs", "priority"] = "fcfs"
+    """Which sequences run (and are preempted last): first come first served, or by priority."""
+
+
+class ContinuousScheduler(QueueScheduler):
+    """In-flight batching: sequences join and leave every step under a token budget.
+
+    Guarantees: every admitted request eventually runs (the most urgent sequence can always
+    run alone, since admission rejects any request larger than the whole cache); a
+    preempted sequence resumes with its output so far and produces the same tokens.
+    """
+
+    name = "continuous"
+    api_version = "1.0"
+    description = "in-flight batching: token budget, chunked prefill, preemption, fcfs/priority"
+    Options = ContinuousOptions
+    auto_priority = 50
+
+    def __init__(self, options: ContinuousOptions, cache, limits):
+        super().__init__(options, cache, limits)
+        self.waiting: list[Sequence] = []  # sorted by _urgency
+        self.running: list[Sequence] = []
+
+    def _urgency(self, seq: Sequence) -> tuple:
+        if self.options.policy == "priority":
+            return seq.priority, seq.arrival_time, seq.seq_id
+        return seq.arrival_time, seq.seq_id
+
+    # ------------------------------------------------------------------ admission
+
+    def add(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.check_admission(seq)
+            if not self.options.chunked_prefill and seq.num_prompt_tokens > self.options.max_num_batched_tokens:
+                raise RequestRejectedError(
+                    f"prompt has {seq.num_prompt_tokens} tokens but a step processes at most "
+                    f"max_num_batched_tokens={self.options.max_num_batched_tokens} without chunked prefill; "
+                    f"shorten the prompt or enable scheduler.options.chunked_prefill")
+        for seq in seqs:
+            self._wait(seq)
+
+    def _wait(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=self._urgency)
+
+    # ------------------------------------------------------------------ one step
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.options.max_num_batched_tokens
+        lookahead = self.limits.num_lookahead_tokens
+        chosen: dict[int, ScheduledSeq] = {}
+        self.running.sort(key=self._urgency)
+        for seq in list(self.running):
+            if seq not in self.running:  # preempted to make room for a more urgent one
+                continue
+            if budget == 0:
+                break
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            if remaining == 0:
+                continue
+            n = min(remaining, budget)
+            need = seq.num_computed_tokens + n + (lookahead if n == remaining else 0)
+            while not self.cache.can_reserve(seq, need):
+                victim = self.running[-1]
+                budget += self._preempt(victim, chosen, out)
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            self.cache.reserve(seq, need)
+            chosen[seq.seq_id] = ScheduledSeq(seq, n)
+            budget -= n
+        if not out.preempted or not chosen:
+            self._admit(budget, chosen, out, lookahead)
+        out.scheduled = list(chosen.values())
+        return out
+
+    def _preempt(self, seq: Sequence, chosen: dict[int, ScheduledSeq], out: SchedulerOutput) -> int:
+        """Free ``seq``'s cache and send it back to wait; return the budget it gave back."""
+        self.running.remove(seq)
+        self.cache.free(seq)
+        seq.num_computed_tokens = 0
+        self._wait(seq)
+        out.preempted.append(seq)
+        item = chosen.pop(seq.seq_id, None)
+        return item.num_query_tokens if item is not None else 0
+
+    @staticmethod
+    def _width(seq: Sequence) -> int:
+        """Sequences ``seq`` will occupy: an n > 1 request not yet forked counts n."""
+        return seq.params.n if seq.sample_index == 0 and seq.num_output_tokens == 0 else 1
+
+    def _admit(self, budget: int, chosen: dict[int, ScheduledSeq], out: SchedulerOutput, lookahead: int) -> None:
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            width = sum(self._width(s) for s in self.running)
+            if width and width + self._width(seq) > self.options.max_num_seqs:
+                break
+            if seq.num_computed_tokens == 0:
+                seq.num_computed_tokens = self.cache.match_prefix(seq)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget)
+            if n < remaining and not self.options.chunked_prefill:
+                self._release(seq)
+                break
+            need = seq.num_computed_tokens + n + (lookahead if n == remaining else 0)
+            while not self.cache.can_reserve(seq, need) and self._outranks(seq):
+                budget += self._preempt(max(self.running, key=self._urgency), chosen, out)
+            if not self.cache.can_reserve(seq, need):
+                self._release(seq)  # head of line waits for memory: later ones must not overtake it
+                break
+            self.cache.reserve(seq, need)
+            self.waiting.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chosen[seq.seq_id] = ScheduledSeq(seq, n)
+            budget -= n
+
+    def _outranks(self, seq: Sequence) -> bool:
+        """Under the priority policy, whether waiting ``seq`` may preempt the least urgent
+        running sequence (it is strictly more urgent by priority)."""
+        if self.options.policy != "priority" or not self.running:
+            return False
+        return seq.priority < max(self.running, key=self._urgency).priority
+
+    def _release(self, seq: Sequence) -> None:
+        """Give back prefix blocks matched for a sequence that could not start after all."""
+        self.cache.free(seq)
+        seq.num_computed_tokens = 0
+
+    # ------------------------------------------------------------------ bookkeeping
+
+    def adopt(self, seq: Sequence) -> None:
+        if seq.num_computed_tokens == 0:  # its cache could not be forked: recompute the prompt
+            self._wait(seq)
+        else:
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+
+
+@tessellm.hookimpl
+def register_scheduler(register):
+    register(ContinuousScheduler)
