@@ -128,12 +128,6 @@ def load_tessellm(batch_size: int, max_model_len: int):
                 "scheduler": {"name": "static", "options": {"max_batch_size": batch_size}}})
 
 
-def load_transformers(folder):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-
 # ----------------------------------------------------------------------------- the two sides
 # Each runner takes a list of prompts (token ids) and returns one list of generated ids per prompt.
 
@@ -148,12 +142,9 @@ def tessellm_runner(llm, max_tokens: int) -> Callable[[list[list[int]]], list[li
 
 
 def transformers_runner(model, max_tokens: int, pad_id: int) -> Callable[[list[list[int]]], list[list[int]]]:
-    # eos_token_id=None is what matches tessellm's ignore_eos: with an EOS id, min_new_tokens
-    # forbids EOS (masks its logit) until the last step, so greedy would pick the runner-up
-    # token where tessellm emits EOS and carries on. Without it, nothing stops generation early
-    # and min_new_tokens becomes a no-op, kept to say plainly that every row runs to the end.
-    kwargs = dict(do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                  pad_token_id=pad_id, eos_token_id=None)
+    from tessellm.core.hf_baseline import greedy_kwargs, left_pad
+
+    kwargs = greedy_kwargs(max_tokens, pad_id)  # every row runs to max_tokens, EOS never stops it
 
     def run(batch: list[list[int]]) -> list[list[int]]:
         input_ids, mask = left_pad(batch, pad_id)
@@ -162,18 +153,6 @@ def transformers_runner(model, max_tokens: int, pad_id: int) -> Callable[[list[l
         return out[:, input_ids.shape[1]:].tolist()
 
     return run
-
-
-def left_pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Left padding keeps every prompt's last token in the last column, where a decoder-only
-    model's next token comes from; the mask hides the padding (and sets position ids)."""
-    width = max(len(ids) for ids in batch)
-    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, ids in enumerate(batch):
-        input_ids[row, width - len(ids):] = torch.tensor(ids)
-        mask[row, width - len(ids):] = 1
-    return input_ids, mask
 
 
 def in_batches(run, prompts: list[list[int]], batch_size: int) -> list[list[int]]:
@@ -319,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
+    from tessellm.core.hf_baseline import load_transformers, pad_token_id
     from tessellm.core.model_loader import model_folder, resolve_model
 
     folder = model_folder(resolve_model(MODEL))
@@ -329,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     info = machine_info()
 
     llm = load_tessellm(len(prompts), max_model_len)
-    hf_model = load_transformers(folder)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    hf_model = load_transformers(folder, torch.float32, "cpu")
+    pad_id = pad_token_id(tokenizer)
     runners = {"tessellm": lambda n: tessellm_runner(llm, n),
                "transformers": lambda n: transformers_runner(hf_model, n, pad_id)}
     settings = {"batch": len(prompts), "single": 1}

@@ -109,8 +109,9 @@ class CacheManager(Plugin):
       releases everything; ``fork(parent, child)`` gives the child the parent's tokens
       (sharing blocks where the layout allows); ``can_fork`` answers first whether it fits
       (if not, the engine lets the child recompute its prompt later instead).
-    - ``match_prefix(seq)`` attaches cached blocks holding a prefix of the prompt and returns
-      how many tokens they cover (at most prompt length - 1); ``commit(seq)`` is called after
+    - ``match_prefix(seq)`` attaches cached blocks holding a prefix of the sequence's tokens
+      (its prompt; also its output so far when it resumes after preemption) and returns how
+      many tokens they cover (at most ``seq.num_tokens - 1``); ``commit(seq)`` is called after
       each step with ``seq.num_computed_tokens`` valid, so full blocks can be indexed.
     - ``max_seq_tokens`` is the most tokens one sequence can ever hold; the scheduler rejects
       requests above it at admission.
@@ -176,7 +177,7 @@ class CacheManager(Plugin):
         """Physical block ids of ``seq``, in order."""
 
     def match_prefix(self, seq: Sequence) -> int:
-        """Attach cached blocks holding a prefix of ``seq``'s prompt; return tokens covered."""
+        """Attach cached blocks holding a prefix of ``seq``'s tokens; return tokens covered."""
         return 0
 
     def commit(self, seq: Sequence) -> None:

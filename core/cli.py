@@ -1,4 +1,4 @@
-"""The ``tessellm`` command: ``plugins`` and ``generate``.
+"""The ``tessellm`` command: ``plugins``, ``generate`` and ``bench``.
 
 Bad input (config, model, request) prints one line, ``tessellm: error: ...``, and exits with
 status 2, as argparse does for bad arguments; no traceback.
@@ -43,6 +43,25 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="generate past the end-of-sequence token")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt per line")
+
+    b = sub.add_parser("bench", help="offline benchmark: a workload's requests all at once, timed",
+                       description="Submit every request of a workload at t=0 and report throughput, "
+                                   "TTFT/TPOT/e2e percentiles and KV-cache figures.")
+    _add_config_args(b)
+    b.add_argument("--workload", default="mixed", metavar="NAME|PATH.jsonl",
+                   help="mixed (default), shared-prefix, or a .jsonl file of {prompt | prompt_token_ids, "
+                        "max_tokens, chat} objects")
+    b.add_argument("--workload-set", dest="workload_overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override a workload parameter, e.g. prefix_len=512 (repeatable)")
+    b.add_argument("--num-requests", type=int, default=None,
+                   help="requests to run (default 100; a .jsonl file: all its lines)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload (default 0)")
+    b.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    b.add_argument("--plot", metavar="FILE.png", help="also draw TTFT/TPOT CDFs and throughput into FILE.png")
+    b.add_argument("--baseline", choices=["hf"], help="also run the same requests through transformers' generate")
+    b.add_argument("--baseline-batch-size", type=int, default=16,
+                   help="static batch size of the baseline (default 16)")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
@@ -106,9 +125,67 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    import gc
+    import os
+    import shlex
+
+    from .bench import (build_report, describe_device, format_report, plot_report, progress_enabled,
+                        request_limit, run_offline)
+    from .bench_workloads import get_workload
+    from .errors import ConfigError
+    from .llm import LLM
+
+    # every argument is checked before a model is loaded
+    workload = get_workload(args.workload, args.workload_overrides)
+    if args.num_requests is not None and args.num_requests < 1:
+        raise ConfigError(f"--num-requests must be at least 1, got {args.num_requests}")
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be 0 or more, got {args.seed}")
+    if args.baseline_batch_size < 1:
+        raise ConfigError(f"--baseline-batch-size must be at least 1, got {args.baseline_batch_size}")
+    if args.plot is not None and not args.plot.lower().endswith(".png"):
+        raise ConfigError(f"--plot {args.plot!r}: the figure is written as PNG; give a FILE.png")
+    if args.plot is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+        raise ConfigError(f"--plot {args.plot!r}: folder {os.path.dirname(os.path.abspath(args.plot))!r} does not exist")
+    progress = progress_enabled(args.no_progress, args.json)
+    llm = LLM(args.config, overrides=args.overrides)
+    p = llm.pipeline
+    requests = workload.requests(seed=args.seed, num_requests=args.num_requests, tokenizer=llm.tokenizer,
+                                 max_model_len=request_limit(llm), vocab_size=p.spec.vocab_size, encode=llm.encode)
+    result = run_offline(llm, requests, progress=progress)
+    results = {"tessellm": result}
+    info = dict(workload=workload.describe(args.seed, len(requests)),
+                pipeline=json.loads(json.dumps(p.resolved.summary(), default=str)),
+                device=describe_device(p.resolved.device),
+                command=shlex.join(["tessellm", *(sys.argv[1:] if args.argv is None else args.argv)]))
+    baseline = baseline_info = None
+    if args.baseline == "hf":
+        from .hf_baseline import load_transformers, pad_token_id, run_hf_baseline
+
+        model_dir, dtype, device, pad = p.model_dir, p.resolved.dtype, p.resolved.device, pad_token_id(llm.tokenizer)
+        del llm, p  # free tessellm's weights and KV cache before loading the model a second time
+        gc.collect()
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+        model = load_transformers(model_dir, dtype, device)
+        baseline = results["hf"] = run_hf_baseline(model, requests, pad_id=pad, batch_size=args.baseline_batch_size,
+                                                   progress=progress)
+        baseline_info = {"name": "hf", "batch_size": args.baseline_batch_size,
+                         "attn_implementation": getattr(model.config, "_attn_implementation", None)}
+    report = build_report(result, baseline=baseline, baseline_info=baseline_info, **info)
+    if args.plot:
+        plot_report(report, results, args.plot)
+    print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = argv  # the report's command line
     if args.version:
         from .version import PLUGIN_API_VERSION, __version__
 
@@ -119,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _quiet_libraries()
     try:
-        return {"plugins": cmd_plugins, "generate": cmd_generate}[args.command](args)
+        return {"plugins": cmd_plugins, "generate": cmd_generate, "bench": cmd_bench}[args.command](args)
     except TessellmError as exc:
         print(f"tessellm: error: {exc}", file=sys.stderr)
         return 2

@@ -4,7 +4,8 @@ The reference backend every other one is checked against, and the one that runs 
 torch does. ``plan`` turns the step's block tables into gather indices and masks once; each
 layer then stores its new K/V, gathers the context and calls SDPA:
 
-- decode tokens (query length 1) of all sequences run as one padded SDPA call;
+- decode tokens (query length 1) run as padded SDPA calls, one per power-of-two bucket of
+  context length;
 - every other sequence (a prompt, a prefill chunk, a speculative verification) runs alone,
   with ``is_causal`` when it has no earlier context and an explicit mask when it has.
 """
@@ -28,7 +29,8 @@ class SdpaOptions(PluginOptions):
     """Options of the `sdpa` attention backend."""
 
     batch_decode: bool = Field(True)
-    """Run all decode tokens of a step as one padded SDPA call (else one call per sequence)."""
+    """Run decode tokens as padded SDPA calls, one per power-of-two bucket of context length
+    (else one call per sequence)."""
 
 
 @dataclass
@@ -84,8 +86,14 @@ class SdpaAttention(AttentionBackend):
         batched = set(decodes)
         others = [i for i in range(batch.num_seqs) if i not in batched]
         groups: list[_Group] = []
-        if decodes:
-            groups.append(self._group(batch, decodes, qsl, bs, device))
+        # decodes of similar context length share a call: padding every sequence to the
+        # longest context in the step would gather (and attend over) mostly padding when
+        # lengths are long-tailed; power-of-two buckets bound the padding to under 2x
+        buckets: dict[int, list[int]] = {}
+        for i in decodes:
+            buckets.setdefault((batch.seq_lens_cpu[i] - 1).bit_length(), []).append(i)
+        for members in buckets.values():
+            groups.append(self._group(batch, members, qsl, bs, device))
         for i in others:
             groups.append(self._group(batch, [i], qsl, bs, device))
         return SdpaPlan(batch.slot_mapping, groups)

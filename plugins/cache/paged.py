@@ -124,6 +124,7 @@ class PagedCache(CacheManager):
         self._tables: dict[int, list[int]] = {}  # seq_id -> blocks
         self._computed: dict[int, int] = {}  # seq_id -> tokens with valid KV (commit)
         self._keys: dict[int, list[bytes]] = {}  # seq_id -> content keys of its leading full blocks
+        self._lookups: dict[int, tuple[int, int]] = {}  # seq_id -> (tokens looked up, hit) until it runs
         self._prefix_stats = PrefixCacheStats()
         self.cow_copies = 0
 
@@ -206,6 +207,7 @@ class PagedCache(CacheManager):
         table = self._tables.pop(seq.seq_id, None)
         self._computed.pop(seq.seq_id, None)
         self._keys.pop(seq.seq_id, None)
+        self._lookups.pop(seq.seq_id, None)
         # release the tail first: a cached prefix's later blocks are then evicted before its
         # earlier ones, which other prompts are more likely to share
         for block in reversed(table or []):
@@ -249,8 +251,9 @@ class PagedCache(CacheManager):
         self._keys[seq.seq_id] = keys
         hit = len(table) * bs
         self._computed[seq.seq_id] = hit
-        self._prefix_stats.queried_tokens += len(tokens)
-        self._prefix_stats.hit_tokens += hit
+        # counted at the sequence's first commit: a lookup for a sequence that then could not
+        # start (and is looked up again next step) is not a second query
+        self._lookups[seq.seq_id] = (len(tokens), hit)
         return hit
 
     def commit(self, seq: Sequence) -> None:
@@ -259,6 +262,10 @@ class PagedCache(CacheManager):
             return
         n = seq.num_computed_tokens
         self._computed[seq.seq_id] = n
+        lookup = self._lookups.pop(seq.seq_id, None)
+        if lookup is not None:
+            self._prefix_stats.queried_tokens += lookup[0]
+            self._prefix_stats.hit_tokens += lookup[1]
         if not self.options.prefix_caching:
             return
         bs = self.layout.block_size
@@ -286,9 +293,8 @@ class PagedCache(CacheManager):
         fill: dict[int, int] = {}
         for seq_id, table in self._tables.items():
             computed = self._computed.get(seq_id, 0)
-            for i in range(computed // bs, len(table)):
-                filled = max(0, min(bs, computed - i * bs))
-                fill[table[i]] = max(fill.get(table[i], 0), filled)
+            for i, block in enumerate(table):  # a shared block counts as its fullest holder sees it
+                fill[block] = max(fill.get(block, 0), max(0, min(bs, computed - i * bs)))
         return self.pool.num_used * bs - sum(bs - f for f in fill.values())
 
 
