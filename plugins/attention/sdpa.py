@@ -54,7 +54,7 @@ class SdpaPlan:
     """The step's groups plus the slot mapping every layer stores through."""
 
     slot_mapping: torch.Tensor
-    groups: list[_Group]
+    groups: list  # _Group, or a subclass's group with an ``attend(q, kv, scale, out)`` method
 
 
 class SdpaAttention(AttentionBackend):
@@ -85,18 +85,20 @@ class SdpaAttention(AttentionBackend):
             decodes = []
         batched = set(decodes)
         others = [i for i in range(batch.num_seqs) if i not in batched]
-        groups: list[_Group] = []
+        groups = self._decode_groups(batch, decodes, qsl, device)
+        for i in others:
+            groups.append(self._group(batch, [i], qsl, bs, device))
+        return SdpaPlan(batch.slot_mapping, groups)
+
+    def _decode_groups(self, batch: BatchMetadata, decodes: list[int], qsl: list[int],
+                       device: torch.device) -> list:
         # decodes of similar context length share a call: padding every sequence to the
         # longest context in the step would gather (and attend over) mostly padding when
         # lengths are long-tailed; power-of-two buckets bound the padding to under 2x
         buckets: dict[int, list[int]] = {}
         for i in decodes:
             buckets.setdefault((batch.seq_lens_cpu[i] - 1).bit_length(), []).append(i)
-        for members in buckets.values():
-            groups.append(self._group(batch, members, qsl, bs, device))
-        for i in others:
-            groups.append(self._group(batch, [i], qsl, bs, device))
-        return SdpaPlan(batch.slot_mapping, groups)
+        return [self._group(batch, members, qsl, batch.block_size, device) for members in buckets.values()]
 
     def _group(self, batch: BatchMetadata, seqs: list[int], qsl: list[int], bs: int,
                device: torch.device) -> _Group:
@@ -136,6 +138,9 @@ class SdpaAttention(AttentionBackend):
         kv.store(k, v, plan.slot_mapping)
         out = torch.empty_like(q)
         for g in plan.groups:
+            if not isinstance(g, _Group):
+                g.attend(q, kv, self.scale, out)  # a subclass's own kind of group
+                continue
             keys, values = kv.gather(g.slots)  # [B, L, Hkv, D]
             query = q[g.rows]  # [B, Q, Hq, D]
             o = F.scaled_dot_product_attention(

@@ -1,5 +1,7 @@
 """The engine and the Python API on a tiny random model (float64, so batch composition
-cannot change a token): nothing dropped, nothing leaked, n > 1, stops, aborts, faults."""
+cannot change a token): nothing dropped, nothing leaked, n > 1, stops, aborts, faults.
+Every test runs twice: with the reference parts (contiguous + static) and the default ones
+(paged + continuous)."""
 
 from __future__ import annotations
 
@@ -16,9 +18,27 @@ def folder(tiny_model):
     return tiny_model("llama")
 
 
-def make_llm(folder, cpu_config, max_seqs=8, batch=16, **extra) -> LLM:
-    return LLM(cpu_config(folder, dtype="float64", cache={"name": "contiguous", "options": {"max_seqs": max_seqs}},
-                          scheduler={"name": "static", "options": {"max_batch_size": batch}}, **extra))
+PARTS = {
+    # the reference parts: one region per sequence, fixed batches
+    "contiguous+static": lambda seqs, batch: (
+        {"name": "contiguous", "options": {"max_seqs": seqs}},
+        {"name": "static", "options": {"max_batch_size": batch}}),
+    # the default parts: room for ``seqs`` prompts of 30 + 18 tokens, in-flight batching
+    "paged+continuous": lambda seqs, batch: (
+        {"name": "paged", "options": {"block_size": 16, "num_blocks": 3 * seqs}},
+        {"name": "continuous", "options": {"max_num_seqs": batch, "max_num_batched_tokens": 64}}),
+}
+
+
+@pytest.fixture(params=list(PARTS))
+def make_llm(request, folder, cpu_config):
+    """Factory of float64 LLMs over the tiny model with the parts under test."""
+
+    def make(max_seqs=8, batch=16, **extra) -> LLM:
+        cache, scheduler = PARTS[request.param](max_seqs, batch)
+        return LLM(cpu_config(folder, dtype="float64", cache=cache, scheduler=scheduler, **extra))
+
+    return make
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -32,9 +52,9 @@ def free_everything(llm: LLM) -> bool:
     return engine.cache.num_free_blocks == engine.cache.num_blocks and not engine.scheduler.unfinished()
 
 
-def test_more_requests_than_cache_all_finish_like_alone(folder, cpu_config):
-    big = make_llm(folder, cpu_config)
-    small = make_llm(folder, cpu_config, max_seqs=2, batch=3)
+def test_more_requests_than_cache_all_finish_like_alone(make_llm):
+    big = make_llm()
+    small = make_llm(max_seqs=2, batch=3)
     ps = prompts(7)
     params = {"max_tokens": 9, "ignore_eos": True}
     alone = [big.generate([p], params)[0].token_ids for p in ps]
@@ -44,10 +64,10 @@ def test_more_requests_than_cache_all_finish_like_alone(folder, cpu_config):
     assert free_everything(small)
 
 
-def test_parallel_sampling_forks_and_falls_back_when_full(folder, cpu_config):
+def test_parallel_sampling_forks_and_falls_back_when_full(make_llm):
     params = {"max_tokens": 8, "temperature": 1.0, "n": 3, "seed": 42, "ignore_eos": True}
-    roomy = make_llm(folder, cpu_config, max_seqs=8)
-    tight = make_llm(folder, cpu_config, max_seqs=2)  # 3 samples, 2 regions: a child recomputes
+    roomy = make_llm(max_seqs=8)
+    tight = make_llm(max_seqs=2)  # 3 samples, 2 regions: a child recomputes
     ps = prompts(2, seed=3)
     a = roomy.generate(ps, params)
     b = tight.generate(ps, params)
@@ -58,8 +78,8 @@ def test_parallel_sampling_forks_and_falls_back_when_full(folder, cpu_config):
     assert free_everything(tight) and free_everything(roomy)
 
 
-def test_stop_strings_and_stop_tokens(folder, cpu_config):
-    llm = make_llm(folder, cpu_config)
+def test_stop_strings_and_stop_tokens(make_llm):
+    llm = make_llm()
     p = prompts(1, seed=5)[0]
     full = llm.generate([p], {"max_tokens": 12, "ignore_eos": True})[0]
     assert full.finish_reason == "length"
@@ -75,8 +95,8 @@ def test_stop_strings_and_stop_tokens(folder, cpu_config):
     assert by_token.token_ids == full.token_ids[: full.token_ids.index(full.token_ids[3]) + 1]
 
 
-def test_abort_frees_cache(folder, cpu_config):
-    llm = make_llm(folder, cpu_config)
+def test_abort_frees_cache(make_llm):
+    llm = make_llm()
     engine = llm.engine
     for i, p in enumerate(prompts(3)):
         engine.add_request(f"r{i}", p, SamplingParams(max_tokens=50, ignore_eos=True))
@@ -89,8 +109,8 @@ def test_abort_frees_cache(folder, cpu_config):
     engine.abort("never-existed")  # a no-op
 
 
-def test_fault_in_a_step_leaves_no_request_and_no_block(folder, cpu_config, monkeypatch):
-    llm = make_llm(folder, cpu_config)
+def test_fault_in_a_step_leaves_no_request_and_no_block(make_llm, monkeypatch):
+    llm = make_llm()
     calls = {"n": 0}
     forward = llm.engine.runner.forward
 
@@ -108,8 +128,8 @@ def test_fault_in_a_step_leaves_no_request_and_no_block(folder, cpu_config, monk
     assert all(o.finish_reason in ("stop", "length") for o in outs)
 
 
-def test_admission_errors(folder, cpu_config):
-    llm = make_llm(folder, cpu_config, max_model_len=32)
+def test_admission_errors(make_llm):
+    llm = make_llm(max_model_len=32)
     with pytest.raises(RequestRejectedError, match="max_model_len 32"):
         llm.generate([[5] * 10], {"max_tokens": 30})
     with pytest.raises(InvalidRequestError, match="context window"):
@@ -125,8 +145,8 @@ def test_admission_errors(folder, cpu_config):
     assert free_everything(llm)
 
 
-def test_outputs_come_back_in_prompt_order_with_timings(folder, cpu_config):
-    llm = make_llm(folder, cpu_config, max_seqs=2, batch=2)
+def test_outputs_come_back_in_prompt_order_with_timings(make_llm):
+    llm = make_llm(max_seqs=2, batch=2)
     ps = prompts(5, seed=9)
     outs = llm.generate(ps, [{"max_tokens": 3 + i, "ignore_eos": True} for i in range(5)])
     assert [len(o.token_ids) for o in outs] == [3, 4, 5, 6, 7]
@@ -134,8 +154,8 @@ def test_outputs_come_back_in_prompt_order_with_timings(folder, cpu_config):
     assert all(o.ttft_s is not None and 0 < o.ttft_s <= o.e2e_s for o in outs)
 
 
-def test_score_matches_generation(folder, cpu_config):
-    llm = make_llm(folder, cpu_config)
+def test_score_matches_generation(make_llm):
+    llm = make_llm()
     p = prompts(1, seed=11)[0]
     out = llm.generate([p], {"max_tokens": 5, "ignore_eos": True})[0]
     logits = llm.engine.score(p + out.token_ids[:-1])

@@ -153,6 +153,7 @@ def test_paged_continuous_matches_transformers(case, paged_llm, hf_model, record
     record_property("near_ties", reports)
     print("\n".join(reports) or f"{kind}: all {len(ids)} prompts equal through paged + continuous")
     stats = paged_llm.pipeline.cache.prefix_cache_stats()
-    assert stats.hit_tokens > 0  # the second round reused the first one's blocks
+    if max(map(len, ids)) > 16:  # a prompt with a full block to reuse (the chat ones)
+        assert stats.hit_tokens > 0
     cache = paged_llm.pipeline.cache
     assert cache.pool.num_used == 0 and cache.num_free_blocks == cache.num_blocks

@@ -53,25 +53,37 @@ class PackedCase:
 
 
 def make_case(kv_lens: list[int], q_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
-              block_size: int, dtype: torch.dtype, seed: int) -> PackedCase:
+              block_size: int, dtype: torch.dtype, seed: int, shared_blocks: int = 0) -> PackedCase:
     """Sequences of context ``kv_lens`` whose last ``q_lens`` tokens are this step's queries;
-    earlier tokens are already in a cache whose blocks are scattered at random."""
+    earlier tokens are already in a cache whose blocks are scattered at random.
+
+    ``shared_blocks``: every sequence whose cached context covers that many whole blocks
+    starts with the same blocks (the same physical ids and K/V), as prefix caching and
+    parallel sampling leave them."""
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [math.ceil(n / block_size) for n in kv_lens]
-    num_blocks = sum(blocks_per_seq) + 3  # a few spare blocks, so tables are not a plain range
+    sharing = [n - q >= shared_blocks * block_size > 0 for n, q in zip(kv_lens, q_lens)]
+    num_blocks = sum(blocks_per_seq) + shared_blocks + 3  # a few spare, so tables are not a plain range
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables, start = [], 0
-    for n in blocks_per_seq:
-        tables.append(perm[start:start + n])
-        start += n
+    shared, start = perm[:shared_blocks], shared_blocks
+    tables = []
+    for n, shares in zip(blocks_per_seq, sharing):
+        own = n - shared_blocks if shares else n
+        tables.append((shared if shares else []) + perm[start:start + own])
+        start += own
+    prefix = shared_blocks * block_size
+    prefix_k = torch.randn(prefix, num_kv_heads, head_dim, generator=g).to(dtype)
+    prefix_v = torch.randn(prefix, num_kv_heads, head_dim, generator=g).to(dtype)
     storage = DenseKVStorage(KVLayout("kv", block_size, dtype), num_blocks * block_size, num_kv_heads, head_dim,
                              torch.device("cpu"))
     storage.k.fill_(float("nan"))  # unwritten slots must never be read, not even masked
     storage.v.fill_(float("nan"))
     k_full, v_full, qs, k_new, v_new, slots, positions = [], [], [], [], [], [], []
-    for n_kv, n_q, table in zip(kv_lens, q_lens, tables):
+    for n_kv, n_q, table, shares in zip(kv_lens, q_lens, tables, sharing):
         k = torch.randn(n_kv, num_kv_heads, head_dim, generator=g).to(dtype)
         v = torch.randn(n_kv, num_kv_heads, head_dim, generator=g).to(dtype)
+        if shares:
+            k[:prefix], v[:prefix] = prefix_k, prefix_v
         k_full.append(k)
         v_full.append(v)
         qs.append(torch.randn(n_q, num_heads, head_dim, generator=g).to(dtype))
