@@ -38,6 +38,9 @@ test: setup
 
 bench: setup
 	$(BIN)/python bench/generate_vs_hf.py
+	$(BIN)/tessellm bench --workload mixed --num-requests 64 --baseline hf
+	$(BIN)/tessellm bench --workload shared-prefix --num-requests 32 --baseline hf
+	$(BIN)/python bench/kv_memory.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

@@ -19,6 +19,7 @@ How to run
     .venv/bin/python bench/kv_memory.py                       # table
     .venv/bin/python bench/kv_memory.py --json --out bench/results/kv_memory_cpu.json
     .venv/bin/python bench/kv_memory.py --num-requests 8 --budget-mib 64   # quick check
+    .venv/bin/python bench/kv_memory.py --device cuda --dtype bfloat16   # on a GPU
 
 Memory accounting does not depend on timing, so these figures are exact for the workload;
 the tokens/s columns are CPU timings and, like every timing here, want an otherwise idle machine.
@@ -28,22 +29,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shlex
 import sys
 from datetime import datetime, timezone
 
-import torch
-
 from tessellm import LLM
-from tessellm.core.bench import run_offline
+from tessellm.core.bench import describe_device, run_offline
 from tessellm.core.bench_workloads import BenchRequest, make_workload
+from tessellm.core.config import config_from_dict
+from tessellm.core.model_loader import load_hf_config
+from tessellm.core.model_spec import ModelSpec
+from tessellm.core.resolve import DTYPES, model_dir_for
 from tessellm.plugins.cache.paged import bytes_per_block
 
 
-def pipeline(model: str, max_len: int, cache: dict, max_num_seqs: int) -> LLM:
-    return LLM({"model": model, "device": "cpu", "dtype": "float32", "max_model_len": max_len, "cache": cache,
-                "scheduler": {"name": "continuous", "options": {"max_num_seqs": max_num_seqs}}})
+def config(args: argparse.Namespace, cache: dict) -> dict:
+    return {"model": args.model, "device": args.device, "dtype": args.dtype, "max_model_len": args.max_model_len,
+            "cache": cache, "scheduler": {"name": "continuous", "options": {"max_num_seqs": args.max_num_seqs}}}
+
+
+def kv_bytes_per_token(args: argparse.Namespace) -> int:
+    """K and V bytes of one token across all layers, from the model's config (no weights loaded)."""
+    cfg = config_from_dict(config(args, {"name": "paged"}))
+    spec = ModelSpec.from_hf_config(load_hf_config(model_dir_for(cfg)))
+    return bytes_per_block(spec, 1, DTYPES[args.dtype])
 
 
 def side(llm: LLM, requests: list[BenchRequest]) -> dict:
@@ -73,6 +82,8 @@ def parallel_sampling(llm: LLM, prompt_len: int, n: int, max_tokens: int) -> dic
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (the figures do not depend on it)")
+    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--num-requests", type=int, default=32)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-model-len", type=int, default=2048, help="the contiguous cache's region size")
@@ -84,16 +95,15 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     budget = args.budget_mib * 2**20
-    paged = pipeline(args.model, args.max_model_len,
-                     {"name": "paged", "options": {"block_size": 16, "cpu_memory_bytes": budget}}, args.max_num_seqs)
-    spec = paged.pipeline.spec
-    per_token = bytes_per_block(spec, 1, torch.float32)
+    per_token = kv_bytes_per_token(args)
+    # the same bytes on any device: the budget as a block count for paged, as regions for contiguous
+    paged = LLM(config(args, {"name": "paged", "options": {"block_size": 16, "num_blocks": budget // (16 * per_token)}}))
     regions = budget // (args.max_model_len * per_token)
     requests = make_workload("mixed", seed=args.seed, num_requests=args.num_requests, tokenizer=paged.tokenizer,
                              max_model_len=min(args.max_model_len, paged.pipeline.cache.max_seq_tokens))
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": shlex.join([sys.executable.rsplit("/", 1)[-1], *sys.argv]),
-              "device": f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+              "device": describe_device(paged.pipeline.resolved.device), "dtype": args.dtype,
               "model": args.model, "budget_mib": args.budget_mib, "kv_bytes_per_token": per_token,
               "workload": {"name": "mixed", "seed": args.seed, "num_requests": len(requests),
                            "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests),
@@ -101,8 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     report["paged"] = side(paged, requests)
     report["parallel_sampling"] = parallel_sampling(paged, 512, args.n, 64)
     del paged
-    contiguous = pipeline(args.model, args.max_model_len,
-                          {"name": "contiguous", "options": {"max_seqs": max(regions, 1)}}, args.max_num_seqs)
+    contiguous = LLM(config(args, {"name": "contiguous", "options": {"max_seqs": max(regions, 1)}}))
     report["contiguous"] = side(contiguous, requests)
     report["batch_ratio"] = round(report["paged"]["peak_running"] / report["contiguous"]["peak_running"], 2)
     text = json.dumps(report, indent=2)

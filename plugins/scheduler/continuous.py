@@ -144,7 +144,9 @@ class ContinuousScheduler(QueueScheduler):
                 seq.num_computed_tokens = self.cache.match_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = min(remaining, budget)
-            if n < remaining and not self.options.chunked_prefill:
+            # without chunked prefill a prompt waits for a step with room for all of it; a
+            # preempted sequence, which may have outgrown any step, is recomputed in chunks
+            if n < remaining and not self.options.chunked_prefill and seq.num_output_tokens == 0:
                 self._release(seq)
                 break
             need = seq.num_computed_tokens + n + (lookahead if n == remaining else 0)

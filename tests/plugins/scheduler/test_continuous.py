@@ -22,9 +22,9 @@ from tessellm.plugins.scheduler.continuous import ContinuousOptions, ContinuousS
 MAX_LEN = 64
 
 
-def make(num_blocks=16, block_size=4, lookahead=0, **options) -> ContinuousScheduler:
+def make(num_blocks=16, block_size=4, lookahead=0, prefix_caching=True, **options) -> ContinuousScheduler:
     spec = CacheSpec(1, 1, 2, torch.float32, torch.device("cpu"), MAX_LEN)
-    cache = PagedCache(PagedOptions(block_size=block_size, num_blocks=num_blocks), spec,
+    cache = PagedCache(PagedOptions(block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching), spec,
                        KVLayout("kv", block_size, torch.float32))
     return ContinuousScheduler(ContinuousOptions(**options), cache, SchedulerLimits(MAX_LEN, lookahead))
 
@@ -52,12 +52,12 @@ def fake_step(sched: ContinuousScheduler, finished: list[Sequence]):
 
 @given(st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12), st.integers(0, 4)), min_size=1, max_size=10),
        st.sampled_from([1, 2, 4, 8]), st.integers(12, 40), st.integers(1, 24), st.integers(1, 6),
-       st.integers(0, 2), st.sampled_from(["fcfs", "priority"]), st.booleans())
+       st.integers(0, 2), st.sampled_from(["fcfs", "priority"]), st.booleans(), st.booleans(), st.booleans())
 def test_every_request_finishes_within_limits(requests, block_size, num_blocks_base, budget, max_seqs, lookahead,
-                                              policy, arrive_late):
+                                              policy, arrive_late, chunked, prefix_caching):
     num_blocks = max(num_blocks_base // block_size, 1) * 4
-    sched = make(num_blocks, block_size, lookahead, max_num_batched_tokens=budget, max_num_seqs=max_seqs,
-                 policy=policy)
+    sched = make(num_blocks, block_size, lookahead, prefix_caching, max_num_batched_tokens=budget,
+                 max_num_seqs=max_seqs, policy=policy, chunked_prefill=chunked)
     seqs, rejected = [], 0
     for i, (p, m, prio) in enumerate(requests):
         seq = Sequence(f"r{i}", [1 + (i * 7 + j) % 5 for j in range(p)], SamplingParams(max_tokens=m), priority=prio)
@@ -65,7 +65,7 @@ def test_every_request_finishes_within_limits(requests, block_size, num_blocks_b
             sched.add([seq])
             seqs.append(seq)
         except RequestRejectedError:
-            assert p + m + lookahead > num_blocks * block_size
+            assert p + m + lookahead > num_blocks * block_size or (not chunked and p > budget)
             rejected += 1
         if arrive_late and seqs:
             fake_step(sched, [])
@@ -162,3 +162,19 @@ def test_options_are_validated():
         ContinuousOptions(policy="lifo")
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         ContinuousOptions(max_num_batched_tokens=0)
+
+
+def test_without_chunking_a_preempted_sequence_longer_than_a_step_still_resumes():
+    sched = make(num_blocks=6, block_size=2, max_num_batched_tokens=4, chunked_prefill=False, prefix_caching=False)
+    a = Sequence("a", [1, 2, 3], SamplingParams(max_tokens=8))
+    b = Sequence("b", [4, 5, 6], SamplingParams(max_tokens=8))
+    sched.add([a, b])
+    finished: list[Sequence] = []
+    preempted = 0
+    for _ in range(200):
+        if not sched.unfinished():
+            break
+        out = fake_step(sched, finished)
+        preempted += len(out.preempted)
+        assert out.scheduled
+    assert preempted and {s.request_id for s in finished} == {"a", "b"}

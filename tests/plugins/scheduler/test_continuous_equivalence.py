@@ -26,8 +26,11 @@ SHARED = torch.randint(3, 49152, (40,), generator=PREFIX).tolist()  # prompts sh
 
 @pytest.fixture(scope="module")
 def reference(tiny_model, cpu_config):
-    """The contiguous-cache float64 pipeline; its engine runs each request alone."""
+    """The contiguous-cache float64 pipeline; its engine runs each request alone. Its
+    attention backend, shared with the paged engines, attends shared prefixes as a cascade
+    from one block on (prefix hits and forks exercise it)."""
     return LLM(cpu_config(tiny_model("llama"), dtype="float64",
+                          attention={"name": "cascade", "options": {"min_shared_tokens": 1}},
                           cache={"name": "contiguous", "options": {"max_seqs": 8}},
                           scheduler={"name": "static", "options": {"max_batch_size": 8}}))
 
