@@ -1,4 +1,4 @@
-"""The ``tessellm`` command: ``plugins``, ``generate`` and ``bench``.
+"""The ``tessellm`` command: ``plugins``, ``generate``, ``bench`` and ``ab``.
 
 Bad input (config, model, request) prints one line, ``tessellm: error: ...``, and exits with
 status 2, as argparse does for bad arguments; no traceback.
@@ -62,6 +62,31 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--baseline-batch-size", type=int, default=16,
                    help="static batch size of the baseline (default 16)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    ab = sub.add_parser("ab", help="A/B test two pipelines: interleaved rounds, throughput ratio, output agreement",
+                        description="Run one workload through two pipelines in interleaved rounds (A B, B A, ...); "
+                                    "report each arm's throughput and latency, the throughput ratio B/A with a "
+                                    "bootstrap 95% interval over rounds, and how far their greedy outputs agree.")
+    ab.add_argument("configs", nargs="*", metavar="CONFIG", help="A's and B's config files (instead of --a/--b)")
+    _add_config_args(ab)
+    for arm in ("a", "b"):
+        ab.add_argument(f"--{arm}", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                        help=f"overrides of arm {arm.upper()} on top of --config and --set, e.g. "
+                             f"attention.name=sdpa,dtype=float32 (repeatable)")
+    ab.add_argument("--workload", default="mixed", metavar="NAME|PATH.jsonl",
+                    help="mixed (default), shared-prefix, or a .jsonl file, as for bench")
+    ab.add_argument("--workload-set", dest="workload_overrides", metavar="KEY=VALUE", action="append", default=[],
+                    help="override a workload parameter (repeatable)")
+    ab.add_argument("--num-requests", type=int, default=16, metavar="N", help="requests per run (default 16)")
+    ab.add_argument("--rounds", type=int, default=5, metavar="N",
+                    help="runs of each arm, interleaved (default 5, at least 2)")
+    ab.add_argument("--seed", type=int, default=0, metavar="S",
+                    help="seed of the workload and the bootstrap (default 0)")
+    ab.add_argument("--num-agreement-prompts", type=int, default=8, metavar="N",
+                    help="workload prompts on which to compare greedy outputs and KL (default 8; 0 skips)")
+    ab.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ab.add_argument("--plot", metavar="FILE.png", help="also draw per-round throughput and the ratio into FILE.png")
+    ab.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
@@ -182,6 +207,42 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_ab(args: argparse.Namespace) -> int:
+    import os
+    import shlex
+
+    from .ab import format_ab_report, load_arm_configs, plot_ab_report, run_ab
+    from .bench import progress_enabled
+    from .bench_workloads import get_workload
+    from .errors import ConfigError
+    from .llm import LLM
+
+    # every argument and both configs are checked before a model is loaded
+    workload = get_workload(args.workload, args.workload_overrides)
+    for flag, value, least in (("--num-requests", args.num_requests, 1), ("--rounds", args.rounds, 2),
+                               ("--seed", args.seed, 0), ("--num-agreement-prompts", args.num_agreement_prompts, 0)):
+        if value < least:
+            raise ConfigError(f"{flag} must be at least {least}, got {value}")
+    if args.plot is not None and not args.plot.lower().endswith(".png"):
+        raise ConfigError(f"--plot {args.plot!r}: the figure is written as PNG; give a FILE.png")
+    folder = os.path.dirname(os.path.abspath(args.plot or "."))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"--plot {args.plot!r}: folder {folder!r} does not exist")
+    config_a, config_b = load_arm_configs(args.configs, base=args.config, shared=args.overrides, a=args.a, b=args.b)
+    llm_a, llm_b = LLM(config_a), LLM(config_b)
+    report = run_ab(llm_a, llm_b, workload, seed=args.seed, num_requests=args.num_requests, rounds=args.rounds,
+                    num_agreement_prompts=args.num_agreement_prompts,
+                    progress=progress_enabled(args.no_progress, args.json),
+                    command=shlex.join(["tessellm", *(sys.argv[1:] if args.argv is None else args.argv)]))
+    if args.json and report["a"]["kv_cache_slots"] != report["b"]["kv_cache_slots"]:  # the text report says so itself
+        print(f"tessellm: warning: the arms' KV caches differ in size ({report['a']['kv_cache_slots']} vs "
+              f"{report['b']['kv_cache_slots']} slots)", file=sys.stderr)
+    if args.plot:
+        plot_ab_report(report, args.plot)
+    print(json.dumps(report, indent=2) if args.json else format_ab_report(report), flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -196,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _quiet_libraries()
     try:
-        return {"plugins": cmd_plugins, "generate": cmd_generate, "bench": cmd_bench}[args.command](args)
+        return {"plugins": cmd_plugins, "generate": cmd_generate, "bench": cmd_bench,
+                "ab": cmd_ab}[args.command](args)
     except TessellmError as exc:
         print(f"tessellm: error: {exc}", file=sys.stderr)
         return 2
