@@ -33,17 +33,42 @@ class FlashOptions(PluginOptions):
     """Query rows per program."""
     block_n: int = Field(32, ge=16, le=256)
     """Keys per inner-loop step."""
+    split_decode: bool = True
+    """Run decodes (query length 1) through the split-K flash-decoding kernel."""
+    decode_splits: int | None = Field(None, ge=1, le=64)
+    """Splits of each decode's context (None: enough programs to fill the GPU)."""
+
+
+@dataclass
+class _Seqs:
+    """Kernel arguments for a subset of the step's sequences (int32 tensors on the device)."""
+
+    query_start: torch.Tensor  # [B] first packed row
+    query_lens: torch.Tensor  # [B]
+    seq_lens: torch.Tensor  # [B] context length after this step
+    block_tables: torch.Tensor  # [B, max_blocks]
+    max_query_len: int
+    max_seq_len: int
+
+    @classmethod
+    def of(cls, batch: BatchMetadata, index: list[int], qsl: list[int]) -> "_Seqs":
+        device = batch.input_ids.device
+        pick = torch.tensor(index, dtype=torch.long, device=device)
+        return cls(torch.tensor([qsl[i] for i in index], dtype=torch.int32, device=device),
+                   torch.tensor([batch.query_lens_cpu[i] for i in index], dtype=torch.int32, device=device),
+                   batch.seq_lens.index_select(0, pick), batch.block_tables.index_select(0, pick).to(torch.int32),
+                   max((batch.query_lens_cpu[i] for i in index), default=0),
+                   max((batch.seq_lens_cpu[i] for i in index), default=0))
 
 
 @dataclass
 class FlashPlan:
-    """Per-step kernel arguments shared by every layer."""
+    """Per-step kernel arguments shared by every layer: decodes (query length 1) go to the
+    split-K decode kernel, everything else to the varlen prefill kernel."""
 
     slot_mapping: torch.Tensor
-    block_tables: torch.Tensor  # [B, max_blocks] int32
-    query_start: torch.Tensor  # [B+1] int32
-    seq_lens: torch.Tensor  # [B] int32
-    max_query_len: int
+    decodes: _Seqs | None
+    others: _Seqs | None
     block_size: int
 
 
@@ -86,17 +111,33 @@ class FlashAttention(AttentionBackend):
         return reasons
 
     def plan(self, batch: BatchMetadata, cache: CacheManager) -> FlashPlan:
-        return FlashPlan(batch.slot_mapping, batch.block_tables.to(torch.int32), batch.query_start_loc,
-                         batch.seq_lens, batch.max_query_len, batch.block_size)
+        qsl = [0]
+        for n in batch.query_lens_cpu:
+            qsl.append(qsl[-1] + n)
+        split = self.options.split_decode
+        decodes = [i for i, n in enumerate(batch.query_lens_cpu) if n == 1 and split]
+        others = [i for i, n in enumerate(batch.query_lens_cpu) if not (n == 1 and split)]
+        return FlashPlan(batch.slot_mapping, _Seqs.of(batch, decodes, qsl) if decodes else None,
+                         _Seqs.of(batch, others, qsl) if others else None, batch.block_size)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: KVStorage, plan: FlashPlan) -> torch.Tensor:
-        from .flash_kernels import paged_flash_attention  # imported late: TRITON_INTERPRET is read then
+        from .flash_kernels import paged_decode_attention, paged_flash_attention  # late: TRITON_INTERPRET is read then
 
         kv.store(k, v, plan.slot_mapping)
-        return paged_flash_attention(q.contiguous(), kv.k, kv.v, plan.block_tables, plan.query_start, plan.seq_lens,
-                                     plan.max_query_len, self.scale, plan.block_size, self.sliding_window,
-                                     self.options.block_m, self.options.block_n)
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        o = self.options
+        if plan.others is not None:
+            s = plan.others
+            paged_flash_attention(q, kv.k, kv.v, out, s.block_tables, s.query_start, s.query_lens, s.seq_lens,
+                                  s.max_query_len, self.scale, plan.block_size, self.sliding_window,
+                                  o.block_m, o.block_n)
+        if plan.decodes is not None:
+            s = plan.decodes
+            paged_decode_attention(q, kv.k, kv.v, out, s.query_start, s.block_tables, s.seq_lens, s.max_seq_len,
+                                   self.scale, plan.block_size, self.sliding_window, o.decode_splits, o.block_n)
+        return out
 
 
 @tessellm.hookimpl

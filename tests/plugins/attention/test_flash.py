@@ -1,7 +1,8 @@
 """`flash` (Triton) against the float64 reference, under Triton's interpreter on CPU: random
 packed batches (decodes, chunks after cached context, whole prompts), scattered block tables,
-GQA, sliding windows, shared prefix blocks; unwritten cache slots hold NaN to prove the kernel
-never reads them."""
+GQA, sliding windows, shared prefix blocks, decodes through the split-K kernel with 1 to 8
+splits (some past the end of a short context); unwritten cache slots hold NaN to prove the
+kernels never read them."""
 
 from __future__ import annotations
 
@@ -35,11 +36,13 @@ def packed_batches(draw):
                 head_dim=draw(st.sampled_from([16, 32, 48, 64])), block_size=block_size,
                 shared_blocks=draw(st.sampled_from([0, 0, 1, 2])),
                 window=draw(st.one_of(st.none(), st.integers(1, 24))),
-                block_n=draw(st.sampled_from([16, 32])), seed=draw(st.integers(0, 2**16)))
+                block_n=draw(st.sampled_from([16, 32])), seed=draw(st.integers(0, 2**16)),
+                split_decode=draw(st.booleans()), decode_splits=draw(st.sampled_from([None, 1, 3, 8])))
 
 
 def run_flash(case, p, dtype):
-    backend = FlashAttention(FlashOptions(block_n=p["block_n"]), ref.model_stub(p["head_dim"], p["window"]),
+    options = FlashOptions(block_n=p["block_n"], split_decode=p["split_decode"], decode_splits=p["decode_splits"])
+    backend = FlashAttention(options, ref.model_stub(p["head_dim"], p["window"]),
                              torch.device("cpu"), dtype)
     plan = backend.plan(case.batch, cache=None)
     return backend.forward(0, case.q, case.k_new, case.v_new, case.storage, plan)
