@@ -288,15 +288,20 @@ class PagedCache(CacheManager):
 
     def num_used_slots(self) -> int:
         """Full blocks count block_size each; a partly filled block counts its filled slots
-        once however many sequences share it."""
+        once however many sequences share it (as full if any holder has filled it)."""
         bs = self.layout.block_size
         fill: dict[int, int] = {}
-        for seq_id, table in self._tables.items():
+        for seq_id, table in self._tables.items():  # only the tail past each sequence's full blocks
             computed = self._computed.get(seq_id, 0)
-            for i, block in enumerate(table):  # a shared block counts as its fullest holder sees it
-                fill[block] = max(fill.get(block, 0), max(0, min(bs, computed - i * bs)))
+            for i in range(computed // bs, len(table)):
+                fill[table[i]] = max(fill.get(table[i], 0), max(0, min(bs, computed - i * bs)))
+        shared = {b for b, f in fill.items() if f < bs and self.pool.ref_counts[b] > 1}
+        if shared:  # rare (a fork rolled back into its shared part): is it full in another table?
+            for seq_id, table in self._tables.items():
+                for block in table[: self._computed.get(seq_id, 0) // bs]:
+                    if block in shared:
+                        fill[block] = bs
         return self.pool.num_used * bs - sum(bs - f for f in fill.values())
-
 
 @tessellm.hookimpl
 def register_cache(register):
