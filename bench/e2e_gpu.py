@@ -1,0 +1,153 @@
+"""End to end on a GPU (issue 4, item 6): tessellm (flash + paged + continuous) against
+transformers' padded `generate` on the same requests, in one run, with the step roofline.
+
+What it measures
+----------------
+A random-weight model with Llama-3.2-1B's shapes (built here from its config with
+``torch.manual_seed(0)``, bf16; a word-level tokenizer over its 128,256 ids, since no hub is
+reachable) and 512 requests: lognormal prompt lengths with mean about 200 tokens (median 145,
+sigma 0.8, clipped to 16..1024), 256 new tokens each (``ignore_eos``), all submitted at t=0.
+
+- tessellm: ``--config``-free pipeline ``attention flash, cache paged, scheduler continuous``.
+- transformers: padded static batches of 64 and of 128 (``core.hf_baseline``), greedy.
+- Roofline: per decode step at the run's mean batch and mean context, the larger of (weight
+  bytes + K/V bytes read) / copy bandwidth and FLOPs / bf16 matmul rate, both measured here;
+  ``fraction_of_roofline`` = tessellm's output tokens/s over the roofline's.
+
+Targets: at least 10x transformers' best, at least 40% of the roofline.
+
+How to run
+----------
+    python bench/e2e_gpu.py --out bench/results/e2e_h100.json            # on a GPU (~5 min)
+    TRITON_INTERPRET=1 python bench/e2e_gpu.py --smoke                    # CPU: tiny shapes, code path only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from tessellm import LLM
+from tessellm.core.bench import describe_device, run_offline
+from tessellm.core.bench_workloads import make_workload
+from tessellm.core.hf_baseline import load_transformers, run_hf_baseline
+
+LLAMA_32_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                   num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
+                   rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
+                   rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 8192})
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=512, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=True,
+            bos_token_id=0, eos_token_id=1)
+
+
+def build_model(folder: Path, shapes: dict, dtype: torch.dtype) -> None:
+    """Random weights of ``shapes`` and a word-level tokenizer over every id, saved as an HF folder."""
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**shapes)).to(dtype).save_pretrained(folder, safe_serialization=True)
+    vocab = {f"t{i}": i for i in range(shapes["vocab_size"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token=f"t{shapes['bos_token_id']}",
+                            eos_token=f"t{shapes['eos_token_id']}", pad_token="t0").save_pretrained(folder)
+
+
+def measured_rates(device: torch.device, smoke: bool) -> tuple[float, float]:
+    """(copy bandwidth bytes/s, bf16 matmul FLOP/s) on ``device``."""
+    n = 2**28 if not smoke else 2**18
+    src = torch.empty(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    m = 8192 if not smoke else 256
+    a = torch.randn(m, m, device=device, dtype=torch.bfloat16 if not smoke else torch.float32)
+
+    def seconds(fn, reps=10):
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return (time.perf_counter() - t) / reps
+
+    return 2 * n * 4 / seconds(lambda: dst.copy_(src)), 2 * m ** 3 / seconds(lambda: a @ a)
+
+
+def roofline(shapes: dict, dtype: torch.dtype, batch: float, context: float, bandwidth: float, flops: float) -> float:
+    """Output tokens/s at the roofline for decode steps of ``batch`` sequences at ``context``."""
+    h, layers, kv, d = shapes["hidden_size"], shapes["num_hidden_layers"], shapes["num_key_value_heads"], shapes["head_dim"]
+    heads, inter, vocab = shapes["num_attention_heads"], shapes["intermediate_size"], shapes["vocab_size"]
+    params = layers * (h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * inter) + vocab * h
+    size = torch.finfo(dtype).bits // 8
+    step_bytes = params * size + batch * context * layers * 2 * kv * d * size
+    step_flops = 2 * params * batch + batch * layers * 4 * heads * d * context
+    return batch / max(step_bytes / bandwidth, step_flops / flops)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "e2e.json") if "OUT" in os.environ else None)
+    ap.add_argument("--num-requests", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--hf-batches", default="64,128")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (TRITON_INTERPRET=1)")
+    args = ap.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        ap.error("no GPU: run with --smoke (and TRITON_INTERPRET=1) to check the code path on CPU")
+    shapes, dtype = (LLAMA_32_1B, torch.bfloat16) if not args.smoke else (TINY, torch.float32)
+    num, out_len = (args.num_requests, args.output_len) if not args.smoke else (4, 8)
+    hf_batches = [int(b) for b in args.hf_batches.split(",")] if not args.smoke else [2]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        build_model(folder, shapes, dtype)
+        llm = LLM({"model": str(folder), "device": "cuda" if cuda else "cpu", "dtype": str(dtype).split(".")[1],
+                   "max_model_len": 2048, "attention": {"name": "flash"}, "cache": {"name": "paged"},
+                   "scheduler": {"name": "continuous", "options": {"max_num_seqs": 256, "max_num_batched_tokens": 8192}}})
+        device = llm.pipeline.resolved.device
+        requests = make_workload("mixed", seed=0, num_requests=num, tokenizer=llm.tokenizer, max_model_len=2048,
+                                 prompt_median=145, prompt_sigma=0.8, prompt_min=16, prompt_max=1024,
+                                 output_median=out_len, output_min=out_len, output_max=out_len)
+        ours = run_offline(llm, requests)
+        metrics = ours.metrics()
+        steps = llm.engine.stats.steps
+        del llm
+        if cuda:
+            torch.cuda.empty_cache()
+        model = load_transformers(folder, dtype, device)
+        baselines = {f"hf_batch{b}": run_hf_baseline(model, requests, pad_id=0, batch_size=b).metrics()
+                     for b in hf_batches}
+    bandwidth, flops = measured_rates(device, args.smoke)
+    mean_batch = metrics["total_output_tokens"] / max(steps, 1)
+    mean_context = metrics["total_prompt_tokens"] / len(requests) + out_len / 2
+    roof = roofline(shapes, dtype, mean_batch, mean_context, bandwidth, flops)
+    best = max(b["output_tokens_per_s"] for b in baselines.values())
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
+              "device": describe_device(device), "torch": torch.__version__, "model": "Llama-3.2-1B shapes, random bf16",
+              "tessellm": metrics, **baselines, "speedup_vs_best_hf": round(metrics["output_tokens_per_s"] / best, 2),
+              "copy_gbps": round(bandwidth / 1e9, 1), "matmul_tflops": round(flops / 1e12, 1),
+              "mean_decode_batch": round(mean_batch, 1), "mean_context": round(mean_context, 1),
+              "roofline_tok_s": round(roof, 1),
+              "fraction_of_roofline": round(metrics["output_tokens_per_s"] / roof, 3)}
+    text = json.dumps(report, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
