@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from .sequence import Sequence
@@ -113,10 +114,8 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
     forks = forks or {}
     bs = cache.layout.block_size
     ids: list[int] = []
-    pos: list[int] = []
-    slots: list[int] = []
+    starts: list[int] = []
     qsl = [0]
-    seq_lens: list[int] = []
     tables: list[list[int]] = []
     rows: list[int] = []
     samples: list[SampleSlot] = []
@@ -125,17 +124,13 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
         start = seq.num_computed_tokens
         end = start + item.num_query_tokens
         draft = drafts.get(seq.seq_id, [])
-        tokens = seq.token_ids[start:end] + draft
-        n = len(tokens)
-        table = cache.block_table(seq)
         base = len(ids)
-        ids.extend(tokens)
-        for p in range(start, start + n):
-            pos.append(p)
-            slots.append(table[p // bs] * bs + p % bs)
+        ids.extend(seq.token_ids[start:end])
+        ids.extend(draft)
+        n = len(ids) - base
+        starts.append(start)
         qsl.append(base + n)
-        seq_lens.append(start + n)
-        tables.append(table)
+        tables.append(cache.block_table(seq))
         if end == seq.num_tokens:  # the chunk reaches the sequence's end: it samples
             first = len(rows)
             rows.extend(range(base + n - 1 - len(draft), base + n))
@@ -144,15 +139,24 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
     if all_logits:
         rows = list(range(len(ids)))
     width = max((len(t) for t in tables), default=1)
-    padded = [t + [-1] * (width - len(t)) for t in tables]
+    padded = np.full((len(tables), max(width, 1)), -1, dtype=np.int64)
+    for i, t in enumerate(tables):
+        padded[i, :len(t)] = t
+    # positions and slots of every query token, vectorized: prefill steps have thousands
+    query_lens = np.diff(np.asarray(qsl, dtype=np.int64))
+    seq_of_token = np.repeat(np.arange(len(tables)), query_lens)
+    pos = np.arange(len(ids), dtype=np.int64) - np.repeat(np.asarray(qsl[:-1], dtype=np.int64), query_lens) \
+        + np.repeat(np.asarray(starts, dtype=np.int64), query_lens)
+    slots = padded[seq_of_token, pos // bs] * bs + pos % bs
+    seq_lens = [a + int(q) for a, q in zip(starts, query_lens)]
 
     def tensor(values, dtype):
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        return torch.as_tensor(values, dtype=dtype).to(device, non_blocking=True)
 
     return BatchMetadata(
         input_ids=tensor(ids, torch.long), positions=tensor(pos, torch.long),
         query_start_loc=tensor(qsl, torch.int32), seq_lens=tensor(seq_lens, torch.int32),
-        slot_mapping=tensor(slots, torch.long), block_tables=tensor(padded, torch.int32),
+        slot_mapping=tensor(slots, torch.long), block_tables=tensor(padded.astype(np.int32), torch.int32),
         logits_indices=tensor(rows, torch.long),
         query_lens_cpu=[b - a for a, b in zip(qsl, qsl[1:])], seq_lens_cpu=seq_lens,
         block_tables_cpu=tables, block_size=bs, seqs=[s.seq for s in scheduled], samples=samples)
