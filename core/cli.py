@@ -18,7 +18,7 @@ from .errors import TessellmError
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="pipeline config (.yaml, .toml or .json); default: the embedded one")
     p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
-                   help="override a config field, e.g. --set decoding.name=sample --set cache.options.max_seqs=4 "
+                   help="override a config field, e.g. --set decoding.name=sample --set scheduler.options.max_num_seqs=4 "
                         "--set model=PATH (repeatable)")
 
 

@@ -130,6 +130,17 @@ def to_sampling_params(value: Any) -> Any:
         raise InvalidRequestError("; ".join(problems)) from None
 
 
+def _per_prompt(value: Any, n: int, name: str, kind: type | tuple[type, ...]) -> list[Any]:
+    """One value per prompt from a single value or a list of ``n``."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * n
+    if len(values) != n:
+        raise InvalidRequestError(f"{len(values)} {name} values for {n} prompts")
+    bad = [v for v in values if not isinstance(v, kind) or isinstance(v, bool)]
+    if bad:
+        raise InvalidRequestError(f"{name} must be {'an int' if kind is int else 'a string or None'}, not {bad[0]!r}")
+    return values
+
+
 class LLM:
     """Generate text from prompts with a pipeline: ``LLM().generate(["Hello"])``."""
 
@@ -153,10 +164,14 @@ class LLM:
         return self.tokenizer(prompt)["input_ids"]
 
     def generate(self, prompts: str | Seq[str] | Seq[list[int]], params: Any = None, *, chat: bool = False,
-                 progress: bool | None = None) -> list[RequestOutput]:
+                 progress: bool | None = None, priority: int | Seq[int] = 0,
+                 cache_salt: str | None | Seq[str | None] = None) -> list[RequestOutput]:
         """Run every prompt as one batch; outputs come back in prompt order.
 
-        ``params`` is one SamplingParams (or dict) for all prompts or a list of them."""
+        ``params`` is one SamplingParams (or dict) for all prompts or a list of them;
+        ``priority`` (lower runs first under the `priority` scheduling policy) and
+        ``cache_salt`` (a tenant key: prefix-cache blocks are shared only within one salt)
+        are one value for all prompts or one per prompt."""
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)
@@ -165,12 +180,14 @@ class LLM:
         per = [to_sampling_params(p) for p in params] if isinstance(params, list) else [to_sampling_params(params)] * len(prompts)
         if len(per) != len(prompts):
             raise InvalidRequestError(f"{len(per)} sampling params for {len(prompts)} prompts")
+        priorities = _per_prompt(priority, len(prompts), "priority", int)
+        salts = _per_prompt(cache_salt, len(prompts), "cache_salt", (str, type(None)))
         encoded = [list(p) if isinstance(p, (list, tuple)) else self.encode(p, chat=chat) for p in prompts]
         ids = []
         try:
-            for tokens, p in zip(encoded, per):
+            for tokens, p, prio, salt in zip(encoded, per, priorities, salts):
                 request_id = uuid.uuid4().hex
-                self.engine.add_request(request_id, tokens, p)
+                self.engine.add_request(request_id, tokens, p, priority=prio, cache_salt=salt)
                 ids.append(request_id)
             done = self._run(ids, per, progress)
         except BaseException:

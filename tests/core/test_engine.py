@@ -161,3 +161,17 @@ def test_score_matches_generation(make_llm):
     logits = llm.engine.score(p + out.token_ids[:-1])
     assert logits[len(p) - 1:].argmax(-1).tolist() == out.token_ids
     assert free_everything(llm)
+
+
+def test_generate_takes_priority_and_cache_salt(make_llm):
+    llm = make_llm()
+    ps = prompts(3, seed=13)
+    params = {"max_tokens": 4, "ignore_eos": True}
+    plain = [o.token_ids for o in llm.generate(ps, params)]
+    salted = llm.generate(ps, params, priority=[2, 0, 1], cache_salt=["a", None, "b"])
+    assert [o.token_ids for o in salted] == plain
+    with pytest.raises(InvalidRequestError, match="2 priority values for 3 prompts"):
+        llm.generate(ps, params, priority=[0, 1])
+    with pytest.raises(InvalidRequestError, match="cache_salt must be a string or None"):
+        llm.generate(ps, params, cache_salt=5)
+    assert free_everything(llm)
