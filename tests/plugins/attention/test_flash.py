@@ -1,17 +1,23 @@
-"""`flash` (Triton) against the float64 reference, under Triton's interpreter on CPU: random
-packed batches (decodes, chunks after cached context, whole prompts), scattered block tables,
-GQA, sliding windows, shared prefix blocks, decodes through the split-K kernel with 1 to 8
-splits (some past the end of a short context); unwritten cache slots hold NaN to prove the
-kernels never read them."""
+"""`flash` (Triton) against the float64 reference: random packed batches (decodes, chunks
+after cached context, whole prompts), scattered block tables, GQA, sliding windows, shared
+prefix blocks, decodes through the split-K kernel with 1 to 8 splits (some past the end of a
+short context); unwritten cache slots hold NaN to prove the kernels never read them.
+
+Without a GPU everything runs under Triton's interpreter on CPU tensors (small shapes; CI).
+With one, the same tests run compiled on CUDA, plus larger shapes (lengths up to 2048)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are first imported
+import torch
+
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are first imported
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
@@ -20,8 +26,22 @@ pytest.importorskip("triton")
 from tessellm.plugins.attention.flash import FlashAttention, FlashOptions  # noqa: E402
 from tessellm.testing import attention as ref  # noqa: E402
 
-# float32 under the interpreter computes what numpy does; bf16 is held to flash-attention's rule
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+# float32 dots are exact-ish ("ieee"); bf16 is held to flash-attention's rule
 TOLERANCE = {torch.float32: 2e-5}
+
+
+def on_device(case: ref.PackedCase) -> ref.PackedCase:
+    """The case with the kernel's inputs on DEVICE (the reference stays on the CPU)."""
+    if DEVICE.type == "cpu":
+        return case
+    storage = case.storage
+    storage.k, storage.v = storage.k.to(DEVICE), storage.v.to(DEVICE)
+    batch = dataclasses.replace(case.batch, **{f.name: getattr(case.batch, f.name).to(DEVICE)
+                                               for f in dataclasses.fields(case.batch)
+                                               if isinstance(getattr(case.batch, f.name), torch.Tensor)})
+    return dataclasses.replace(case, q=case.q.to(DEVICE), k_new=case.k_new.to(DEVICE), v_new=case.v_new.to(DEVICE),
+                               batch=batch, storage=storage)
 
 
 @st.composite
@@ -42,10 +62,13 @@ def packed_batches(draw):
 
 def run_flash(case, p, dtype):
     options = FlashOptions(block_n=p["block_n"], split_decode=p["split_decode"], decode_splits=p["decode_splits"])
-    backend = FlashAttention(options, ref.model_stub(p["head_dim"], p["window"]),
-                             torch.device("cpu"), dtype)
+    backend = FlashAttention(options, ref.model_stub(p["head_dim"], p["window"]), DEVICE, dtype)
+    case = on_device(case)
     plan = backend.plan(case.batch, cache=None)
-    return backend.forward(0, case.q, case.k_new, case.v_new, case.storage, plan)
+    out = backend.forward(0, case.q, case.k_new, case.v_new, case.storage, plan)
+    k_back, v_back = case.storage.gather(case.batch.slot_mapping)  # the new tokens went where mapped
+    assert torch.equal(k_back, case.k_new) and torch.equal(v_back, case.v_new)
+    return out.cpu()
 
 
 @given(packed_batches())
@@ -57,13 +80,15 @@ def test_flash_matches_float64_reference_float32(p):
     assert out.shape == case.q.shape and out.dtype == torch.float32
     err = (out.double() - expected).abs().max().item()
     assert err <= TOLERANCE[torch.float32], f"max abs error {err:.3g}"
-    k_back, v_back = case.storage.gather(case.batch.slot_mapping)
-    assert torch.equal(k_back, case.k_new) and torch.equal(v_back, case.v_new)
 
 
 @settings(max_examples=15)
 @given(packed_batches())
 def test_flash_bfloat16_error_within_twice_torch_sdpa(p):
+    check_bfloat16(p)
+
+
+def check_bfloat16(p):
     """flash-attention's own rule: the kernel's error against float64 is at most twice what
     torch's SDPA makes in bf16 on the same inputs (plus a small absolute floor). Under the
     interpreter the kernel's dots run in float32 (the interpreter cannot multiply bfloat16),
@@ -74,12 +99,23 @@ def test_flash_bfloat16_error_within_twice_torch_sdpa(p):
     out = run_flash(case, p, torch.bfloat16)
     from tessellm.plugins.attention.sdpa import SdpaAttention, SdpaOptions
 
-    sdpa = SdpaAttention(SdpaOptions(), ref.model_stub(p["head_dim"], p["window"]), torch.device("cpu"),
-                         torch.bfloat16)
-    torch_out = sdpa.forward(0, case.q, case.k_new, case.v_new, case.storage, sdpa.plan(case.batch, None))
+    sdpa = SdpaAttention(SdpaOptions(), ref.model_stub(p["head_dim"], p["window"]), DEVICE, torch.bfloat16)
+    case = on_device(case)
+    torch_out = sdpa.forward(0, case.q, case.k_new, case.v_new, case.storage, sdpa.plan(case.batch, None)).cpu()
     ours = (out.double() - expected).abs().max().item()
     theirs = (torch_out.double() - expected).abs().max().item()
     assert ours <= 2 * theirs + 1e-3, f"flash {ours:.3g} vs sdpa {theirs:.3g}"
+
+
+@pytest.mark.skipif(not CUDA, reason="large shapes need a GPU (the interpreter would take hours)")
+@settings(max_examples=25)
+@given(st.lists(st.integers(1, 2048), min_size=1, max_size=6), st.sampled_from([(8, 8), (32, 8), (16, 2), (8, 1)]),
+       st.sampled_from([64, 128]), st.sampled_from([16, 32]), st.integers(0, 2**16), st.data())
+def test_flash_large_shapes_on_gpu(kv_lens, heads, head_dim, block_size, seed, data):
+    q_lens = [data.draw(st.sampled_from([1, n, data.draw(st.integers(1, n))])) for n in kv_lens]
+    check_bfloat16(dict(kv_lens=kv_lens, q_lens=q_lens, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+                        block_size=block_size, shared_blocks=data.draw(st.sampled_from([0, 4])), window=None,
+                        block_n=64, seed=seed, split_decode=True, decode_splits=None))
 
 
 def test_flash_is_refused_on_cpu_without_the_interpreter(monkeypatch):
@@ -92,13 +128,13 @@ def test_flash_is_refused_on_cpu_without_the_interpreter(monkeypatch):
     assert any("TRITON_INTERPRET=1" in r for r in reasons)
 
 
-def test_whole_model_runs_on_cpu_under_the_interpreter(tiny_model, cpu_config):
+def test_whole_model_matches_sdpa(tiny_model, cpu_config):
     """`--set attention.name=flash` on a machine without a GPU: the tiny model through the
     paged cache and continuous batching gives sdpa's tokens and logits."""
     from tessellm import LLM
 
     def llm(attention):
-        return LLM(cpu_config(tiny_model("llama"), attention={"name": attention},
+        return LLM(cpu_config(tiny_model("llama"), device=DEVICE.type, attention={"name": attention},
                               cache={"name": "paged", "options": {"block_size": 16, "num_blocks": 64}},
                               scheduler={"name": "continuous", "options": {"max_num_batched_tokens": 24}}))
 
