@@ -223,14 +223,9 @@ def machine_info() -> dict:
     import transformers
 
     import tessellm
+    from tessellm.core.bench import cpu_name
 
-    cpu = platform.processor() or None
-    try:  # platform.processor() is often empty on Linux; /proc/cpuinfo names the CPU
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"platform": platform.platform(), "cpu": cpu, "cpu_count": os.cpu_count(),
+    return {"platform": platform.platform(), "cpu": cpu_name(), "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
             "torch": torch.__version__, "transformers": transformers.__version__,
             "tessellm": tessellm.__version__,

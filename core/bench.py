@@ -151,17 +151,22 @@ def run_offline(llm: Any, requests: list[BenchRequest], *, progress: bool = Fals
 # ----------------------------------------------------------------------------- reporting
 
 
+def cpu_name() -> str | None:
+    """The CPU model (``AMD EPYC ...``), or None if the OS does not say."""
+    name = platform.processor() or None
+    try:  # platform.processor() is often empty on Linux; /proc/cpuinfo names the CPU
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    except OSError:  # no /proc (macOS, Windows): platform's answer is all there is
+        return name
+
+
 def describe_device(device: torch.device | str) -> str:
     """The device and what it is: ``cuda:0 (NVIDIA H100 80GB HBM3)``, ``cpu (AMD EPYC ...)``."""
     device = torch.device(device)
     if device.type == "cuda":
         return f"{device} ({torch.cuda.get_device_name(device)})"
-    name = platform.processor() or ""
-    try:  # platform.processor() is often empty on Linux; /proc/cpuinfo names the CPU
-        with open("/proc/cpuinfo") as f:
-            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
-    except OSError:
-        pass
+    name = cpu_name()
     return f"{device} ({name}, {torch.get_num_threads()} threads)" if name else str(device)
 
 

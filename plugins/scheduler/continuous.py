@@ -135,9 +135,9 @@ class ContinuousScheduler(QueueScheduler):
         return seq.params.n if seq.sample_index == 0 and seq.num_output_tokens == 0 else 1
 
     def _admit(self, budget: int, chosen: dict[int, ScheduledSeq], out: SchedulerOutput, lookahead: int) -> None:
+        width = sum(self._width(s) for s in self.running)  # kept current below, not recounted per admission
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            width = sum(self._width(s) for s in self.running)
             if width and width + self._width(seq) > self.options.max_num_seqs:
                 break
             if seq.num_computed_tokens == 0:
@@ -151,16 +151,19 @@ class ContinuousScheduler(QueueScheduler):
                 break
             need = seq.num_computed_tokens + n + (lookahead if n == remaining else 0)
             while not self.cache.can_reserve(seq, need) and self._outranks(seq):
-                budget += self._preempt(max(self.running, key=self._urgency), chosen, out)
+                victim = max(self.running, key=self._urgency)
+                width -= self._width(victim)
+                budget += self._preempt(victim, chosen, out)
             if not self.cache.can_reserve(seq, need):
                 self._release(seq)  # head of line waits for memory: later ones must not overtake it
                 break
             self.cache.reserve(seq, need)
-            self.waiting.remove(seq)
+            self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chosen[seq.seq_id] = ScheduledSeq(seq, n)
             budget -= n
+            width += self._width(seq)
 
     def _outranks(self, seq: Sequence) -> bool:
         """Under the priority policy, whether waiting ``seq`` may preempt the least urgent
