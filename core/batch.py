@@ -100,6 +100,13 @@ class BatchMetadata:
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu, default=0)
 
+    def padded_tables(self, members: list[int], num_blocks: int) -> torch.Tensor:
+        """Block tables of sequences ``members`` cut or padded (with block 0) to ``num_blocks``
+        columns, [len(members), num_blocks] int64 on the CPU. A table may hold more blocks
+        than its tokens fill: slots reserved for a speculative decoder's drafts."""
+        return torch.tensor([t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks]))
+                             for t in (self.block_tables_cpu[i] for i in members)], dtype=torch.long)
+
 
 def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torch.device,
                 drafts: dict[int, list[int]] | None = None,

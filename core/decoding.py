@@ -10,7 +10,7 @@ import torch
 from .batch import BatchMetadata, SchedulerOutput
 from .model_spec import ModelSpec
 from .plugin import Plugin, PluginOptions
-from .sequence import SamplingParams
+from .sequence import SamplingParams, Sequence
 
 if TYPE_CHECKING:
     from .llm import Pipeline
@@ -26,12 +26,16 @@ class Decoder(Plugin):
       takes the model runner (layer-skip drafting), or builds a draft pipeline of its own.
     - ``check(params)`` raises ``InvalidRequestError`` for sampling parameters it cannot honor.
     - ``propose(out)`` returns seq_id -> draft tokens for the scheduled decoding sequences;
-      the engine appends them to the sequence's query (plain decoders return {}).
+      the engine appends them to the sequence's query (plain decoders return {}). At most
+      ``num_lookahead_tokens`` per sequence, and none for a sequence whose query is not its
+      last uncomputed tokens or that has no output yet (the step that may fork it, n > 1).
     - ``decode(logits, batch)`` gets logits [R, vocab] (float32, or float64 in a float64 pipeline) for ``batch.logits_indices``
       and returns, for each ``batch.samples`` slot in order, the accepted tokens: exactly one
       for plain decoding, 1 to k+1 when verifying k drafts (accepted drafts, then one token
       sampled from the target). The engine keeps the KV of accepted drafts and rolls the rest
       back.
+    - ``finish(seq)`` is called once when a sequence finishes or is aborted: release any
+      per-sequence state (a draft model's cache, an n-gram index).
     """
 
     kind: ClassVar[str] = "decoding"
@@ -51,6 +55,9 @@ class Decoder(Plugin):
     def propose(self, out: SchedulerOutput) -> dict[int, list[int]]:
         """Draft tokens per decoding sequence; none by default."""
         return {}
+
+    def finish(self, seq: Sequence) -> None:
+        """Forget ``seq``'s per-sequence state; nothing by default."""
 
     @abstractmethod
     def decode(self, logits: torch.Tensor, batch: BatchMetadata) -> list[list[int]]:

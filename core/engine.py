@@ -45,6 +45,12 @@ class EngineStats:
     kv_allocated_slots: int = 0
     kv_used_slots: int = 0
     """Sums over steps of allocated and used KV slots: waste = 1 - used / allocated."""
+    sample_slots: int = 0
+    """Sequence-steps that produced tokens (one target forward each, verifying any drafts)."""
+    draft_tokens: int = 0
+    """Draft tokens verified (speculative decoding)."""
+    accepted_draft_tokens: int = 0
+    """Draft tokens the target accepted."""
     step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     """Wall time of the most recent steps (bounded: an engine may run for days)."""
 
@@ -54,6 +60,19 @@ class EngineStats:
         if not self.kv_allocated_slots:
             return None
         return 1.0 - self.kv_used_slots / self.kv_allocated_slots
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Share of draft tokens accepted (None: nothing was drafted)."""
+        return self.accepted_draft_tokens / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def tokens_per_forward(self) -> float | None:
+        """Mean tokens a sequence gained per target forward that sampled it (1.0 without
+        speculation; (1 - a^(k+1)) / (1 - a) for acceptance a and k drafts every step)."""
+        if not self.sample_slots:
+            return None
+        return (self.sample_slots + self.accepted_draft_tokens) / self.sample_slots
 
 
 class Engine:
@@ -157,6 +176,9 @@ class Engine:
         finished: list[RequestState] = []
         for slot, accepted in zip(batch.samples, tokens):
             seq = slot.seq
+            self.stats.sample_slots += 1
+            self.stats.draft_tokens += len(slot.draft_tokens)
+            self.stats.accepted_draft_tokens += len(accepted) - 1
             rejected = len(slot.draft_tokens) - (len(accepted) - 1)
             if rejected > 0:  # roll back the KV of drafts the decoder did not accept
                 seq.num_computed_tokens -= rejected
@@ -238,6 +260,7 @@ class Engine:
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
         self.scheduler.finish(seq)
+        self.decoder.finish(seq)
 
     @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:

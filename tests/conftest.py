@@ -62,7 +62,7 @@ TINY = {
 }
 
 
-def build_tiny_model(target: Path, arch: str, tokenizer_dir: Path, seed: int = 0) -> Path:
+def build_tiny_model(target: Path, arch: str, tokenizer_dir: Path, seed: int = 0, vocab_size: int = 49152) -> Path:
     """A random-weight Hugging Face folder of architecture ``arch`` (a key of TINY) with
     SmolLM2's tokenizer, so pipelines load it like any model."""
     import transformers
@@ -70,7 +70,7 @@ def build_tiny_model(target: Path, arch: str, tokenizer_dir: Path, seed: int = 0
     cls_name = {"llama": "Llama", "llama3": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[arch]
     config_cls = getattr(transformers, f"{cls_name}Config")
     model_cls = getattr(transformers, f"{cls_name}ForCausalLM")
-    config = config_cls(vocab_size=49152, bos_token_id=1, eos_token_id=2, pad_token_id=2, **TINY[arch])
+    config = config_cls(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=2, **TINY[arch])
     if arch == "qwen2":
         config.use_sliding_window = False
     torch.manual_seed(seed)
@@ -91,13 +91,16 @@ def build_tiny_model(target: Path, arch: str, tokenizer_dir: Path, seed: int = 0
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory, smollm2_dir):
-    """Factory: ``tiny_model("qwen2")`` -> folder of a tiny random model (built once per arch)."""
-    built: dict[str, Path] = {}
+    """Factory: ``tiny_model("qwen2")`` -> folder of a tiny random model (built once per
+    arch, seed and vocabulary size; other seeds give other weights of the same shapes)."""
+    built: dict[tuple, Path] = {}
 
-    def make(arch: str = "llama") -> Path:
-        if arch not in built:
-            built[arch] = build_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, smollm2_dir)
-        return built[arch]
+    def make(arch: str = "llama", seed: int = 0, vocab_size: int = 49152) -> Path:
+        key = (arch, seed, vocab_size)
+        if key not in built:
+            built[key] = build_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}-{seed}-{vocab_size}"), arch,
+                                          smollm2_dir, seed, vocab_size)
+        return built[key]
 
     return make
 

@@ -126,8 +126,7 @@ class CascadeAttention(SdpaAttention):
         width = int(lens.max())
         pos = prefix + torch.arange(width)  # [S] absolute positions of suffix tokens
         need = -(-(prefix + width) // bs)
-        tables = torch.tensor([batch.block_tables_cpu[i] + [0] * (need - len(batch.block_tables_cpu[i]))
-                               for i in members], dtype=torch.long)
+        tables = batch.padded_tables(members, need)
         slots = tables[:, pos // bs] * bs + pos % bs  # [B, S]
         valid = torch.arange(width)[None, :] < lens[:, None]
         slots = torch.where(valid, slots, slots[:, :1])  # never read an unwritten slot

@@ -105,8 +105,7 @@ class SdpaAttention(AttentionBackend):
         q_lens = [batch.query_lens_cpu[i] for i in seqs]
         kv_lens = [batch.seq_lens_cpu[i] for i in seqs]
         q_max, kv_max = max(q_lens), max(kv_lens)
-        tables = torch.tensor([batch.block_tables_cpu[i] + [0] * (-(-kv_max // bs) - len(batch.block_tables_cpu[i]))
-                               for i in seqs], dtype=torch.long)  # [B, blocks]
+        tables = batch.padded_tables(seqs, -(-kv_max // bs))  # [B, blocks]
         pos = torch.arange(kv_max)
         slots = tables[:, pos // bs] * bs + pos % bs  # [B, L]
         # padding must not read unwritten slots: they may hold NaN, and a masked score's zero

@@ -23,6 +23,14 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     """
     vocab = logits.shape[-1]
     scaled = logits / temperature[:, None]
+    if bool((top_p >= 1.0).all()):  # no nucleus: skip the full-vocabulary sort
+        if not bool((top_k > 0).any()):
+            return scaled
+        k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
+        _, best = scaled.topk(int(k.max()), dim=-1)  # [R, max k], most likely first
+        keep = torch.arange(best.shape[1], device=logits.device)[None, :] < k[:, None]
+        mask = torch.zeros_like(scaled, dtype=torch.bool).scatter(-1, best, keep)
+        return scaled.masked_fill(~mask, float("-inf"))
     ordered, order = scaled.sort(dim=-1, descending=True)  # [R, V]
     ranks = torch.arange(vocab, device=logits.device)[None, :]
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)

@@ -19,6 +19,7 @@ from tessellm.core.scheduler import SchedulerLimits
 from tessellm.core.sequence import SamplingParams
 from tessellm.plugins.cache.paged import PagedCache, PagedOptions
 from tessellm.plugins.scheduler.continuous import ContinuousOptions, ContinuousScheduler
+from tessellm.testing.engine import run_arrivals as run
 
 PREFIX = torch.Generator().manual_seed(1)
 SHARED = torch.randint(3, 49152, (40,), generator=PREFIX).tolist()  # prompts share parts of this
@@ -57,23 +58,6 @@ def alone(reference: LLM, prompt: list[int], params: SamplingParams) -> list[lis
         out = reference.generate([prompt], params)[0]
         _alone[key] = [o.token_ids for o in out.outputs]
     return _alone[key]
-
-
-def run(engine: Engine, requests: list[tuple[int, list[int], SamplingParams, int]]) -> dict[str, list[list[int]]]:
-    """Add each request at its arrival step, step until all finish; outputs per request."""
-    pending = sorted(enumerate(requests), key=lambda r: r[1][0])
-    outputs: dict[str, list[list[int]]] = {}
-    step = 0
-    while pending or engine.has_unfinished():
-        while pending and pending[0][1][0] <= step:
-            i, (_, prompt, params, priority) = pending.pop(0)
-            engine.add_request(f"r{i}", prompt, params, priority=priority)
-        for state in engine.step():
-            done = engine.pop_finished(state.request_id)
-            outputs[state.request_id] = [s.output_token_ids for s in sorted(done.seqs, key=lambda s: s.sample_index)]
-        step += 1
-        assert step < 2_000
-    return outputs
 
 
 request = st.tuples(
