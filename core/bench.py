@@ -46,6 +46,13 @@ class BenchResult:
     peak_kv_blocks: int | None = None
     peak_running: int | None = None
     preemptions: int | None = None
+    draft_tokens: int | None = None
+    acceptance_rate: float | None = None
+    tokens_per_forward: float | None = None
+    """Speculative decoding: draft tokens verified, the share accepted, and tokens a sequence
+    gained per target forward (1.0 without speculation)."""
+    outputs: list[list[int]] | None = None
+    """Each request's output token ids, in workload order (for comparing two runs)."""
 
     def metrics(self) -> dict[str, Any]:
         prompt = sum(r.prompt_tokens for r in self.requests)
@@ -62,7 +69,9 @@ class BenchResult:
             "kv_waste": None if self.kv_waste is None else round(self.kv_waste, 4),
             "prefix_hit_rate": None if self.prefix_hit_rate is None else round(self.prefix_hit_rate, 4),
             "peak_kv_blocks": self.peak_kv_blocks, "peak_running": self.peak_running,
-            "preemptions": self.preemptions,
+            "preemptions": self.preemptions, "draft_tokens": self.draft_tokens,
+            "acceptance_rate": None if self.acceptance_rate is None else round(self.acceptance_rate, 4),
+            "tokens_per_forward": None if self.tokens_per_forward is None else round(self.tokens_per_forward, 4),
         }
 
 
@@ -145,7 +154,9 @@ def run_offline(llm: Any, requests: list[BenchRequest], *, progress: bool = Fals
     return BenchResult(timings, elapsed, kv_waste=stats.kv_waste,
                        prefix_hit_rate=(after.hit_tokens - hit0) / queried if queried else 0.0,
                        peak_kv_blocks=stats.peak_kv_blocks, peak_running=stats.peak_running,
-                       preemptions=stats.preemptions)
+                       preemptions=stats.preemptions, draft_tokens=stats.draft_tokens,
+                       acceptance_rate=stats.acceptance_rate, tokens_per_forward=stats.tokens_per_forward,
+                       outputs=[done[r.request_id].seqs[0].output_token_ids for r in requests])
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -174,7 +185,9 @@ def build_report(result: BenchResult, *, workload: dict[str, Any], pipeline: dic
                  command: str, baseline: BenchResult | None = None,
                  baseline_info: dict[str, Any] | None = None) -> dict[str, Any]:
     """The JSON object of one bench run: tessellm's metrics at the top level, then what was run
-    where; with a baseline, its metrics under ``baseline`` and the throughput ratio ``speedup``."""
+    where; with a baseline, its metrics under ``baseline``, the throughput ratio ``speedup``
+    and, when both runs kept their outputs, ``identical_outputs``: the share of requests whose
+    tokens are the same in both (1.0 expected for greedy speculative vs plain decoding)."""
     report = {**result.metrics(), "workload": workload, "pipeline": pipeline, "device": device,
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": command,
               "python": platform.python_version(), "torch": torch.__version__}
@@ -182,17 +195,23 @@ def build_report(result: BenchResult, *, workload: dict[str, Any], pipeline: dic
         report["baseline"] = {**(baseline_info or {}), **baseline.metrics()}
         theirs = report["baseline"]["output_tokens_per_s"]
         report["speedup"] = round(report["output_tokens_per_s"] / theirs, 3) if theirs else None
+        if result.outputs is not None and baseline.outputs is not None:
+            same = sum(a == b for a, b in zip(result.outputs, baseline.outputs))
+            report["identical_outputs"] = round(same / max(len(result.outputs), 1), 4)
     return report
 
 
 def format_report(report: dict[str, Any]) -> str:
     """A plain-text table of a report, tessellm beside the baseline when there is one."""
     w, base = report["workload"], report.get("baseline")
-    cols = ["tessellm"] + ([f"{base.get('name', 'baseline')} (batch {base.get('batch_size', '?')})"] if base else [])
+    label = None if not base else base.get("name", "baseline") + (
+        f" (batch {base['batch_size']})" if base.get("batch_size") else "")
+    cols = ["tessellm"] + ([label] if base else [])
     rows: list[tuple[str, list[Any]]] = [
         (key, [m.get(key) for m in [report] + ([base] if base else [])])
         for key in ("num_requests", "total_prompt_tokens", "total_output_tokens", "elapsed_s", "output_tokens_per_s",
-                    "requests_per_s", "kv_waste", "prefix_hit_rate", "peak_kv_blocks", "peak_running", "preemptions")]
+                    "requests_per_s", "kv_waste", "prefix_hit_rate", "peak_kv_blocks", "peak_running", "preemptions",
+                    "draft_tokens", "acceptance_rate", "tokens_per_forward")]
     for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
         for stat in ("mean", "p50", "p90", "p99"):
             rows.append((f"{key} {stat}", [m[key][stat] for m in [report] + ([base] if base else [])]))
@@ -204,6 +223,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines += [f"{k:<{width}}  " + "  ".join(f"{cell(v):>22}" for v in vals) for k, vals in rows]
     if "speedup" in report:
         lines.append(f"speedup (output tokens/s, tessellm / baseline): {cell(report['speedup'])}")
+    if "identical_outputs" in report:
+        lines.append(f"identical outputs (share of requests): {cell(report['identical_outputs'])}")
     lines.append(f"{report['date']}  $ {report['command']}")
     return "\n".join(lines)
 

@@ -1,10 +1,12 @@
-"""Benchmark workloads: deterministic lists of token-id requests with exact output lengths.
+"""Benchmark workloads: deterministic lists of token-id requests with their output lengths.
 
 A workload is a name (``mixed``, ``shared-prefix``) or a ``.jsonl`` file, plus parameters
 with defaults that ``--workload-set KEY=VALUE`` overrides. ``Workload.requests(seed, ...)``
 draws the requests; the same seed always gives the same requests. Every request decodes
 greedily with ``ignore_eos`` so it generates exactly ``output_len`` tokens (as vLLM's
-benchmark does): throughput then depends on the engine, not on where the model stops.
+benchmark does): throughput then depends on the engine, not on where the model stops. A
+JSONL line may set ``"ignore_eos": false`` to stop at the end of the answer instead (real
+prompts measured for speculative decoding, where text past the answer would be unnatural).
 """
 
 from __future__ import annotations
@@ -24,14 +26,16 @@ from .sequence import SamplingParams
 
 @dataclass(frozen=True)
 class BenchRequest:
-    """One request: its prompt as token ids and exactly how many tokens it generates."""
+    """One request: its prompt as token ids and how many tokens it generates (exactly, unless
+    ``ignore_eos`` is off: then at most)."""
 
     request_id: str
     prompt_token_ids: list[int]
     output_len: int
+    ignore_eos: bool = True
 
     def sampling_params(self) -> SamplingParams:
-        return SamplingParams(max_tokens=self.output_len, temperature=0.0, ignore_eos=True)
+        return SamplingParams(max_tokens=self.output_len, temperature=0.0, ignore_eos=self.ignore_eos)
 
 
 class WorkloadParams(BaseModel):
@@ -86,7 +90,7 @@ class JsonlParams(WorkloadParams):
 
 SYNTHETIC: dict[str, type[WorkloadParams]] = {"mixed": MixedParams, "shared-prefix": SharedPrefixParams}
 DEFAULT_NUM_REQUESTS = 100
-JSONL_KEYS = ("prompt", "prompt_token_ids", "max_tokens", "chat")
+JSONL_KEYS = ("prompt", "prompt_token_ids", "max_tokens", "chat", "ignore_eos")
 
 
 def plain_token_ids(tokenizer: Any, vocab_size: int | None = None) -> np.ndarray:
@@ -268,9 +272,10 @@ def _jsonl_request(obj: Any, request_id: str, p: JsonlParams, encode: Callable[.
         raise InvalidRequestError(f"unknown key {unknown[0]!r}; allowed: {', '.join(JSONL_KEYS)}")
     if ("prompt" in obj) == ("prompt_token_ids" in obj):
         raise InvalidRequestError("give exactly one of 'prompt' (text) and 'prompt_token_ids'")
-    chat = obj.get("chat", False)
-    if not isinstance(chat, bool):
-        raise InvalidRequestError(f"'chat' must be true or false, got {chat!r}")
+    chat, ignore_eos = obj.get("chat", False), obj.get("ignore_eos", True)
+    for key, value in (("chat", chat), ("ignore_eos", ignore_eos)):
+        if not isinstance(value, bool):
+            raise InvalidRequestError(f"'{key}' must be true or false, got {value!r}")
     max_tokens = obj.get("max_tokens", p.max_tokens)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise InvalidRequestError(f"'max_tokens' must be a positive integer, got {max_tokens!r}")
@@ -290,4 +295,4 @@ def _jsonl_request(obj: Any, request_id: str, p: JsonlParams, encode: Callable[.
     if len(tokens) + max_tokens > max_model_len:
         raise InvalidRequestError(f"prompt ({len(tokens)} tokens) + max_tokens ({max_tokens}) exceed "
                                   f"max_model_len ({max_model_len})")
-    return BenchRequest(request_id, tokens, max_tokens)
+    return BenchRequest(request_id, tokens, max_tokens, ignore_eos)

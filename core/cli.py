@@ -58,7 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload (default 0)")
     b.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     b.add_argument("--plot", metavar="FILE.png", help="also draw TTFT/TPOT CDFs and throughput into FILE.png")
-    b.add_argument("--baseline", choices=["hf"], help="also run the same requests through transformers' generate")
+    b.add_argument("--baseline", choices=["hf", "plain"],
+                   help="also run the same requests through transformers' generate (hf), or through this "
+                        "pipeline with plain decoding instead of its decoding plugin (plain: speculative "
+                        "decoding's speedup, and whether outputs are identical)")
     b.add_argument("--baseline-batch-size", type=int, default=16,
                    help="static batch size of the baseline (default 16)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -185,7 +188,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 device=describe_device(p.resolved.device),
                 command=shlex.join(["tessellm", *(sys.argv[1:] if args.argv is None else args.argv)]))
     baseline = baseline_info = None
-    if args.baseline == "hf":
+    if args.baseline == "hf" and not all(r.ignore_eos for r in requests):
+        raise ConfigError("--baseline hf runs every request to its max_tokens; the workload has requests that "
+                          "stop at EOS (\"ignore_eos\": false), so the two would not generate the same tokens")
+    if args.baseline == "plain":
+        config = p.config.model_dump()
+        config["decoding"] = {"name": "auto", "options": {}}  # the best plain decoder (sample)
+        del llm, p  # one model in memory at a time
+        gc.collect()
+        plain = LLM(config)
+        baseline = results["plain"] = run_offline(plain, requests, progress=progress)
+        baseline_info = {"name": "plain", "decoding": plain.pipeline.resolved.choices["decoding"].entry.name}
+    elif args.baseline == "hf":
         from .hf_baseline import load_transformers, pad_token_id, run_hf_baseline
 
         model_dir, dtype, device, pad = p.model_dir, p.resolved.dtype, p.resolved.device, pad_token_id(llm.tokenizer)

@@ -106,6 +106,7 @@ def test_jsonl_text_token_and_chat_prompts(tokenizer, tmp_path):
     assert requests[0].prompt_token_ids == tokenizer("Hello there")["input_ids"]
     assert requests[2].prompt_token_ids[0] == tokenizer.convert_tokens_to_ids("<|im_start|>")
     assert [r.output_len for r in requests] == [9, 3, 4]
+    assert all(r.ignore_eos and r.sampling_params().ignore_eos for r in requests)
     assert [r.request_id for r in requests] == ["requests.jsonl:1", "requests.jsonl:2", "requests.jsonl:4"]
     assert len(make_workload(path, num_requests=2, tokenizer=tokenizer, max_model_len=256)) == 2
     with pytest.raises(InvalidRequestError, match="holds 3 requests, fewer than the 5"):
@@ -121,6 +122,7 @@ def test_jsonl_text_token_and_chat_prompts(tokenizer, tmp_path):
     ('{"prompt_token_ids": [1], "chat": true}', ["chat"]),
     ('{"prompt": "hi", "max_tokens": 0}', ["max_tokens", "0"]),
     ('{"prompt": "hi", "max_tokens": 500}', ["max_model_len (256)"]),
+    ('{"prompt": "hi", "ignore_eos": "no"}', ["ignore_eos", "true or false"]),
 ])
 def test_bad_jsonl_line_names_file_and_line(line, words, tokenizer, tmp_path):
     path = tmp_path / "bad.jsonl"
@@ -199,6 +201,26 @@ def test_cli_table_for_shared_prefix(config_file, capsys):
     assert "tessellm bench: workload shared-prefix (4 requests, seed 0)" in out
     for row in ("output_tokens_per_s", "ttft_ms p99", "prefix_hit_rate", "peak_kv_blocks"):
         assert row in out
+
+
+def test_cli_plain_baseline_measures_speculative_decoding(config_file, tmp_path, capsys):
+    """--baseline plain reruns the requests with plain decoding: speedup, acceptance and
+    tokens per forward are reported, and greedy outputs are identical; requests may stop at EOS."""
+    path = tmp_path / "repeat.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt_token_ids": [17, 230, 4242] * (i + 2), "max_tokens": 12 + i,
+                                           "ignore_eos": False}) for i in range(4)) + "\n")
+    argv = ["bench", "--config", str(config_file), "--workload", str(path), "--json", "--baseline", "plain",
+            "--set", "decoding.name=speculative", "--set", "decoding.options.k=3"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["pipeline"]["decoding"]["name"] == "speculative"
+    assert report["baseline"]["name"] == "plain" and report["baseline"]["decoding"] == "sample"
+    assert report["identical_outputs"] == 1.0 and report["speedup"] > 0
+    assert report["draft_tokens"] > 0 and 0 <= report["acceptance_rate"] <= 1 and report["tokens_per_forward"] >= 1
+    assert report["baseline"]["draft_tokens"] == 0 and report["baseline"]["tokens_per_forward"] == 1.0
+    assert report["total_output_tokens"] == report["baseline"]["total_output_tokens"]
+    assert main(argv[:-4] + ["--baseline", "hf", "--no-progress"]) == 2
+    assert "stop at EOS" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, words", [

@@ -157,3 +157,34 @@ def test_paged_continuous_matches_transformers(case, paged_llm, hf_model, record
         assert stats.hit_tokens > 0
     cache = paged_llm.pipeline.cache
     assert cache.pool.num_used == 0 and cache.num_free_blocks == cache.num_blocks
+
+
+@pytest.fixture(scope="module", params=["ngram", "layer-skip"])
+def speculative_llm(request, smollm2_llm):
+    """Speculative decoding (4 drafts, no adaptation: every step verifies drafts when the
+    proposer has any) over paged + continuous."""
+    from tessellm import LLM
+
+    return request.param, LLM({
+        "model": "smollm2-135m", "device": "cpu", "dtype": "float32",
+        "cache": {"name": "paged", "options": {"block_size": 16, "num_blocks": 512}},
+        "scheduler": {"name": "continuous", "options": {"max_num_seqs": 16}},
+        "decoding": {"name": "speculative", "options": {"proposer": request.param, "k": 4, "adaptive_k": False}}})
+
+
+def test_speculative_matches_transformers(case, speculative_llm, hf_model, record_property):
+    """Verification scores k+1 positions per forward where plain decoding scores one: the
+    tokens stay transformers' greedy tokens (up to near-ties), for both proposers."""
+    kind, ids, refs = case
+    proposer, llm = speculative_llm
+    llm.engine.stats = type(llm.engine.stats)()
+    outs = llm.generate(ids, {"max_tokens": NEW_TOKENS})
+    reports = [_check_agreement(hf_model, t, o.token_ids, r, f"{kind} prompt {n} speculative {proposer}")
+               for n, (t, o, r) in enumerate(zip(ids, outs, refs))]
+    reports = [r for r in reports if r]
+    record_property("near_ties", reports)
+    print("\n".join(reports) or f"{kind}: all {len(ids)} prompts equal with speculative {proposer}")
+    stats = llm.engine.stats
+    assert stats.draft_tokens > 0 and stats.accepted_draft_tokens > 0
+    cache = llm.pipeline.cache
+    assert cache.pool.num_used == 0 and cache.num_free_blocks == cache.num_blocks
