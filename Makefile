@@ -41,6 +41,7 @@ bench: setup
 	$(BIN)/tessellm bench --workload mixed --num-requests 64 --baseline hf
 	$(BIN)/tessellm bench --workload shared-prefix --num-requests 32 --baseline hf
 	$(BIN)/python bench/kv_memory.py
+	$(BIN)/python bench/speculative.py
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .hypothesis

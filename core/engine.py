@@ -155,11 +155,19 @@ class Engine:
                                    f"({self.scheduler.num_waiting} waiting, {self.scheduler.num_running} running)")
             return []
         drafts = self.decoder.propose(out)
+        if any(len(d) > self.decoder.num_lookahead_tokens for d in drafts.values()):
+            raise RuntimeError(f"decoding plugin {self.decoder.name!r} proposed more drafts than its "
+                               f"num_lookahead_tokens ({self.decoder.num_lookahead_tokens}), the slots reserved")
         forks = self._plan_forks(out)
         batch = build_batch(out.scheduled, self.cache, self.runner.device, drafts, forks)
         logits = self.runner.forward(batch)
         # a step of prefill chunks only (none reaching its prompt's end) samples nothing
         tokens = self.decoder.decode(logits, batch) if batch.samples else []
+        if len(tokens) != len(batch.samples) or any(not 1 <= len(t) <= len(s.draft_tokens) + 1
+                                                    for s, t in zip(batch.samples, tokens)):
+            raise RuntimeError(f"decoding plugin {self.decoder.name!r} broke its contract: it must return 1 to "
+                               f"drafts + 1 tokens for each of the {len(batch.samples)} sample slots, got "
+                               f"{[len(t) for t in tokens]}")
         # every query token (chunk, last token, drafts) now has KV in the cache
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_query_tokens + len(drafts.get(item.seq.seq_id, []))

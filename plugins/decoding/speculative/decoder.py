@@ -42,8 +42,9 @@ class SpeculativeOptions(PluginOptions):
     """Most draft tokens per sequence and step (the scheduler reserves this many extra slots)."""
     adaptive_k: bool = True
     """Choose each sequence's draft length (0 to k) from its acceptance rate and the draft's cost."""
-    verify_cost: float = Field(0.1, ge=0.0, le=10.0)
-    """Adaptive k: time of one more verified query token, relative to a target decode step."""
+    verify_cost: float = Field(0.1, ge=0.0, lt=1.0)
+    """Adaptive k: time of one more query token in a one-sequence decode step, relative to that
+    step (about 0.1 on a CPU, near 0 on a GPU); at batch B it is taken as this times sqrt(B)."""
     draft_cost: float | None = Field(None, ge=0.0, le=10.0)
     """Adaptive k: time of one draft token relative to a target decode step; None estimates it
     (ngram 0, layer-skip the share of layers run, draft the draft's share of parameters)."""
@@ -103,18 +104,17 @@ class SpeculativeDecoder(Decoder):
         self.max_model_len = pipeline.resolved.max_model_len
         self.proposer.bind(pipeline)
         cost = self.options.draft_cost if self.options.draft_cost is not None else self.proposer.cost
-        self.adaptive = AdaptiveK(self.options.k, cost + self.options.verify_cost)
+        self.adaptive = AdaptiveK(self.options.k, cost, self.options.verify_cost)
 
     # ------------------------------------------------------------------ drafting
 
     def propose(self, out: SchedulerOutput) -> dict[int, list[int]]:
         seqs, budgets = [], []
-        for item in out.scheduled:
-            seq = item.seq
-            if item.num_query_tokens != 1 or seq.num_computed_tokens + 1 != seq.num_tokens or seq.num_output_tokens == 0:
-                continue
+        decoding = [item.seq for item in out.scheduled if item.num_query_tokens == 1
+                    and item.seq.num_computed_tokens + 1 == item.seq.num_tokens and item.seq.num_output_tokens > 0]
+        for seq in decoding:
             room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
-            k = self.adaptive.k_for(seq.seq_id) if self.options.adaptive_k else self.options.k
+            k = self.adaptive.k_for(seq.seq_id, len(decoding)) if self.options.adaptive_k else self.options.k
             budget = min(k, room)
             if budget > 0:
                 seqs.append(seq)

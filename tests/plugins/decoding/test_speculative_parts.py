@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from tessellm.core.sequence import SamplingParams, Sequence
 from tessellm.plugins.decoding.speculative import rejection
-from tessellm.plugins.decoding.speculative.adaptive import AdaptiveK, best_k, expected_tokens
+from tessellm.plugins.decoding.speculative.adaptive import AdaptiveK, best_k, expected_tokens, verify_share
 from tessellm.plugins.decoding.speculative.ngram import NgramProposer
 from tessellm.plugins.decoding.speculative.rejection import accept_greedy, accept_sampled
 from tessellm.testing.stats import chi_square
@@ -178,15 +178,35 @@ def test_best_k_trades_acceptance_against_cost():
 
 
 def test_adaptive_k_switches_off_then_probes():
-    ctl = AdaptiveK(4, step_cost=0.3, probe_interval=4)
+    ctl = AdaptiveK(4, draft_cost=0.2, verify_cost=0.1, probe_interval=4)
     ks = []
-    for _ in range(12):
+    for _ in range(40):
         k = ctl.k_for(1)
         ks.append(k)
         ctl.observe(1, k, 0)  # every draft rejected
-    assert ks[0] > 0 and ks[-4:].count(0) == 3 and ks[-4:].count(1) == 1, ks
+    assert ks[0] > 0 and ks[-1] == 0, ks
+    probes = [i for i in range(1, len(ks)) if ks[i] == 1 and ks[i - 1] == 0]
+    assert [b - a for a, b in zip(probes, probes[1:])] == [8, 16], ks  # probes after 4, 8, 16 idle steps
     for _ in range(20):
         ctl.observe(1, 4, 4)
     assert ctl.k_for(1) == 4
     ctl.forget(1)
     assert ctl.rate(1) == ctl.overall.value
+
+
+def test_adaptive_k_never_drafts_when_drafts_cannot_pay():
+    ctl = AdaptiveK(4, draft_cost=26 / 30, verify_cost=0.1)  # layer-skip of 26 of 30 layers on a CPU
+    assert ctl.hopeless(1) and all(ctl.k_for(1) == 0 for _ in range(100))
+    assert not AdaptiveK(4, draft_cost=0.4, verify_cost=0.1).hopeless(1)
+
+
+def test_verification_costs_more_in_larger_batches():
+    """Alone, a verified token costs verify_cost of the step; in a compute-bound batch, nearly
+    a whole token's share: n-gram drafts that pay alone stop paying in a large CPU batch."""
+    assert verify_share(0.1, 1) == pytest.approx(0.1)
+    assert verify_share(0.1, 16) == pytest.approx(0.4)
+    assert verify_share(0.0, 64) == 0.0 and verify_share(0.2, 400) == 1.0
+    ctl = AdaptiveK(4, draft_cost=0.0, verify_cost=0.1)
+    ctl.observe(1, 4, 1)
+    ctl.observe(1, 4, 2)  # acceptance about 0.5
+    assert ctl.k_for(1, batch_size=1) >= 2 and ctl.k_for(1, batch_size=64) == 0
