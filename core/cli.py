@@ -66,6 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="static batch size of the baseline (default 16)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+    sv = sub.add_parser("serve", help="serve the pipeline over an OpenAI-compatible HTTP API")
+    _add_config_args(sv)
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/ routes")
+    sv.add_argument("--served-model-name", default=None, help="the model id clients send (default: the config's model)")
+    sv.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
+    sv.add_argument("--max-waiting", type=int, default=1024,
+                    help="requests waiting to run before new ones get 429 (default 1024)")
+
     ab = sub.add_parser("ab", help="A/B test two pipelines: interleaved rounds, throughput ratio, output agreement",
                         description="Run one workload through two pipelines in interleaved rounds (A B, B A, ...); "
                                     "report each arm's throughput and latency, the throughput ratio B/A with a "
@@ -221,6 +231,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from .errors import ConfigError
+    from .llm import LLM
+    from .server import build_app
+
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_request_bytes < 1024 or args.max_waiting < 1:
+        raise ConfigError("--max-request-bytes must be at least 1024 and --max-waiting at least 1")
+    llm = LLM(args.config, overrides=args.overrides)
+    app = build_app(llm, model_name=args.served_model_name, api_key=args.api_key,
+                    max_request_bytes=args.max_request_bytes, max_waiting=args.max_waiting)
+    print(f"tessellm: serving {args.served_model_name or llm.pipeline.config.model!r} on http://{args.host}:{args.port}/v1",
+          file=sys.stderr, flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
 def cmd_ab(args: argparse.Namespace) -> int:
     import os
     import shlex
@@ -272,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     try:
         return {"plugins": cmd_plugins, "generate": cmd_generate, "bench": cmd_bench,
-                "ab": cmd_ab}[args.command](args)
+                "ab": cmd_ab, "serve": cmd_serve}[args.command](args)
     except TessellmError as exc:
         print(f"tessellm: error: {exc}", file=sys.stderr)
         return 2

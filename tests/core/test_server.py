@@ -1,0 +1,206 @@
+"""`tessellm serve` driven by the official openai client on 127.0.0.1: completions and chat,
+streamed and not, bad input, a disconnect that frees its blocks, an injected engine fault,
+and 64 concurrent streaming clients whose greedy outputs equal the offline ones."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+
+from tessellm import LLM
+from tessellm.core.server import build_app
+
+KEY = "test-key"
+MODEL = "tiny"
+
+
+def pipeline_config(cpu_config, tiny_model) -> dict:
+    return cpu_config(tiny_model("llama"), max_model_len=256,
+                      cache={"name": "paged", "options": {"block_size": 8, "num_blocks": 1024}},
+                      scheduler={"name": "continuous", "options": {"max_num_seqs": 64, "max_num_batched_tokens": 512}})
+
+
+@pytest.fixture(scope="module")
+def offline(cpu_config, tiny_model):
+    return LLM(pipeline_config(cpu_config, tiny_model))
+
+
+@pytest.fixture(scope="module")
+def server(cpu_config, tiny_model):
+    """A real server on a free port, with an API key; yields (base_url, llm)."""
+    llm = LLM(pipeline_config(cpu_config, tiny_model))
+    app = build_app(llm, model_name=MODEL, api_key=KEY, max_request_bytes=64 * 1024)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not srv.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}", llm
+    srv.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
+
+
+def wait_idle(llm: LLM, timeout: float = 20.0) -> None:
+    """Until the engine holds no request and every block is free again."""
+    cache, deadline = llm.pipeline.cache, time.time() + timeout
+    while llm.engine.requests or cache.num_free_blocks != cache.num_blocks:
+        assert time.time() < deadline, f"{len(llm.engine.requests)} requests, {cache.num_free_blocks} free blocks"
+        time.sleep(0.02)
+
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "1, 2, 3, 4,"]
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
+
+
+def test_completion_equals_offline_generation(client, offline):
+    for prompt in PROMPTS:
+        out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        ref = offline.generate([prompt], {"max_tokens": 12})[0]
+        assert out.choices[0].text == ref.text
+        assert out.choices[0].finish_reason == ref.finish_reason
+        assert out.usage.completion_tokens == len(ref.token_ids)
+        assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+
+
+def test_streamed_completion_concatenates_to_the_same_text(client, offline):
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=20, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == offline.generate([PROMPTS[1]], {"max_tokens": 20})[0].text
+    assert len([c for c in chunks if c.choices]) > 1  # really streamed
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 20
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_chat_streamed_and_not(client, offline):
+    messages = [{"role": "user", "content": "Name three fruits."}]
+    ref = offline.generate(["Name three fruits."], {"max_tokens": 16}, chat=True)[0].text
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    assert full.choices[0].message.content == ref and full.choices[0].message.role == "assistant"
+    parts = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                                stream=True))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == ref
+
+
+def test_n_seed_and_stop(client):
+    a = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0.9, n=3, seed=7)
+    b = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=8, temperature=0.9, n=3, seed=7)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices] and len(a.choices) == 3
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0).choices[0].text
+    stop = full[3:6]
+    cut = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[:full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=[stop],
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == cut.choices[0].text
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"model": "gpt-4", "prompt": "hi"}, ["gpt-4", "not served"]),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, ["max_tokens"]),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 10 ** 9}, ["max_tokens"]),
+    ({"model": MODEL, "prompt": "hi", "n": 1000}, ["n"]),
+    ({"model": MODEL, "prompt": "hi", "temperature": "hot"}, ["temperature"]),
+    ({"model": MODEL, "prompt": "word " * 400}, ["context window"]),
+    ({"model": MODEL, "prompt": [1, 2, 10 ** 8]}, ["vocabulary"]),
+    ({"model": MODEL, "prompt": ""}, ["empty"]),
+    ({"model": MODEL}, ["prompt"]),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 3}, ["logprobs"]),
+])
+def test_bad_input_is_a_400_with_an_openai_error_body(server, body, words):
+    r = httpx.post(server[0] + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error" and all(w in err["message"] for w in words), err
+    wait_idle(server[1])
+
+
+def test_malformed_json_auth_and_size_limit(server):
+    url, headers = server[0] + "/v1/completions", {"Authorization": f"Bearer {KEY}",
+                                                    "Content-Type": "application/json"}
+    r = httpx.post(url, content=b'{"model": "tiny", "prompt": ', headers=headers)
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(url, json={"model": MODEL, "prompt": "hi"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(url, content=json.dumps({"model": MODEL, "prompt": "x" * 70_000}), headers=headers)
+    assert r.status_code == 413
+
+
+def test_disconnect_mid_stream_cancels_and_frees_blocks(server):
+    url, llm = server
+    wait_idle(llm)
+    body = {"model": MODEL, "prompt": PROMPTS[3], "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(3)]
+        assert any(g.startswith("data: ") for g in got)
+    wait_idle(llm)  # the request was aborted and its blocks returned
+
+
+def test_a_faulting_request_fails_with_500_and_the_server_keeps_serving(server, client):
+    url, llm = server
+    runner = llm.pipeline.runner
+    forward = runner.forward
+
+    def faulty(batch, *args, **kwargs):
+        if 4242 in batch.input_ids.tolist():
+            raise RuntimeError("injected fault")
+        return forward(batch, *args, **kwargs)
+
+    runner.forward = faulty
+    try:
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [4242, 5, 6], "max_tokens": 4},
+                       headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+        ok = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+        assert ok.choices[0].finish_reason == "length"
+    finally:
+        runner.forward = forward
+    assert httpx.get(url + "/health").status_code == 200
+    wait_idle(llm)
+
+
+def test_64_concurrent_streams_equal_offline_and_leak_nothing(server, offline):
+    from openai import AsyncOpenAI
+
+    url, llm = server
+    prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(64)]
+    refs = [o.text for o in offline.generate(prompts, {"max_tokens": 12})]
+
+    async def one(c, prompt):
+        stream = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+        return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+    async def all_of_them():
+        async with AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0) as c:
+            return await asyncio.gather(*(one(c, p) for p in prompts))
+
+    assert asyncio.run(all_of_them()) == refs
+    wait_idle(llm)
+    metrics = httpx.get(url + "/metrics").text
+    assert "tessellm_time_to_first_token_seconds_count" in metrics and "tessellm_kv_blocks_free" in metrics
