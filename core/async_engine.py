@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Callable
 
 from .engine import RequestState
 from .errors import RequestRejectedError
-from .sequence import SamplingParams, Sequence, SequenceStatus
+from .sequence import SamplingParams, Sequence, SequenceStatus, TokenLogprob
 
 
 class IncrementalDetokenizer:
@@ -54,6 +54,8 @@ class SampleDelta:
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    """One per new token, when the request asked for logprobs."""
 
 
 @dataclass
@@ -245,7 +247,8 @@ class AsyncEngine:
         text = full[len(shown):end]
         stream.text[index] = shown + text
         reason = seq.finish_reason.value if seq.is_finished and seq.finish_reason else None
-        return SampleDelta(index, new, text, reason)
+        lps = seq.logprobs[sent:sent + len(new)] if seq.params.logprobs is not None else None
+        return SampleDelta(index, new, text, reason, lps)
 
     def _decode(self, ids: list[int]) -> str:
         return self.llm.tokenizer.decode(ids, skip_special_tokens=True)

@@ -15,7 +15,7 @@ from .decoding import Decoder
 from .errors import InvalidRequestError, RequestRejectedError
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
-from .sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from .sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, TokenLogprob
 
 
 @dataclass
@@ -181,8 +181,9 @@ class Engine:
                     child.num_computed_tokens = 0
                 self.scheduler.adopt(child)
             self.requests[parent.request_id].forked = True
+        logprobs = self._logprobs(logits, batch, tokens)
         finished: list[RequestState] = []
-        for slot, accepted in zip(batch.samples, tokens):
+        for slot, accepted, lps in zip(batch.samples, tokens, logprobs):
             seq = slot.seq
             self.stats.sample_slots += 1
             self.stats.draft_tokens += len(slot.draft_tokens)
@@ -191,7 +192,9 @@ class Engine:
             if rejected > 0:  # roll back the KV of drafts the decoder did not accept
                 seq.num_computed_tokens -= rejected
                 self.cache.truncate(seq, seq.num_computed_tokens)
-            for token in accepted:
+            for i, token in enumerate(accepted):
+                if lps is not None:
+                    seq.logprobs.append(lps[i])
                 if self._append(seq, token):
                     break
         for item in out.scheduled:
@@ -205,6 +208,35 @@ class Engine:
         self.stats.steps += 1
         self.stats.step_seconds.append(time.perf_counter() - start)
         return finished
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, batch, tokens: list[list[int]]) -> list[list[TokenLogprob] | None]:
+        """For slots whose request asks for logprobs: each accepted token's log-probability
+        under the row that produced it, and the top alternatives (one batched log-softmax)."""
+        want = [i for i, s in enumerate(batch.samples) if s.seq.params.logprobs is not None]
+        out: list[list[TokenLogprob] | None] = [None] * len(batch.samples)
+        if not want:
+            return out
+        rows = [batch.samples[i].first_row + j for i in want for j in range(len(tokens[i]))]
+        index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+        picked_rows = logits.index_select(0, index)
+        lp = torch.log_softmax(picked_rows if picked_rows.dtype == torch.float64 else picked_rows.float(), dim=-1)
+        top_n = max(batch.samples[i].seq.params.logprobs for i in want)
+        top = lp.topk(max(top_n, 1), dim=-1) if top_n else None
+        chosen = torch.tensor([t for i in want for t in tokens[i]], dtype=torch.long, device=logits.device)
+        picked = lp.gather(1, chosen[:, None])[:, 0].tolist()
+        top_values = top.values.tolist() if top is not None else None
+        top_ids = top.indices.tolist() if top is not None else None
+        r = 0
+        for i in want:
+            n = batch.samples[i].seq.params.logprobs
+            entries = []
+            for _ in tokens[i]:
+                alts = list(zip(top_ids[r][:n], top_values[r][:n])) if top is not None and n else []
+                entries.append(TokenLogprob(picked[r], alts))
+                r += 1
+            out[i] = entries
+        return out
 
     def _sample_memory(self, num_running: int) -> None:
         stats = self.stats

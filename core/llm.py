@@ -33,6 +33,8 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list[Any] | None = None
+    """With ``SamplingParams.logprobs``: a ``TokenLogprob`` (logprob, top alternatives) per token."""
 
 
 @dataclass
@@ -219,7 +221,8 @@ class LLM:
             if seq.stop_text_len is not None:
                 text = text[: seq.stop_text_len]
             outs.append(CompletionOutput(seq.sample_index, text, list(seq.output_token_ids),
-                                         seq.finish_reason.value if seq.finish_reason else None))
+                                         seq.finish_reason.value if seq.finish_reason else None,
+                                         list(seq.logprobs) if seq.params.logprobs is not None else None))
         first = state.seqs[0]
         ends = [s.finish_time for s in state.seqs if s.finish_time is not None]
         return RequestOutput(state.request_id, prompt if isinstance(prompt, str) else None, tokens, outs,

@@ -40,6 +40,7 @@ class CompletionRequest(_Sampling):
     prompt: Union[str, list[int]]
     max_tokens: Optional[int] = Field(16, ge=1)
     logprobs: Optional[int] = Field(None, ge=0, le=5)
+    """Log-probabilities of each token and of this many alternatives (OpenAI allows up to 5)."""
 
 
 class ChatMessage(BaseModel):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -34,10 +34,20 @@ class SamplingParams(BaseModel):
     """Token ids that end generation, besides the tokenizer's EOS."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks)."""
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    """Record each generated token's log-probability and this many most likely alternatives
+    (the model's own distribution, before temperature and filtering); None records nothing."""
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+
+class TokenLogprob(NamedTuple):
+    """A generated token's log-probability and the ``top`` most likely tokens' (id, logprob)."""
+
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 class SequenceStatus(enum.Enum):
@@ -82,6 +92,7 @@ class Sequence:
         self.finish_time: float | None = None
         self.generator: torch.Generator | None = None  # set by the engine for sampling
         self.stop_text_len: int | None = None  # where a stop string cut the text
+        self.logprobs: list[TokenLogprob] = []  # one per output token when params.logprobs is set
 
     @property
     def output_token_ids(self) -> list[int]:

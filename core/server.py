@@ -93,21 +93,38 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
                          param="model", code="model_not_found")
         return None
 
-    def sampling(body: Any, max_tokens: int | None) -> SamplingParams:
+    def sampling(body: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """Raises InvalidRequestError naming the field (n over its limit and the like)."""
         return to_sampling_params(dict(max_tokens=max_tokens or max(1, llm.pipeline.resolved.max_model_len // 2),
                                        temperature=body.temperature, top_p=body.top_p, n=body.n,
-                                       stop=body.stop_list(), seed=body.seed))
+                                       stop=body.stop_list(), seed=body.seed, logprobs=logprobs))
+
+    def piece(token: int) -> str:
+        return llm.tokenizer.decode([token])
+
+    def logprobs_json(deltas: list[Any], chat: bool, offset: int = 0) -> dict | None:
+        """OpenAI's logprobs object for these deltas' tokens (None if not asked for)."""
+        tokens = [(t, lp) for d in deltas if d.logprobs is not None for t, lp in zip(d.token_ids, d.logprobs)]
+        if not any(d.logprobs is not None for d in deltas):
+            return None
+        if chat:
+            return {"content": [{"token": piece(t), "logprob": lp.logprob, "bytes": list(piece(t).encode()),
+                                 "top_logprobs": [{"token": piece(a), "logprob": v, "bytes": list(piece(a).encode())}
+                                                  for a, v in lp.top]} for t, lp in tokens]}
+        offsets, at = [], offset
+        for t, _ in tokens:
+            offsets.append(at)
+            at += len(piece(t))
+        return {"tokens": [piece(t) for t, _ in tokens], "token_logprobs": [lp.logprob for _, lp in tokens],
+                "top_logprobs": [{piece(a): v for a, v in lp.top} for _, lp in tokens], "text_offset": offsets}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         if (bad := check_model(body.model)) is not None:
             return bad
-        if body.logprobs:
-            return error(400, "logprobs are not supported yet", param="logprobs")
         try:
             prompt = llm.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-            params = sampling(body, body.max_tokens)
+            params = sampling(body, body.max_tokens, body.logprobs)
         except InvalidRequestError as exc:
             return error(400, str(exc), param="prompt")
         return await respond(request, body, prompt, params, chat=False)
@@ -116,8 +133,8 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         if (bad := check_model(body.model)) is not None:
             return bad
-        if body.logprobs or body.top_logprobs:
-            return error(400, "logprobs are not supported yet", param="logprobs")
+        if body.top_logprobs and not body.logprobs:
+            return error(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         tokenizer = llm.tokenizer
         if not getattr(tokenizer, "chat_template", None):
             return error(400, f"model {name!r} has no chat template; use /v1/completions", param="messages")
@@ -125,7 +142,8 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
             text = tokenizer.apply_chat_template([m.model_dump() for m in body.messages], tokenize=False,
                                                  add_generation_prompt=True)
             prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
-            params = sampling(body, body.max_completion_tokens or body.max_tokens)
+            params = sampling(body, body.max_completion_tokens or body.max_tokens,
+                              (body.top_logprobs or 0) if body.logprobs else None)
         except InvalidRequestError as exc:
             return error(400, str(exc))
         except Exception as exc:  # a template that rejects these messages (roles out of order, ...)
@@ -160,13 +178,16 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
         metrics.finished(last.completion_tokens, time.perf_counter() - start, ttft)
         texts: dict[int, str] = {}
         reasons: dict[int, str | None] = {}
+        deltas: dict[int, list[Any]] = {}
         for out in outputs:
             for d in out.samples:
                 texts[d.index] = texts.get(d.index, "") + d.text
                 reasons[d.index] = d.finish_reason or reasons.get(d.index)
-        choices = [({"index": i, "message": {"role": "assistant", "content": texts[i]}, "logprobs": None,
-                     "finish_reason": reasons[i]} if chat else
-                    {"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]})
+                deltas.setdefault(d.index, []).append(d)
+        choices = [({"index": i, "message": {"role": "assistant", "content": texts[i]},
+                     "logprobs": logprobs_json(deltas[i], True), "finish_reason": reasons[i]} if chat else
+                    {"index": i, "text": texts[i], "logprobs": logprobs_json(deltas[i], False),
+                     "finish_reason": reasons[i]})
                    for i in sorted(texts)]
         return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": name, "choices": choices,
@@ -182,6 +203,7 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
                                           "choices": choices, **extra}) + "\n\n"
 
         started: set[int] = set()
+        offsets: dict[int, int] = {}  # completions: text offset of each sample's next token
         last = first
         try:
             out: StepOutput | None = first
@@ -193,11 +215,13 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
                         started.add(d.index)
                         if d.text or d.finish_reason is None:
                             delta["content"] = d.text
-                        choices.append({"index": d.index, "delta": delta, "logprobs": None,
+                        choices.append({"index": d.index, "delta": delta, "logprobs": logprobs_json([d], True),
                                         "finish_reason": d.finish_reason})
                     else:
-                        choices.append({"index": d.index, "text": d.text, "logprobs": None,
+                        choices.append({"index": d.index, "text": d.text,
+                                        "logprobs": logprobs_json([d], False, offsets.get(d.index, 0)),
                                         "finish_reason": d.finish_reason})
+                        offsets[d.index] = offsets.get(d.index, 0) + sum(len(piece(t)) for t in d.token_ids)
                 if choices:
                     yield chunk(choices)
                 last = out

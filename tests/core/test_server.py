@@ -120,6 +120,24 @@ def test_n_seed_and_stop(client):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == cut.choices[0].text
 
 
+def test_logprobs_completions_and_chat(client, offline):
+    out = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=2)
+    lp = out.choices[0].logprobs
+    ref = offline.generate([PROMPTS[0]], {"max_tokens": 6, "logprobs": 2})[0].outputs[0].logprobs
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in ref], abs=1e-5)
+    assert all(len(t) == 2 for t in lp.top_logprobs) and "".join(lp.tokens) == out.choices[0].text
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=5,
+                                          temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+    assert all(c.logprob <= 0 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
+    streamed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=2,
+                                         stream=True)
+    values = [v for c in streamed if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    assert values == pytest.approx(lp.token_logprobs, abs=1e-6)
+
+
 @pytest.mark.parametrize("body, words", [
     ({"model": "gpt-4", "prompt": "hi"}, ["gpt-4", "not served"]),
     ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, ["max_tokens"]),
@@ -130,7 +148,7 @@ def test_n_seed_and_stop(client):
     ({"model": MODEL, "prompt": [1, 2, 10 ** 8]}, ["vocabulary"]),
     ({"model": MODEL, "prompt": ""}, ["empty"]),
     ({"model": MODEL}, ["prompt"]),
-    ({"model": MODEL, "prompt": "hi", "logprobs": 3}, ["logprobs"]),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 9}, ["logprobs"]),
 ])
 def test_bad_input_is_a_400_with_an_openai_error_body(server, body, words):
     r = httpx.post(server[0] + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})

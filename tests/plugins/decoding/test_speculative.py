@@ -220,6 +220,20 @@ def test_engine_distribution_test_catches_a_wrong_rule(monkeypatch, cpu_config, 
     assert result is None or result.p_value < 1e-4, result
 
 
+def test_logprobs_come_from_the_row_that_produced_each_token(cpu_config, tiny_model, other_draft, reference):
+    """With drafts accepted several at a time, each token's logprob is the target's at its own
+    position (teacher-forced float64 logits), as in plain decoding."""
+    llm = speculative_llm(cpu_config, tiny_model, other_draft, "draft-same", 4, False)
+    prompt = [ALPHABET[i % 3] for i in range(9)]
+    out = llm.generate([prompt], {"max_tokens": 12, "logprobs": 2})[0].outputs[0]
+    assert llm.engine.stats.accepted_draft_tokens > 0 and len(out.logprobs) == len(out.token_ids)
+    logits = reference.engine.score(prompt + out.token_ids).double()
+    expected = torch.log_softmax(logits, dim=-1)[len(prompt) - 1:-1]
+    for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        assert entry.logprob == pytest.approx(float(expected[i, token]), abs=1e-9)
+        assert [t for t, _ in entry.top] == expected[i].topk(2).indices.tolist()
+
+
 def test_seeded_sampling_is_reproducible(cpu_config, tiny_model, other_draft):
     llm = speculative_llm(cpu_config, tiny_model, other_draft, "draft-other", 3, True)
     params = SamplingParams(max_tokens=12, temperature=0.8, seed=42, n=2)
