@@ -168,10 +168,16 @@ class AsyncEngine:
                 self._wake.clear()
                 continue
             try:
-                self.engine.step()
-            except Exception as exc:  # a faulty step fails its requests, never the loop
+                self.engine.step()  # fails only the requests whose own forward raises
+            except Exception as exc:  # a fault no single request reproduces: fail the running ones
                 self.errors += 1
                 self._fail_running(exc)
+            for request_id in [r for r in self.engine.failures if r in self._streams]:
+                self.errors += 1
+                exc = self.engine.failures.pop(request_id)
+                self._streams.pop(request_id).put(RequestFailed(
+                    f"the engine failed while running this request: {type(exc).__name__}: {exc}"))
+            self.engine.failures.clear()  # any other entry belongs to a request nobody waits for
             self._publish()
             if self.on_step is not None:
                 self.on_step(self.engine)

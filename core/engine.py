@@ -96,6 +96,9 @@ class Engine:
         self.seed = seed
         self.decode_text = decode_text
         self.requests: dict[str, RequestState] = {}
+        self.failures: dict[str, BaseException] = {}
+        """Requests aborted because their own forward raised (request id -> the error); the
+        caller that waits for a request pops its entry."""
         self.stats = EngineStats()
         self._counter = 0
 
@@ -160,14 +163,19 @@ class Engine:
                                f"num_lookahead_tokens ({self.decoder.num_lookahead_tokens}), the slots reserved")
         forks = self._plan_forks(out)
         batch = build_batch(out.scheduled, self.cache, self.runner.device, drafts, forks)
-        logits = self.runner.forward(batch)
-        # a step of prefill chunks only (none reaching its prompt's end) samples nothing
-        tokens = self.decoder.decode(logits, batch) if batch.samples else []
-        if len(tokens) != len(batch.samples) or any(not 1 <= len(t) <= len(s.draft_tokens) + 1
-                                                    for s, t in zip(batch.samples, tokens)):
-            raise RuntimeError(f"decoding plugin {self.decoder.name!r} broke its contract: it must return 1 to "
-                               f"drafts + 1 tokens for each of the {len(batch.samples)} sample slots, got "
-                               f"{[len(t) for t in tokens]}")
+        try:
+            logits, tokens = self._run_batch(batch)
+        except Exception:
+            # find the requests whose own forward fails, fail only them, rerun the others
+            if not self._fail_culprits(out, drafts, forks):
+                raise  # no single request reproduces it: the caller decides
+            if not out.scheduled:
+                self.stats.steps += 1
+                return []
+            drafts = {k: v for k, v in drafts.items() if any(i.seq.seq_id == k for i in out.scheduled)}
+            forks = {k: v for k, v in forks.items() if any(i.seq.seq_id == k for i in out.scheduled)}
+            batch = build_batch(out.scheduled, self.cache, self.runner.device, drafts, forks)
+            logits, tokens = self._run_batch(batch)
         # every query token (chunk, last token, drafts) now has KV in the cache
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_query_tokens + len(drafts.get(item.seq.seq_id, []))
@@ -208,6 +216,42 @@ class Engine:
         self.stats.steps += 1
         self.stats.step_seconds.append(time.perf_counter() - start)
         return finished
+
+    def _run_batch(self, batch) -> tuple[torch.Tensor, list[list[int]]]:
+        """Forward and decode one packed batch (checking the decoder's side of the contract)."""
+        logits = self.runner.forward(batch)
+        # a step of prefill chunks only (none reaching its prompt's end) samples nothing
+        tokens = self.decoder.decode(logits, batch) if batch.samples else []
+        if len(tokens) != len(batch.samples) or any(not 1 <= len(t) <= len(s.draft_tokens) + 1
+                                                    for s, t in zip(batch.samples, tokens)):
+            raise RuntimeError(f"decoding plugin {self.decoder.name!r} broke its contract: it must return 1 to "
+                               f"drafts + 1 tokens for each of the {len(batch.samples)} sample slots, got "
+                               f"{[len(t) for t in tokens]}")
+        return logits, tokens
+
+    def _fail_culprits(self, out, drafts: dict[int, list[int]], forks: dict[int, list[Sequence]]) -> bool:
+        """After a failed step: run each scheduled sequence alone; abort the requests whose own
+        run raises (recording the error in ``failures``) and drop them from ``out``. Random
+        generators are restored afterwards, so the others' sampled tokens are unaffected.
+        Returns whether any culprit was found."""
+        seqs = [i.seq for i in out.scheduled] + [c for cs in forks.values() for c in cs]
+        saved = [(s, s.generator.get_state()) for s in seqs if s.generator is not None]
+        culprits: dict[str, BaseException] = {}
+        for item in out.scheduled:
+            sid = item.seq.seq_id
+            alone = build_batch([item], self.cache, self.runner.device, {sid: drafts[sid]} if sid in drafts else {},
+                                {sid: forks[sid]} if sid in forks else {})
+            try:
+                self._run_batch(alone)
+            except Exception as exc:
+                culprits.setdefault(item.seq.request_id, exc)
+        for seq, state in saved:
+            seq.generator.set_state(state)
+        for request_id, exc in culprits.items():
+            self.failures[request_id] = exc
+            self.abort(request_id)
+        out.scheduled = [i for i in out.scheduled if i.seq.request_id not in culprits]
+        return bool(culprits)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, batch, tokens: list[list[int]]) -> list[list[TokenLogprob] | None]:

@@ -210,6 +210,10 @@ class LLM:
             for state in self.engine.step():
                 if state.request_id in wanted:
                     done[state.request_id] = self.engine.pop_finished(state.request_id)
+            failed = [r for r in ids if r in self.engine.failures]
+            if failed:  # the engine aborted a request whose own forward raised
+                errors = [self.engine.failures.pop(r) for r in failed]
+                raise errors[0]
             bar.update(self.engine.stats.generated_tokens - before - bar.n)
         bar.close()
         return done

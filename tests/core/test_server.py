@@ -5,6 +5,7 @@ and 64 concurrent streaming clients whose greedy outputs equal the offline ones.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -15,6 +16,7 @@ import pytest
 import uvicorn
 
 from tessellm import LLM
+from tessellm.core.sequence import SamplingParams
 from tessellm.core.server import build_app
 
 KEY = "test-key"
@@ -32,11 +34,9 @@ def offline(cpu_config, tiny_model):
     return LLM(pipeline_config(cpu_config, tiny_model))
 
 
-@pytest.fixture(scope="module")
-def server(cpu_config, tiny_model):
-    """A real server on a free port, with an API key; yields (base_url, llm)."""
-    llm = LLM(pipeline_config(cpu_config, tiny_model))
-    app = build_app(llm, model_name=MODEL, api_key=KEY, max_request_bytes=64 * 1024)
+@contextlib.contextmanager
+def serving(app):
+    """Run ``app`` with uvicorn on a free port of 127.0.0.1; yields the base URL."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -47,9 +47,19 @@ def server(cpu_config, tiny_model):
     while not srv.started:
         assert time.time() < deadline, "server did not start"
         time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", llm
-    srv.should_exit = True
-    thread.join(timeout=30)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(cpu_config, tiny_model):
+    """A real server on a free port, with an API key; yields (base_url, llm)."""
+    llm = LLM(pipeline_config(cpu_config, tiny_model))
+    with serving(build_app(llm, model_name=MODEL, api_key=KEY, max_request_bytes=64 * 1024)) as url:
+        yield url, llm
 
 
 @pytest.fixture(scope="module")
@@ -180,7 +190,12 @@ def test_disconnect_mid_stream_cancels_and_frees_blocks(server):
     wait_idle(llm)  # the request was aborted and its blocks returned
 
 
-def test_a_faulting_request_fails_with_500_and_the_server_keeps_serving(server, client):
+def test_a_faulting_request_fails_alone_with_500_and_the_others_finish(server, offline):
+    """A forward that raises whenever one request's token is in the batch: the engine reruns
+    each sequence alone, fails only that request (500), and the streams beside it, in the
+    same steps, finish with the tokens they get without the fault."""
+    from openai import AsyncOpenAI
+
     url, llm = server
     runner = llm.pipeline.runner
     forward = runner.forward
@@ -190,17 +205,60 @@ def test_a_faulting_request_fails_with_500_and_the_server_keeps_serving(server, 
             raise RuntimeError("injected fault")
         return forward(batch, *args, **kwargs)
 
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2]]
+    refs = [o.text for o in offline.generate(prompts, {"max_tokens": 24})]
+
+    async def good(c, prompt):
+        stream = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stream=True)
+        return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+    async def bad():
+        await asyncio.sleep(0.05)  # join the others mid-generation
+        async with httpx.AsyncClient() as h:
+            return await h.post(url + "/v1/completions", json={"model": MODEL, "prompt": [17, 4242, 6], "max_tokens": 4},
+                                headers={"Authorization": f"Bearer {KEY}"})
+
+    async def run():
+        async with AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0) as c:
+            return await asyncio.gather(bad(), *(good(c, p) for p in prompts))
+
     runner.forward = faulty
     try:
-        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": [4242, 5, 6], "max_tokens": 4},
-                       headers={"Authorization": f"Bearer {KEY}"})
-        assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
-        ok = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
-        assert ok.choices[0].finish_reason == "length"
+        failed, *texts = asyncio.run(run())
     finally:
         runner.forward = forward
+    assert failed.status_code == 500 and "injected fault" in failed.json()["error"]["message"]
+    assert failed.json()["error"]["type"] == "server_error"
+    assert texts == refs
     assert httpx.get(url + "/health").status_code == 200
     wait_idle(llm)
+
+
+def test_offline_generate_raises_the_fault_and_leaves_nothing(cpu_config, tiny_model):
+    llm = LLM(pipeline_config(cpu_config, tiny_model))
+    forward = llm.pipeline.runner.forward
+
+    def faulty(batch, *args, **kwargs):
+        if 4242 in batch.input_ids.tolist():
+            raise RuntimeError("injected fault")
+        return forward(batch, *args, **kwargs)
+
+    llm.pipeline.runner.forward = faulty
+    engine = llm.engine  # in one batch, only the culprit fails; its neighbour's tokens are unchanged
+    engine.add_request("bad", [17, 4242, 6], SamplingParams(max_tokens=4, temperature=0.8, seed=1))
+    engine.add_request("good", [17, 18, 19], SamplingParams(max_tokens=4, temperature=0.8, seed=1))
+    finished = engine.step()
+    assert isinstance(engine.failures.pop("bad"), RuntimeError) and "bad" not in engine.requests
+    while engine.has_unfinished():
+        finished += engine.step()
+    alone = LLM(pipeline_config(cpu_config, tiny_model)).generate([[17, 18, 19]], {"max_tokens": 4, "temperature": 0.8,
+                                                                                  "seed": 1})[0]
+    assert engine.pop_finished("good").seqs[0].output_token_ids == alone.token_ids
+    with pytest.raises(RuntimeError, match="injected fault"):
+        llm.generate([[17, 4242, 6], [17, 18, 19]], {"max_tokens": 4})
+    wait_idle(llm)
+    assert not llm.engine.failures
+    assert len(llm.generate([[17, 18, 19]], {"max_tokens": 4})[0].token_ids) == 4
 
 
 def test_64_concurrent_streams_equal_offline_and_leak_nothing(server, offline):
@@ -222,3 +280,33 @@ def test_64_concurrent_streams_equal_offline_and_leak_nothing(server, offline):
     wait_idle(llm)
     metrics = httpx.get(url + "/metrics").text
     assert "tessellm_time_to_first_token_seconds_count" in metrics and "tessellm_kv_blocks_free" in metrics
+
+
+def test_a_full_waiting_queue_answers_429(cpu_config, tiny_model):
+    """One sequence runs at a time and one may wait: a third request is turned away at once."""
+    config = pipeline_config(cpu_config, tiny_model)
+    config["scheduler"]["options"]["max_num_seqs"] = 1
+    llm = LLM(config)
+    forward = llm.pipeline.runner.forward
+
+    def slow(batch, *args, **kwargs):  # a tiny model is too quick to be caught waiting
+        time.sleep(0.02)
+        return forward(batch, *args, **kwargs)
+
+    llm.pipeline.runner.forward = slow
+    with serving(build_app(llm, model_name=MODEL, max_waiting=1)) as url:
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body) as first:
+            lines = first.iter_lines()  # keep it: a dropped iterator closes the connection
+            next(lines)  # running
+            second = threading.Thread(target=httpx.post, args=(url + "/v1/completions",),
+                                      kwargs={"json": {**body, "stream": False}, "timeout": 120})
+            second.start()  # its answer waits for a free sequence slot
+            deadline = time.time() + 20
+            while "tessellm_requests_waiting 1.0" not in httpx.get(url + "/metrics").text:
+                assert time.time() < deadline
+                time.sleep(0.02)
+            r = httpx.post(url + "/v1/completions", json={**body, "stream": False})
+            assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
+        second.join(timeout=120)
+        wait_idle(llm)

@@ -97,7 +97,7 @@ class SpeculativeDecoder(Decoder):
         super().__init__(options, model, device)
         self.num_lookahead_tokens = options.k
         self.proposer = make_proposer(options)
-        self._probs: dict[int, torch.Tensor] = {}  # seq_id -> draft distributions, propose -> decode
+        self._probs: dict[int, torch.Tensor] = {}  # seq_id -> this step's draft distributions
         self.max_model_len = model.max_position_embeddings
 
     def bind(self, pipeline: Pipeline) -> None:
@@ -109,6 +109,7 @@ class SpeculativeDecoder(Decoder):
     # ------------------------------------------------------------------ drafting
 
     def propose(self, out: SchedulerOutput) -> dict[int, list[int]]:
+        self._probs = {}  # decode may run more than once per step (the engine isolating a fault)
         seqs, budgets = [], []
         decoding = [item.seq for item in out.scheduled if item.num_query_tokens == 1
                     and item.seq.num_computed_tokens + 1 == item.seq.num_tokens and item.seq.num_output_tokens > 0]
@@ -139,7 +140,7 @@ class SpeculativeDecoder(Decoder):
         results = []
         for slot in batch.samples:
             seq, draft = slot.seq, slot.draft_tokens
-            q = self._probs.pop(seq.seq_id, None)
+            q = self._probs.get(seq.seq_id)
             if seq.params.greedy:
                 accepted = accept_greedy(argmax[slot.first_row:slot.first_row + slot.num_rows], draft)
             else:

@@ -97,7 +97,7 @@ def assert_nothing_left(llm: LLM) -> None:
     p = llm.pipeline
     assert p.cache.num_free_blocks == p.cache.num_blocks
     decoder = p.decoder
-    assert not decoder._probs and not decoder.adaptive._rates
+    assert not decoder.adaptive._rates
     proposer = decoder.proposer
     if proposer.name == "draft":
         assert not proposer._shadows and proposer.draft.cache.num_free_blocks == proposer.draft.cache.num_blocks
