@@ -65,6 +65,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--baseline-batch-size", type=int, default=16,
                    help="static batch size of the baseline (default 16)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("--serve", metavar="URL", help="benchmark a running server (tessellm serve) at URL instead of "
+                                                  "running the pipeline in this process")
+    b.add_argument("--request-rate", type=float, default=None, metavar="R",
+                   help="--serve: Poisson arrivals at R requests/s (default: all at once)")
+    b.add_argument("--max-concurrency", type=int, default=None, metavar="C",
+                   help="--serve: at most C requests in flight")
+    b.add_argument("--served-model-name", default=None, help="--serve: the model id to send (default: the config's model)")
+    b.add_argument("--api-key", default=None, help="--serve: the server's API key")
+    b.add_argument("--slo-ttft-ms", type=float, default=None, help="--serve: TTFT objective for goodput")
+    b.add_argument("--slo-tpot-ms", type=float, default=None, help="--serve: TPOT objective for goodput")
 
     sv = sub.add_parser("serve", help="serve the pipeline over an OpenAI-compatible HTTP API")
     _add_config_args(sv)
@@ -187,6 +197,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
         raise ConfigError(f"--plot {args.plot!r}: folder {os.path.dirname(os.path.abspath(args.plot))!r} does not exist")
     progress = progress_enabled(args.no_progress, args.json)
+    if args.serve:
+        return _bench_serve(args, workload, progress)
     llm = LLM(args.config, overrides=args.overrides)
     p = llm.pipeline
     requests = workload.requests(seed=args.seed, num_requests=args.num_requests, tokenizer=llm.tokenizer,
@@ -228,6 +240,45 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot:
         plot_report(report, results, args.plot)
     print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace, workload: Any, progress: bool) -> int:
+    """``tessellm bench --serve URL``: the workload against a running server."""
+    import shlex
+
+    from .bench import build_report, format_report, plot_report
+    from .bench_serve import goodput, run_serving
+    from .config import load_config
+    from .errors import ConfigError
+    from .model_loader import load_hf_config, load_tokenizer
+    from .resolve import model_dir_for
+
+    if args.baseline:
+        raise ConfigError("--baseline runs in this process; it does not combine with --serve")
+    if args.request_rate is not None and args.request_rate <= 0:
+        raise ConfigError(f"--request-rate must be above 0, got {args.request_rate}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ConfigError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
+    config = load_config(args.config, args.overrides)
+    model_dir = model_dir_for(config)
+    tokenizer = load_tokenizer(model_dir)
+    max_len = config.max_model_len or load_hf_config(model_dir).max_position_embeddings
+    requests = workload.requests(seed=args.seed, num_requests=args.num_requests, tokenizer=tokenizer,
+                                 max_model_len=max_len)
+    result = run_serving(args.serve, requests, model=args.served_model_name or config.model,
+                         request_rate=args.request_rate, max_concurrency=args.max_concurrency, seed=args.seed,
+                         api_key=args.api_key, progress=progress)
+    report = build_report(result, workload=workload.describe(args.seed, len(requests)),
+                          pipeline={"server": args.serve, "request_rate": args.request_rate,
+                                    "max_concurrency": args.max_concurrency},
+                          device="server at " + args.serve,
+                          command=shlex.join(["tessellm", *(sys.argv[1:] if args.argv is None else args.argv)]))
+    report.update(goodput(result, args.slo_ttft_ms, args.slo_tpot_ms))
+    if args.plot:
+        plot_report(report, {"tessellm serve": result}, args.plot)
+    print(json.dumps(report, indent=2) if args.json else format_report(report)
+          + f"\ngoodput: {report['goodput_rps']} requests/s meeting the objectives", flush=True)
     return 0
 
 

@@ -27,6 +27,8 @@ class _Sampling(BaseModel):
     seed: Optional[int] = Field(None, ge=0)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    ignore_eos: bool = False
+    """tessellm's extension (as vLLM's): keep generating past EOS, for benchmarks."""
 
     def stop_list(self) -> list[str]:
         if self.stop is None:

@@ -97,7 +97,8 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
         """Raises InvalidRequestError naming the field (n over its limit and the like)."""
         return to_sampling_params(dict(max_tokens=max_tokens or max(1, llm.pipeline.resolved.max_model_len // 2),
                                        temperature=body.temperature, top_p=body.top_p, n=body.n,
-                                       stop=body.stop_list(), seed=body.seed, logprobs=logprobs))
+                                       stop=body.stop_list(), seed=body.seed, logprobs=logprobs,
+                                       ignore_eos=body.ignore_eos))
 
     def piece(token: int) -> str:
         return llm.tokenizer.decode([token])

@@ -310,3 +310,33 @@ def test_a_full_waiting_queue_answers_429(cpu_config, tiny_model):
             assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error"
         second.join(timeout=120)
         wait_idle(llm)
+
+
+def test_bench_serve_measures_a_running_server(server, cpu_config, tiny_model, tmp_path, capsys):
+    """`tessellm bench --serve URL`: Poisson arrivals, then a fixed concurrency; every request
+    produces exactly its output length (ignore_eos), and goodput counts those within the SLOs."""
+    from tessellm.core.cli import main
+
+    url, llm = server
+    config = tmp_path / "pipeline.json"
+    config.write_text(json.dumps(pipeline_config(cpu_config, tiny_model)))
+    common = ["bench", "--serve", url, "--config", str(config), "--served-model-name", MODEL, "--api-key", KEY,
+              "--num-requests", "12", "--workload-set", "prompt_median=16", "--workload-set", "prompt_max=48",
+              "--workload-set", "output_median=8", "--workload-set", "output_max=16", "--json"]
+    plot = tmp_path / "serve.png"
+    assert main(common + ["--request-rate", "50", "--slo-ttft-ms", "60000", "--plot", str(plot)]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["num_requests"] == 12 and report["requests_meeting_slo"] == 12 and report["goodput_rps"] > 0
+    for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
+        assert report[key]["p99"] >= report[key]["p50"] > 0
+    from tessellm.core.bench_workloads import make_workload
+
+    expected = make_workload("mixed", num_requests=12, tokenizer=llm.tokenizer, max_model_len=256, prompt_median=16,
+                             prompt_max=48, output_median=8, output_max=16)
+    assert report["total_output_tokens"] == sum(r.output_len for r in expected)
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    assert main(common + ["--max-concurrency", "3", "--slo-ttft-ms", "0.001"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["requests_meeting_slo"] == 0 and report["pipeline"]["max_concurrency"] == 3
+    wait_idle(llm)
+    assert main(common + ["--baseline", "hf"]) == 2
