@@ -10,6 +10,7 @@ configured scheduler, and a client that goes away aborts its request, which free
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -18,6 +19,9 @@ from typing import Any, AsyncIterator, Callable
 from .engine import RequestState
 from .errors import RequestRejectedError
 from .sequence import SamplingParams, Sequence, SequenceStatus, TokenLogprob
+
+
+logger = logging.getLogger("tessellm.server")
 
 
 class IncrementalDetokenizer:
@@ -162,25 +166,33 @@ class AsyncEngine:
 
     def _run(self) -> None:
         while not self._stopping:
-            self._drain_commands()
-            if not self.engine.has_unfinished():
-                self._wake.wait(timeout=1.0)
-                self._wake.clear()
-                continue
             try:
-                self.engine.step()  # fails only the requests whose own forward raises
-            except Exception as exc:  # a fault no single request reproduces: fail the running ones
+                self._iteration()
+            except Exception:  # a bug outside stepping (publishing, metrics): log it, keep serving
                 self.errors += 1
-                self._fail_running(exc)
-            for request_id in [r for r in self.engine.failures if r in self._streams]:
-                self.errors += 1
-                exc = self.engine.failures.pop(request_id)
-                self._streams.pop(request_id).put(RequestFailed(
-                    f"the engine failed while running this request: {type(exc).__name__}: {exc}"))
-            self.engine.failures.clear()  # any other entry belongs to a request nobody waits for
-            self._publish()
-            if self.on_step is not None:
-                self.on_step(self.engine)
+                logger.exception("tessellm engine loop: error outside a step")
+
+    def _iteration(self) -> None:
+        """One pass: take commands, step if there is work, publish what the step produced."""
+        self._drain_commands()
+        if not self.engine.has_unfinished():
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            return
+        try:
+            self.engine.step()  # fails only the requests whose own forward raises
+        except Exception as exc:  # a fault no single request reproduces: fail the running ones
+            self.errors += 1
+            self._fail_running(exc)
+        for request_id in [r for r in self.engine.failures if r in self._streams]:
+            self.errors += 1
+            exc = self.engine.failures.pop(request_id)
+            self._streams.pop(request_id).put(RequestFailed(
+                f"the engine failed while running this request: {type(exc).__name__}: {exc}"))
+        self.engine.failures.clear()  # any other entry belongs to a request nobody waits for
+        self._publish()
+        if self.on_step is not None:
+            self.on_step(self.engine)
 
     def _drain_commands(self) -> None:
         while True:

@@ -340,3 +340,25 @@ def test_bench_serve_measures_a_running_server(server, cpu_config, tiny_model, t
     assert report["requests_meeting_slo"] == 0 and report["pipeline"]["max_concurrency"] == 3
     wait_idle(llm)
     assert main(common + ["--baseline", "hf"]) == 2
+
+
+def test_an_error_outside_a_step_never_kills_the_engine_loop(cpu_config, tiny_model):
+    """A bug in publishing or metrics after a step is logged; the loop keeps serving."""
+    llm = LLM(pipeline_config(cpu_config, tiny_model))
+    app = build_app(llm, model_name=MODEL)
+    engine = app.state.engine
+    calls = []
+
+    def broken(_):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("metrics bug")
+
+    engine.on_step = broken
+    with serving(app) as url:
+        body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0}
+        first = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert first.status_code == 200 and engine.errors == 1 and engine.alive
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"] == \
+            first.json()["choices"][0]["text"]
+        assert httpx.get(url + "/health").status_code == 200
