@@ -117,6 +117,12 @@ class AsyncEngine:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tessellm-engine", daemon=True)
         self.errors = 0  # steps that raised
+        # Hugging Face fast tokenizers may raise "Already borrowed" when one thread encodes while
+        # another decodes: every tokenizer call of the server and the engine thread takes this lock
+        self.tokenizer_lock = threading.Lock()
+        if self.engine.decode_text is not None:
+            decode_text = self.engine.decode_text
+            self.engine.decode_text = lambda ids: self.with_tokenizer(decode_text, ids)
 
     # ------------------------------------------------------------------ coroutine side
 
@@ -268,5 +274,10 @@ class AsyncEngine:
         lps = seq.logprobs[sent:sent + len(new)] if seq.params.logprobs is not None else None
         return SampleDelta(index, new, text, reason, lps)
 
+    def with_tokenizer(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` holding the tokenizer lock (any thread)."""
+        with self.tokenizer_lock:
+            return fn(*args, **kwargs)
+
     def _decode(self, ids: list[int]) -> str:
-        return self.llm.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.with_tokenizer(self.llm.tokenizer.decode, ids, skip_special_tokens=True)

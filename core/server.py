@@ -101,7 +101,7 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
                                        ignore_eos=body.ignore_eos))
 
     def piece(token: int) -> str:
-        return llm.tokenizer.decode([token])
+        return engine.with_tokenizer(llm.tokenizer.decode, [token])
 
     def logprobs_json(deltas: list[Any], chat: bool, offset: int = 0) -> dict | None:
         """OpenAI's logprobs object for these deltas' tokens (None if not asked for)."""
@@ -124,7 +124,8 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
         if (bad := check_model(body.model)) is not None:
             return bad
         try:
-            prompt = llm.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+            text = isinstance(body.prompt, str)
+            prompt = engine.with_tokenizer(llm.encode, body.prompt) if text else list(body.prompt)
             params = sampling(body, body.max_tokens, body.logprobs)
         except InvalidRequestError as exc:
             return error(400, str(exc), param="prompt")
@@ -140,9 +141,10 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
         if not getattr(tokenizer, "chat_template", None):
             return error(400, f"model {name!r} has no chat template; use /v1/completions", param="messages")
         try:
-            text = tokenizer.apply_chat_template([m.model_dump() for m in body.messages], tokenize=False,
-                                                 add_generation_prompt=True)
-            prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+            with engine.tokenizer_lock:
+                text = tokenizer.apply_chat_template([m.model_dump() for m in body.messages], tokenize=False,
+                                                     add_generation_prompt=True)
+                prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
             params = sampling(body, body.max_completion_tokens or body.max_tokens,
                               (body.top_logprobs or 0) if body.logprobs else None)
         except InvalidRequestError as exc:
