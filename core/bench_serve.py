@@ -20,10 +20,11 @@ from tqdm.auto import tqdm
 
 from .bench import BenchResult, RequestTiming
 from .bench_workloads import BenchRequest
+from .errors import TessellmError
 
 
-class ServingError(RuntimeError):
-    """A request the server answered with an error, or whose stream broke."""
+class ServingError(TessellmError, RuntimeError):
+    """The server could not be reached, answered a request with an error, or broke a stream."""
 
 
 async def _one(client: Any, url: str, model: str, r: BenchRequest, due: float, headers: dict) -> RequestTiming:
@@ -72,7 +73,11 @@ async def _run(url: str, requests: list[BenchRequest], model: str, rate: float |
             bar.update(1)
             return timing
 
-        timings = await asyncio.gather(*(scheduled(r, float(o)) for r, o in zip(requests, offsets)))
+        try:
+            timings = await asyncio.gather(*(scheduled(r, float(o)) for r, o in zip(requests, offsets)))
+        except httpx.HTTPError as exc:  # unreachable, refused, dropped mid-stream
+            raise ServingError(f"cannot benchmark {url}: {type(exc).__name__}: {exc or 'no detail'}; is "
+                               f"`tessellm serve` running there?") from None
         elapsed = time.perf_counter() - start
     bar.close()
     return BenchResult(list(timings), elapsed)

@@ -340,6 +340,14 @@ def test_bench_serve_measures_a_running_server(server, cpu_config, tiny_model, t
     assert report["requests_meeting_slo"] == 0 and report["pipeline"]["max_concurrency"] == 3
     wait_idle(llm)
     assert main(common + ["--baseline", "hf"]) == 2
+    capsys.readouterr()
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # a port nobody listens on
+    common[2] = f"http://127.0.0.1:{dead.getsockname()[1]}"
+    dead.close()
+    assert main(common) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot benchmark" in err[0] and "tessellm serve" in err[0], err
 
 
 def test_an_error_outside_a_step_never_kills_the_engine_loop(cpu_config, tiny_model):

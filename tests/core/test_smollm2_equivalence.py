@@ -89,6 +89,15 @@ def _check_agreement(hf_model, prompt: list[int], ours: list[int], ref: list[int
     return report
 
 
+def _check_batch(hf_model, ids, outs, refs, label: str, record_property) -> None:
+    """_check_agreement over a batch's outputs; near-ties are recorded and printed."""
+    reports = [_check_agreement(hf_model, t, o.token_ids, r, f"{label} prompt {n}")
+               for n, (t, o, r) in enumerate(zip(ids, outs, refs))]
+    reports = [r for r in reports if r]
+    record_property("near_ties", reports)
+    print("\n".join(reports) or f"{label}: all {len(ids)} prompts equal")
+
+
 def test_prompts_are_varied(case):
     _, ids, refs = case
     assert len(ids) >= 16 and len({len(t) for t in ids}) >= 5
@@ -108,11 +117,7 @@ def test_greedy_alone_matches_transformers(case, smollm2_llm, hf_model, record_p
 def test_greedy_batched_matches_transformers(case, smollm2_llm, hf_model, record_property):
     kind, ids, refs = case
     outs = smollm2_llm.generate(ids, {"max_tokens": NEW_TOKENS})
-    reports = [_check_agreement(hf_model, t, o.token_ids, r, f"{kind} prompt {n} batched")
-               for n, (t, o, r) in enumerate(zip(ids, outs, refs))]
-    reports = [r for r in reports if r]
-    record_property("near_ties", reports)
-    print("\n".join(reports) or f"{kind}: all {len(ids)} prompts equal batched")
+    _check_batch(hf_model, ids, outs, refs, f"{kind} batched", record_property)
     finished = [o.finish_reason for o in outs]
     assert set(finished) <= {"stop", "length"}
     for o, r in zip(outs, refs):  # the end-of-sequence rule matches transformers' too
@@ -179,11 +184,7 @@ def test_speculative_matches_transformers(case, speculative_llm, hf_model, recor
     proposer, llm = speculative_llm
     llm.engine.stats = type(llm.engine.stats)()
     outs = llm.generate(ids, {"max_tokens": NEW_TOKENS})
-    reports = [_check_agreement(hf_model, t, o.token_ids, r, f"{kind} prompt {n} speculative {proposer}")
-               for n, (t, o, r) in enumerate(zip(ids, outs, refs))]
-    reports = [r for r in reports if r]
-    record_property("near_ties", reports)
-    print("\n".join(reports) or f"{kind}: all {len(ids)} prompts equal with speculative {proposer}")
+    _check_batch(hf_model, ids, outs, refs, f"{kind} speculative {proposer}", record_property)
     stats = llm.engine.stats
     assert stats.draft_tokens > 0 and stats.accepted_draft_tokens > 0
     cache = llm.pipeline.cache

@@ -23,8 +23,9 @@ if TYPE_CHECKING:
 
 def default_draft_layers(num_layers: int) -> list[int]:
     """Every layer but a band of about 15% of them starting an eighth of the way in: early
-    and late layers matter most to the output (on SmolLM2-135M, skipping layers 4-7 keeps 82%
-    of greedy tokens; skipping 8 layers or the last ones, under 40%)."""
+    and late layers matter most to the output. On SmolLM2-135M (bench/spec_costs.py) the default,
+    skipping layers 3-6, keeps 88% of greedy tokens; skipping 22-25, 60%; skipping 8 layers,
+    28% to 48%."""
     width = max(1, round(0.15 * num_layers)) if num_layers > 1 else 0
     start = num_layers // 8
     return [i for i in range(num_layers) if not start <= i < start + width]
