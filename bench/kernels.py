@@ -12,12 +12,19 @@ What it measures (on CUDA, bf16)
   64, with Llama-3.2-1B's attention shape (32 query heads, 8 KV heads, head dim 64), for
   tessellm's split-K paged decode kernel and torch SDPA over contiguous K/V; against the
   copy bandwidth measured in the same run (bytes read + written by a 1 GiB device copy).
+  Timed as CUDA-graph replays (``*_gbps``, how the engine runs decode steps) and as eager
+  launches (``*_eager_gbps``, where small points measure the host's launch overhead).
 - **Correctness** at every point: max |flash - SDPA-math in float32| next to SDPA-flash's own.
 
 How to run
 ----------
     python bench/kernels.py --out bench/results/kernels_h100.json     # on a GPU (about 5 min)
+    python bench/kernels.py --sweep --out sweep.json                  # on a GPU: launch-shape search
     TRITON_INTERPRET=1 python bench/kernels.py --smoke                # CPU: tiny shapes, code path only
+
+``--sweep`` times the flash kernels alone over tile sizes, warps, pipeline stages and (decode)
+the number of programs split-K aims for, at a few representative points; its best shapes are
+what ``prefill_config``, ``decode_config`` and ``DECODE_PROGRAMS`` in flash_kernels.py hold.
 
 Targets (issue 4, H100): prefill at or above SDPA-flash and FlexAttention everywhere and at
 least 0.8x cuDNN at 4k-16k, head dim 128; decode at least 80% of copy bandwidth for batch >=
@@ -36,15 +43,16 @@ from datetime import datetime, timezone
 import torch
 import torch.nn.functional as F
 
-from tessellm.plugins.attention.flash_kernels import paged_decode_attention, paged_flash_attention
+from tessellm.plugins.attention.flash_kernels import (KernelConfig, default_num_splits, paged_decode_attention,
+                                                      paged_flash_attention)
 
 
-def timed(fn, device: torch.device, reps: int) -> float:
+def timed(fn, device: torch.device, reps: int, warmup_ms: int = 25) -> float:
     """Median seconds of ``fn()`` (CUDA events on a GPU)."""
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        return do_bench(fn, warmup=25, rep=reps * 10, return_mode="median") / 1e3
+        return do_bench(fn, warmup=warmup_ms, rep=reps * 10, return_mode="median") / 1e3
     fn()
     times = []
     for _ in range(reps):
@@ -52,6 +60,20 @@ def timed(fn, device: torch.device, reps: int) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return sorted(times)[len(times) // 2]
+
+
+def timed_graph(fn, device: torch.device, reps: int) -> float:
+    """Median seconds of ``fn()`` replayed from a CUDA graph: small decode launches are
+    otherwise timed as the host's launch overhead, and the engine replays decode steps from
+    graphs too. Falls back to ``timed`` off CUDA."""
+    if device.type != "cuda":
+        return timed(fn, device, reps)
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, rep=reps * 10, return_mode="median") / 1e3
+
+
+EAGER_ONLY = False  # --eager-only: no CUDA-graph timing at all
 
 
 def paged(k: torch.Tensor, v: torch.Tensor, block: int):
@@ -75,8 +97,8 @@ def prefill_point(n: int, head_dim: int, device, dtype, reps: int, smoke: bool) 
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
 
     def flash():
-        paged_flash_attention(qp, kc, vc, out, tables, starts, lens, lens, n, scale, 16, block_m=64 if not smoke else 16,
-                              block_n=64 if not smoke else 16)
+        paged_flash_attention(qp, kc, vc, out, tables, starts, lens, lens, n, scale, 16,
+                              block_m=16 if smoke else None, block_n=16 if smoke else None)
 
     runs = {"tessellm_flash": flash}
     if device.type == "cuda":
@@ -108,7 +130,8 @@ def prefill_point(n: int, head_dim: int, device, dtype, reps: int, smoke: bool) 
     return point
 
 
-def decode_point(ctx: int, batch: int, device, dtype, reps: int, smoke: bool) -> dict:
+def decode_point(ctx: int, batch: int, device, dtype, reps: int, smoke: bool,
+                 config: KernelConfig | None = None, graph_sdpa: bool = True) -> dict:
     hq, hkv, d = (32, 8, 64) if not smoke else (4, 2, 16)
     q = torch.randn(batch, hq, d, device=device, dtype=dtype)
     k, v = (torch.randn(batch, ctx, hkv, d, device=device, dtype=dtype) for _ in range(2))
@@ -120,15 +143,97 @@ def decode_point(ctx: int, batch: int, device, dtype, reps: int, smoke: bool) ->
     nbytes = 2 * batch * ctx * hkv * d * k.element_size()
     qt, kt, vt = q[:, :, None], k.transpose(1, 2), v.transpose(1, 2)
     runs = {"tessellm_decode": lambda: paged_decode_attention(q, kc, vc, out, rows, tables, lens, ctx, scale, 16,
-                                                              block_n=64 if not smoke else 16),
+                                                              block_n=16 if smoke else None, config=config),
             "sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)}
     point = {"context": ctx, "batch": batch, "kv_bytes": nbytes}
     for name, fn in runs.items():
-        point[f"{name}_gbps"] = round(nbytes / timed(fn, device, reps) / 1e9, 1)
+        if (name == "tessellm_decode" or graph_sdpa) and not EAGER_ONLY:
+            point[f"{name}_gbps"] = round(nbytes / timed_graph(fn, device, reps) / 1e9, 1)
+        point[f"{name}_eager_gbps"] = round(nbytes / timed(fn, device, reps) / 1e9, 1)
     runs["tessellm_decode"]()
     ref = F.scaled_dot_product_attention(qt.float(), kt.float(), vt.float(), enable_gqa=True)[:, :, 0]
     point["decode_max_err"] = float((out.float() - ref).abs().max())
     return point
+
+
+def sweep(device, dtype, smoke: bool) -> dict:
+    """Time the flash kernels alone over launch shapes; the best per point, and every row."""
+    import itertools
+
+    reps = 3 if device.type == "cuda" else 1
+    found: dict = {"prefill": [], "decode": [], "splits": []}
+    # prefill: 4k tokens (4 sequences of 4k at 2048 / D heads, as the benchmark) per head dim
+    for d in ([64, 128] if not smoke else [16]):
+        n, heads, batch = (4096, 2048 // d, 4) if not smoke else (48, 2, 1)
+        q, k, v = (torch.randn(batch * n, heads, d, device=device, dtype=dtype) for _ in range(3))
+        tables = torch.arange(batch * n // 16, dtype=torch.int32, device=device).view(batch, -1)
+        starts = torch.arange(0, batch * n, n, dtype=torch.int32, device=device)
+        lens = torch.full((batch,), n, dtype=torch.int32, device=device)
+        out = torch.empty_like(q)
+        flops = 4 * batch * heads * n * n * d / 2
+        shapes = itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3, 4]) if not smoke else [(16, 16, 4, 1)]
+        for bm, bn, warps, stages in shapes:
+            cfg = KernelConfig(bm, bn, warps, stages)
+            row = {"head_dim": d, "seq_len": n, **cfg.__dict__}
+            try:
+                row["tflops"] = round(flops / timed(lambda: paged_flash_attention(
+                    q, k, v, out, tables, starts, lens, lens, n, d ** -0.5, 16, config=cfg), device, reps, 5) / 1e12, 1)
+            except Exception as exc:  # e.g. out of shared memory: that shape is not an option
+                row["error"] = f"{type(exc).__name__}: {exc}"[:120]
+            found["prefill"].append(row)
+            print("prefill", row, flush=True)
+    # decode: Llama-3.2-1B's attention shape (32 query heads, 8 KV heads, head dim 64)
+    hq, hkv, d = (32, 8, 64) if not smoke else (4, 2, 16)
+
+    def decode_inputs(batch, ctx):
+        q = torch.randn(batch, hq, d, device=device, dtype=dtype)
+        k, v = (torch.randn(batch * ctx, hkv, d, device=device, dtype=dtype) for _ in range(2))
+        tables = torch.arange(batch * ctx // 16, dtype=torch.int32, device=device).view(batch, -1)
+        rows = torch.arange(batch, dtype=torch.int32, device=device)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+        return q, k, v, tables, rows, lens, 2 * batch * ctx * hkv * d * k.element_size()
+
+    points = [(16, 4096), (64, 16384)] if not smoke else [(3, 112)]
+    shapes = list(itertools.product([32, 64, 128], [2, 4, 8], [1, 2, 3, 4])) if not smoke else [(16, 4, 1)]
+    for batch, ctx in points:
+        q, k, v, tables, rows, lens, nbytes = decode_inputs(batch, ctx)
+        out = torch.empty_like(q)
+        for bn, warps, stages in shapes:
+            cfg = KernelConfig(16, bn, warps, stages)
+            row = {"batch": batch, "context": ctx, **cfg.__dict__}
+            try:
+                row["gbps"] = round(nbytes / timed_graph(lambda: paged_decode_attention(
+                    q, k, v, out, rows, tables, lens, ctx, d ** -0.5, 16, config=cfg), device, reps) / 1e9, 1)
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:120]
+            found["decode"].append(row)
+            print("decode", row, flush=True)
+    ok = [r for r in found["decode"] if "gbps" in r]
+    best = {}
+    for r in ok:  # the shape with the best worst-case over the points
+        key = (r["block_n"], r["num_warps"], r["num_stages"])
+        best[key] = min(best.get(key, float("inf")), r["gbps"])
+    bn, warps, stages = max(best, key=best.get) if best else (16, 4, 1)
+    cfg = KernelConfig(16, bn, warps, stages)
+    for batch, ctx in ([(1, 4096), (1, 16384), (16, 4096), (16, 16384), (64, 4096), (64, 16384)]
+                       if not smoke else [(1, 112), (3, 112)]):
+        q, k, v, tables, rows, lens, nbytes = decode_inputs(batch, ctx)
+        out = torch.empty_like(q)
+        for target in ([128, 256, 512, 1024, 2048] if not smoke else [8, 64]):
+            splits = default_num_splits(batch, hkv, ctx, bn, target)
+            row = {"batch": batch, "context": ctx, "target_programs": target, "splits": splits,
+                   "gbps": round(nbytes / timed_graph(lambda: paged_decode_attention(
+                       q, k, v, out, rows, tables, lens, ctx, d ** -0.5, 16, num_splits=splits, config=cfg),
+                       device, reps) / 1e9, 1)}
+            found["splits"].append(row)
+            print("splits", row, flush=True)
+    ranked = {}
+    for d in {r["head_dim"] for r in found["prefill"]}:
+        rows_d = [r for r in found["prefill"] if r["head_dim"] == d and "tflops" in r]
+        ranked[f"prefill_d{d}"] = sorted(rows_d, key=lambda r: -r["tflops"])[:3]
+    ranked["decode"] = sorted(ok, key=lambda r: -best[(r["block_n"], r["num_warps"], r["num_stages"])])[:3]
+    found["best"] = ranked
+    return found
 
 
 def copy_bandwidth(device, reps: int, smoke: bool) -> float:
@@ -142,27 +247,68 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "kernels.json") if "OUT" in os.environ else None)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU under TRITON_INTERPRET=1)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--sweep", action="store_true", help="search the kernels' launch shapes instead")
+    ap.add_argument("--only", choices=["prefill", "decode"], help="measure one half")
+    ap.add_argument("--min-context", type=int, default=0, help="decode points from this context on")
+    ap.add_argument("--no-graph-sdpa", action="store_true",
+                    help="time SDPA decode eagerly only (on an H100 with torch 2.11 its CUDA-graph capture "
+                         "hit an illegal memory access at batch 64, context 16k)")
+    ap.add_argument("--eager-only", action="store_true", help="time decode points with eager launches only")
     args = ap.parse_args(argv)
+    global EAGER_ONLY
+    EAGER_ONLY = args.eager_only
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.smoke:
         ap.error("no GPU: run with --smoke (and TRITON_INTERPRET=1) to check the code path on CPU")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     reps = args.reps if not args.smoke else 2
+    if args.sweep:
+        report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
+                  "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
+                  **sweep(device, dtype, args.smoke)}
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(json.dumps(report, indent=2) + "\n")
+        print(json.dumps(report["best"], indent=1))
+        return 0
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
               "torch": torch.__version__, "dtype": str(dtype), "copy_gbps": copy_bandwidth(device, reps, args.smoke)}
-    seqs, dims = ([1024, 4096, 16384], [64, 128]) if not args.smoke else ([32, 48], [16])
-    report["prefill"] = [prefill_point(n, d, device, dtype, reps, args.smoke) for d in dims for n in seqs]
+
+    def save() -> None:  # after every point: a run cut short keeps what it measured
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(json.dumps(report, indent=2) + "\n")
+
     ctxs, batches = ([1024, 4096, 16384, 32768], [1, 16, 64]) if not args.smoke else ([48, 112], [1, 3])
-    report["decode"] = [decode_point(c, b, device, dtype, reps, args.smoke) for c in ctxs for b in batches]
-    for p in report["decode"]:
-        p["tessellm_of_copy"] = round(p["tessellm_decode_gbps"] / report["copy_gbps"], 3)
-    text = json.dumps(report, indent=2)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text)
+    report["decode"] = []
+    for c in ctxs if args.only != "prefill" else []:
+        if c < args.min_context:
+            continue
+        for b in batches:
+            point = decode_point(c, b, device, dtype, reps, args.smoke, graph_sdpa=not args.no_graph_sdpa)
+            best = point.get("tessellm_decode_gbps", point["tessellm_decode_eager_gbps"])
+            point["tessellm_of_copy"] = round(best / report["copy_gbps"], 3)
+            report["decode"].append(point)
+            save()
+    # the engine's own decode shape (hundreds of short sequences): pipeline depth vs occupancy
+    report["decode_engine_batch"] = []
+    for c in ([256, 1024] if not args.smoke else [48]) if args.only != "prefill" else []:
+        for stages in (2, 4):
+            cfg = KernelConfig(16, 64 if not args.smoke else 16, 2, stages)
+            point = decode_point(c, 256 if not args.smoke else 3, device, dtype, reps, args.smoke, cfg,
+                                 graph_sdpa=not args.no_graph_sdpa)
+            report["decode_engine_batch"].append({**point, "num_stages": stages})
+            save()
+    seqs, dims = ([1024, 4096, 16384], [64, 128]) if not args.smoke else ([32, 48], [16])
+    report["prefill"] = []
+    for d in dims if args.only != "decode" else []:
+        for n in seqs:
+            report["prefill"].append(prefill_point(n, d, device, dtype, reps, args.smoke))
+            save()
+    save()
+    print(json.dumps(report, indent=2))
     return 0
 
 

@@ -29,10 +29,10 @@ from tessellm.core.plugin import PluginOptions, SelectionContext
 class FlashOptions(PluginOptions):
     """Options of the `flash` attention backend (tile sizes: powers of two, at least 16)."""
 
-    block_m: int = Field(16, ge=16, le=256)
-    """Query rows per program."""
-    block_n: int = Field(32, ge=16, le=256)
-    """Keys per inner-loop step."""
+    block_m: int | None = Field(None, ge=16, le=256)
+    """Query rows per prefill program (None: the tuned default for the head dim and device)."""
+    block_n: int | None = Field(None, ge=16, le=256)
+    """Keys per inner-loop step of both kernels (None: the tuned default)."""
     split_decode: bool = True
     """Run decodes (query length 1) through the split-K flash-decoding kernel."""
     decode_splits: int | None = Field(None, ge=1, le=64)
@@ -70,6 +70,8 @@ class FlashPlan:
     decodes: _Seqs | None
     others: _Seqs | None
     block_size: int
+    decode_splits: int | None = None
+    """Fixed split count of the decode kernel (a captured graph); None: per step."""
 
 
 def _interpreting() -> bool:
@@ -80,25 +82,29 @@ class FlashAttention(AttentionBackend):
     """Triton varlen FlashAttention over the paged cache's raw K/V tensors.
 
     Reads a ``DenseKVStorage`` ("kv" format, float16/bfloat16/float32). Tested against the
-    float64 reference (``tessellm.testing.attention``) under the Triton interpreter on CPU.
-    Not yet chosen by ``auto``: it takes over on CUDA once its GPU tests and benchmarks run.
+    float64 reference (``tessellm.testing.attention``) under the Triton interpreter on CPU and
+    compiled on an H100. ``auto`` picks it on CUDA (it beats SDPA's flash backend there, see
+    docs/benchmarks.md), never on a CPU, where it only runs interpreted. Supports CUDA graphs.
     """
 
     name = "flash"
     api_version = "1.0"
     description = "Triton FlashAttention over packed varlen batches, K/V read through block tables"
     Options = FlashOptions
-    auto_priority = None
+    auto_priority = 30
     cache_formats = frozenset({"kv"})
     cache_dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})
     head_dims = None
+    supports_cuda_graphs = True
 
     @classmethod
     def unsupported_reasons(cls, ctx: SelectionContext) -> list[str]:
         reasons = super().unsupported_reasons(ctx)
         if importlib.util.find_spec("triton") is None:
             reasons.append("needs triton, which is not installed")
-        if ctx.device.type == "cpu" and not _interpreting():
+        if ctx.device.type == "cpu" and ctx.config.attention.name == "auto":
+            reasons.append("auto uses it on CUDA only (on a CPU it runs interpreted; name it to use it)")
+        elif ctx.device.type == "cpu" and not _interpreting():
             reasons.append("runs on CPU only under Triton's interpreter: set TRITON_INTERPRET=1 (slow; for testing)")
         elif ctx.device.type not in ("cpu", "cuda"):
             reasons.append(f"runs on cuda (or cpu under TRITON_INTERPRET=1), not {ctx.device.type}")
@@ -106,7 +112,7 @@ class FlashAttention(AttentionBackend):
             reasons.append(f"supports head dims up to 256, the model has {ctx.model.head_dim}")
         for name in ("block_m", "block_n"):
             value = getattr(ctx.options, name)
-            if value & (value - 1):
+            if value is not None and value & (value - 1):
                 reasons.append(f"{name} must be a power of two, not {value}")
         return reasons
 
@@ -119,6 +125,19 @@ class FlashAttention(AttentionBackend):
         others = [i for i, n in enumerate(batch.query_lens_cpu) if not (n == 1 and split)]
         return FlashPlan(batch.slot_mapping, _Seqs.of(batch, decodes, qsl) if decodes else None,
                          _Seqs.of(batch, others, qsl) if others else None, batch.block_size)
+
+    def graph_plan(self, batch: BatchMetadata, cache: CacheManager, max_seq_len: int) -> FlashPlan:
+        """Every row through the split-K decode kernel, its split count fixed for the longest
+        context (a split past a shorter context's end does no work)."""
+        from .flash_kernels import decode_config, default_num_splits
+
+        n = batch.num_seqs
+        seqs = _Seqs(batch.query_start_loc[:n], torch.ones_like(batch.seq_lens), batch.seq_lens,
+                     batch.block_tables, 1, max_seq_len)
+        splits = self.options.decode_splits or default_num_splits(
+            n, self.model.num_kv_heads, max_seq_len, decode_config(self.model.head_dim, self.device,
+                                                                   self.options.block_n).block_n)
+        return FlashPlan(batch.slot_mapping, seqs, None, batch.block_size, splits)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: KVStorage, plan: FlashPlan) -> torch.Tensor:
@@ -136,7 +155,8 @@ class FlashAttention(AttentionBackend):
         if plan.decodes is not None:
             s = plan.decodes
             paged_decode_attention(q, kv.k, kv.v, out, s.query_start, s.block_tables, s.seq_lens, s.max_seq_len,
-                                   self.scale, plan.block_size, self.sliding_window, o.decode_splits, o.block_n)
+                                   self.scale, plan.block_size, self.sliding_window,
+                                   plan.decode_splits or o.decode_splits, o.block_n)
         return out
 
 

@@ -123,7 +123,7 @@ def test_flash_is_refused_on_cpu_without_the_interpreter(monkeypatch):
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     ctx = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32, kv_layout=None, options=FlashOptions(),
-                          model=SimpleNamespace(head_dim=64))
+                          model=SimpleNamespace(head_dim=64), config=SimpleNamespace(attention=SimpleNamespace(name="flash")))
     reasons = FlashAttention.unsupported_reasons(ctx)
     assert any("TRITON_INTERPRET=1" in r for r in reasons)
 
@@ -146,3 +146,22 @@ def test_whole_model_matches_sdpa(tiny_model, cpu_config):
     assert [o.token_ids for o in flash.generate(prompts, params)] == [o.token_ids for o in sdpa.generate(prompts, params)]
     ids = prompts[1] + prompts[2]
     assert (flash.engine.score(ids) - sdpa.engine.score(ids)).abs().max().item() < 1e-4
+
+
+def test_auto_picks_flash_on_cuda_only(monkeypatch):
+    """flash outranks sdpa and cascade under ``auto`` on CUDA; on a CPU auto never picks it,
+    even under the interpreter (named, it runs there)."""
+    from types import SimpleNamespace
+
+    from tessellm.plugins.attention.cascade import CascadeAttention
+
+    assert FlashAttention.auto_priority > CascadeAttention.auto_priority
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+    def ctx(device, name):
+        return SimpleNamespace(device=torch.device(device), dtype=torch.bfloat16, kv_layout=None, options=FlashOptions(),
+                               model=SimpleNamespace(head_dim=64), config=SimpleNamespace(attention=SimpleNamespace(name=name)))
+
+    assert FlashAttention.unsupported_reasons(ctx("cuda", "auto")) == []
+    assert any("CUDA only" in r for r in FlashAttention.unsupported_reasons(ctx("cpu", "auto")))
+    assert FlashAttention.unsupported_reasons(ctx("cpu", "flash")) == []
