@@ -29,12 +29,15 @@ class AttentionBackend(Plugin):
       head_dim] -> [T, num_heads, head_dim]. Query token i of a sequence with context length L
       and query length Q sits at position L - Q + i and sees keys 0..L-Q+i (and, with a
       sliding window W, only the last W of those).
+    - ``supports_cuda_graphs`` backends also implement ``graph_plan``; their decode steps can
+      then be captured and replayed as CUDA graphs (core/cuda_graphs.py).
     """
 
     kind: ClassVar[str] = "attention"
     cache_formats: ClassVar[frozenset[str]] = frozenset({"kv"})
     cache_dtypes: ClassVar[frozenset[torch.dtype] | None] = None
     head_dims: ClassVar[frozenset[int] | None] = None
+    supports_cuda_graphs: ClassVar[bool] = False
 
     def __init__(self, options: PluginOptions, model: ModelSpec, device: torch.device, dtype: torch.dtype):
         self.options = options
@@ -59,6 +62,12 @@ class AttentionBackend(Plugin):
     def plan(self, batch: BatchMetadata, cache: CacheManager) -> Any:
         """Per-step planning shared by all layers; the default plan is the batch itself."""
         return batch
+
+    def graph_plan(self, batch: BatchMetadata, cache: CacheManager, max_seq_len: int) -> Any:
+        """A plan for decode batches (one query token per sequence) whose device tensors are
+        fixed buffers refilled before each CUDA-graph replay: it must read only ``batch``'s
+        tensors, never its host lists, and hold for any context lengths up to ``max_seq_len``."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not support CUDA graphs")
 
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -8,6 +8,7 @@ same thing with different query lengths.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -145,25 +146,29 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
                 samples.append(SampleSlot(s, first, 1 + len(draft), list(draft)))
     if all_logits:
         rows = list(range(len(ids)))
-    width = max((len(t) for t in tables), default=1)
-    padded = np.full((len(tables), max(width, 1)), -1, dtype=np.int64)
-    for i, t in enumerate(tables):
-        padded[i, :len(t)] = t
-    # positions and slots of every query token, vectorized: prefill steps have thousands
-    query_lens = np.diff(np.asarray(qsl, dtype=np.int64))
-    seq_of_token = np.repeat(np.arange(len(tables)), query_lens)
-    pos = np.arange(len(ids), dtype=np.int64) - np.repeat(np.asarray(qsl[:-1], dtype=np.int64), query_lens) \
-        + np.repeat(np.asarray(starts, dtype=np.int64), query_lens)
+    # everything below is vectorized: a prefill step has thousands of tokens, a decode step
+    # hundreds of sequences
+    num_seqs, num_tokens = len(tables), len(ids)
+    table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
+    width = max(int(table_lens.max(initial=0)), 1)
+    padded = np.full((num_seqs, width), -1, dtype=np.int64)
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(table_lens.sum()))
+    owner = np.repeat(np.arange(num_seqs), table_lens)
+    padded[owner, np.arange(flat.size) - np.repeat(np.cumsum(table_lens) - table_lens, table_lens)] = flat
+    qsl_np = np.asarray(qsl, dtype=np.int64)
+    query_lens = np.diff(qsl_np)
+    seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+    pos = np.arange(num_tokens, dtype=np.int64) + np.repeat(np.asarray(starts, dtype=np.int64) - qsl_np[:-1], query_lens)
     slots = padded[seq_of_token, pos // bs] * bs + pos % bs
-    seq_lens = [a + int(q) for a, q in zip(starts, query_lens)]
-
-    def tensor(values, dtype):
-        return torch.as_tensor(values, dtype=dtype).to(device, non_blocking=True)
-
+    seq_lens = np.asarray(starts, dtype=np.int64) + query_lens
+    # two host-to-device copies (one per dtype) instead of one per field
+    longs = torch.from_numpy(np.concatenate([np.asarray(ids, dtype=np.int64), pos, slots,
+                                             np.asarray(rows, dtype=np.int64)])).to(device, non_blocking=True)
+    ints = torch.from_numpy(np.concatenate([qsl_np, seq_lens, padded.reshape(-1)]).astype(np.int32)
+                            ).to(device, non_blocking=True)
+    t, r, b = num_tokens, len(rows), num_seqs
     return BatchMetadata(
-        input_ids=tensor(ids, torch.long), positions=tensor(pos, torch.long),
-        query_start_loc=tensor(qsl, torch.int32), seq_lens=tensor(seq_lens, torch.int32),
-        slot_mapping=tensor(slots, torch.long), block_tables=tensor(padded.astype(np.int32), torch.int32),
-        logits_indices=tensor(rows, torch.long),
-        query_lens_cpu=[b - a for a, b in zip(qsl, qsl[1:])], seq_lens_cpu=seq_lens,
+        input_ids=longs[:t], positions=longs[t:2 * t], slot_mapping=longs[2 * t:3 * t], logits_indices=longs[3 * t:3 * t + r],
+        query_start_loc=ints[:b + 1], seq_lens=ints[b + 1:2 * b + 1], block_tables=ints[2 * b + 1:].view(b, width),
+        query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist(),
         block_tables_cpu=tables, block_size=bs, seqs=[s.seq for s in scheduled], samples=samples)

@@ -156,6 +156,14 @@ class CacheManager(Plugin):
     def reserve(self, seq: Sequence, num_tokens: int) -> None:
         """Ensure slots for tokens [0, num_tokens) of ``seq``; raises RuntimeError if full."""
 
+    def try_reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """``reserve`` if it fits now, answering whether it did: one call for the common case
+        of a scheduler's step (caches may override it to plan the reservation once)."""
+        if not self.can_reserve(seq, num_tokens):
+            return False
+        self.reserve(seq, num_tokens)
+        return True
+
     @abstractmethod
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         """Release slots of tokens at positions >= num_tokens."""
@@ -195,3 +203,9 @@ class CacheManager(Plugin):
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """Lookups and hits of the prefix cache (all zero for a cache without one)."""
         return PrefixCacheStats()
+
+    @property
+    def scratch_block(self) -> int | None:
+        """A block of storage that no sequence ever holds, where padded rows of a replayed
+        CUDA graph write and read (None: the cache has none, so decode graphs are off)."""
+        return None

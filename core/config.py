@@ -67,6 +67,11 @@ class PipelineConfig(BaseModel):
     scheduler: PluginSection = Field(default_factory=PluginSection)
     decoding: PluginSection = Field(default_factory=PluginSection)
     quant: PluginSection = Field(default_factory=PluginSection)
+    cuda_graphs: bool = True
+    """On CUDA, replay decode steps from captured CUDA graphs when the attention backend and
+    cache support it (``flash`` with ``paged``); False runs every step eagerly."""
+    cuda_graph_max_batch: int = Field(256, ge=1, le=2048, strict=True)
+    """Largest decode batch replayed from a graph; larger batches run eagerly."""
 
     @field_validator("device")
     @classmethod

@@ -62,3 +62,13 @@ class Decoder(Plugin):
     @abstractmethod
     def decode(self, logits: torch.Tensor, batch: BatchMetadata) -> list[list[int]]:
         """Accepted tokens for each sample slot of ``batch``."""
+
+
+def slot_logits(logits: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
+    """The logits row of each sample slot's first row, [len(batch.samples), vocab]. In a
+    plain decode step that is every row in order, returned as is (no gather, no host-to-device
+    index copy)."""
+    first = [s.first_row for s in batch.samples]
+    if len(first) == logits.shape[0] and first == list(range(len(first))):
+        return logits
+    return logits[torch.tensor(first, dtype=torch.long, device=logits.device)]

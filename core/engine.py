@@ -208,10 +208,14 @@ class Engine:
         for item in out.scheduled:
             if not item.seq.is_finished:
                 self.cache.commit(item.seq)
-        for seq in [s.seq for s in batch.samples]:
-            state = self.requests.get(seq.request_id)
-            if state is not None and seq.is_finished and state.finished and state not in finished:
-                finished.append(state)
+        done: dict[str, RequestState] = {}
+        for slot in batch.samples:
+            seq = slot.seq
+            if seq.is_finished and seq.request_id not in done:
+                state = self.requests.get(seq.request_id)
+                if state is not None and state.finished:
+                    done[seq.request_id] = state
+        finished.extend(done.values())
         self._sample_memory(len(out.scheduled))
         self.stats.steps += 1
         self.stats.step_seconds.append(time.perf_counter() - start)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 import uuid
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence as Seq
 
+import torch
 from pydantic import ValidationError
 from tqdm.auto import tqdm
 
@@ -24,6 +26,7 @@ from .registry import PluginRegistry, get_registry
 from .resolve import ResolvedPipeline, model_dir_for, precheck, resolve
 from .scheduler import SchedulerLimits
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class CompletionOutput:
@@ -84,6 +87,14 @@ class Pipeline:
         limits = SchedulerLimits(r.max_model_len, self.decoder.num_lookahead_tokens)
         self.scheduler = c["scheduler"].cls(c["scheduler"].options, self.cache, limits)
         self.runner = ModelRunner(self.model, self.spec, self.attention, self.cache, r.device)
+        if config.cuda_graphs and self.runner.graphs_unsupported() is None:
+            try:
+                self.runner.capture_graphs(config.cuda_graph_max_batch, r.max_model_len)
+            except torch.cuda.OutOfMemoryError as exc:  # a slower engine beats none: say so, run eagerly
+                self.runner.graphs = None
+                torch.cuda.empty_cache()
+                logger.warning("CUDA graph capture ran out of memory (%s); decode steps run eagerly. Lower "
+                               "cuda_graph_max_batch or cache.options.gpu_memory_fraction to keep them.", exc)
         self.engine = Engine(self.runner, self.cache, self.scheduler, self.decoder,
                              max_model_len=r.max_model_len, eos_token_ids=self._eos_ids(hf_config),
                              vocab_size=self.spec.vocab_size, seed=config.seed,

@@ -62,14 +62,19 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=spec.o_bias)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                backend: AttentionBackend, cache: CacheManager, plan: Any) -> torch.Tensor:
+                backend: AttentionBackend, cache: CacheManager, plan: Any, fused: bool = False) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        cos, sin = cos[:, None, :], sin[:, None, :]
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
+        if fused:
+            from .fused_ops import rotary_
+
+            q, k = rotary_(q, cos, sin), rotary_(k, cos, sin)
+        else:
+            cos, sin = cos[:, None, :], sin[:, None, :]
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
         out = backend.forward(self.layer, q, k, v, cache.layer(self.layer), plan)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
@@ -82,7 +87,11 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=spec.mlp_bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        if fused:
+            from .fused_ops import silu_mul
+
+            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -98,6 +107,19 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, cache, plan)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, backend, cache,
+                      plan) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer with the residual adds folded into the norms after them (fused
+        kernels): takes and returns (output not yet added, running residual)."""
+        from .fused_ops import add_rmsnorm
+
+        norm = self.input_layernorm
+        h, residual = add_rmsnorm(x, residual, norm.weight, norm.eps)
+        h = self.self_attn(h, cos, sin, backend, cache, plan, fused=True)
+        norm = self.post_attention_layernorm
+        h, residual = add_rmsnorm(h, residual, norm.weight, norm.eps)
+        return self.mlp(h, fused=True), residual
+
 
 class LlamaBody(nn.Module):
     def __init__(self, spec: ModelSpec):
@@ -109,11 +131,13 @@ class LlamaBody(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """The whole decoder. ``forward`` returns float32 logits (float64 in a float64 pipeline)
-    for the requested rows only."""
+    for the requested rows only. With ``fused`` set (on CUDA, by ``build_model``) the norms,
+    residual adds, RoPE and SwiGLU run as fused Triton kernels (core/fused_ops.py)."""
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.spec = spec
+        self.fused = False
         self.model = LlamaBody(spec)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
@@ -128,8 +152,21 @@ class LlamaForCausalLM(nn.Module):
         ``layers`` runs a subset of the decoder layers (self-drafting by layer skipping)."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, x.dtype)
-        for i in (range(len(self.model.layers)) if layers is None else layers):
-            x = self.model.layers[i](x, cos, sin, backend, cache, plan)
-        x = self.model.norm(x[logits_indices])  # norm is per row: select first, then normalise
+        order = range(len(self.model.layers)) if layers is None else layers
+        if self.fused:
+            from .fused_ops import add_rmsnorm
+
+            residual = None
+            for i in order:
+                x, residual = self.model.layers[i].forward_fused(x, residual, cos, sin, backend, cache, plan)
+            if residual is not None:  # norm is per row: select first, then add and normalise
+                x, _ = add_rmsnorm(x[logits_indices], residual[logits_indices], self.model.norm.weight,
+                                   self.model.norm.eps)
+            else:
+                x = self.model.norm(x[logits_indices])
+        else:
+            for i in order:
+                x = self.model.layers[i](x, cos, sin, backend, cache, plan)
+            x = self.model.norm(x[logits_indices])  # norm is per row: select first, then normalise
         logits = self.lm_head(x)
         return logits if logits.dtype == torch.float64 else logits.float()  # float64 stays exact

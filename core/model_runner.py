@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Sequence
 
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 from .attention import AttentionBackend
 from .batch import BatchMetadata
 from .cache import CacheManager
+from .cuda_graphs import DecodeGraphs
 from .errors import ModelLoadError
 from .model import LlamaForCausalLM, RotaryEmbedding
 from .model_spec import ModelSpec
@@ -38,6 +40,8 @@ def build_model(spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.d
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = RotaryEmbedding(spec).to(device)  # buffers were on the meta device
     model.eval().requires_grad_(False)
+    # on CUDA the norms, RoPE and SwiGLU run as fused Triton kernels (float64 stays the exact reference)
+    model.fused = device.type == "cuda" and dtype != torch.float64 and importlib.util.find_spec("triton") is not None
     return quantizer.apply(model) if quantizer is not None else model
 
 
@@ -51,10 +55,31 @@ class ModelRunner:
         self.spec = spec
         self.backend = backend
         self.cache = cache
+        self.graphs: DecodeGraphs | None = None
+
+    def graphs_unsupported(self) -> str | None:
+        """Why decode steps cannot be replayed from CUDA graphs here (None: they can)."""
+        if self.device.type != "cuda":
+            return f"the device is {self.device.type}, not cuda"
+        if not self.backend.supports_cuda_graphs:
+            return f"attention backend {self.backend.name!r} does not support CUDA graphs"
+        if self.cache.scratch_block is None:
+            return f"cache {self.cache.name!r} has no scratch block for padded rows"
+        return None
+
+    def capture_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> None:
+        """Capture decode forwards for batches up to ``max_batch`` (``capture=False``: the same
+        padded static-buffer path, run eagerly, for testing without a GPU)."""
+        self.graphs = DecodeGraphs(self.model, self.backend, self.cache, self.device, max_batch=max_batch,
+                                   max_model_len=max_model_len, capture=capture)
 
     @torch.inference_mode()
     def forward(self, batch: BatchMetadata, layers: Sequence[int] | None = None) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab]: float32 (float64 in a float64 pipeline)."""
+        if self.graphs is not None and layers is None:
+            logits = self.graphs.run(batch)
+            if logits is not None:
+                return logits
         plan = self.backend.plan(batch, self.cache)
         return self.model(batch.input_ids, batch.positions, batch.logits_indices,
                           self.backend, self.cache, plan, layers)

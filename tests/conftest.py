@@ -90,7 +90,15 @@ def build_tiny_model(target: Path, arch: str, tokenizer_dir: Path, seed: int = 0
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory, smollm2_dir):
+def tokenizer_dir(request) -> Path:
+    """SmolLM2's tokenizer files: $TESSELLM_TEST_TOKENIZER_DIR if set (a GPU machine that
+    cannot receive the GGUF gets only these), else the converted model's folder."""
+    override = os.environ.get("TESSELLM_TEST_TOKENIZER_DIR")
+    return Path(override) if override else request.getfixturevalue("smollm2_dir")
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory, tokenizer_dir):
     """Factory: ``tiny_model("qwen2")`` -> folder of a tiny random model (built once per
     arch, seed and vocabulary size; other seeds give other weights of the same shapes)."""
     built: dict[tuple, Path] = {}
@@ -99,7 +107,7 @@ def tiny_model(tmp_path_factory, smollm2_dir):
         key = (arch, seed, vocab_size)
         if key not in built:
             built[key] = build_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}-{seed}-{vocab_size}"), arch,
-                                          smollm2_dir, seed, vocab_size)
+                                          tokenizer_dir, seed, vocab_size)
         return built[key]
 
     return make

@@ -63,7 +63,8 @@ def _budget_blocks(options: PagedOptions, model, device: torch.device, dtype: to
         budget = int(free * options.gpu_memory_fraction)
     else:
         budget = options.cpu_memory_bytes
-    return budget // bytes_per_block(model, options.block_size, dtype)
+    # one block of the budget is the scratch block (see PagedCache.scratch_block)
+    return budget // bytes_per_block(model, options.block_size, dtype) - 1
 
 
 _ROOT = b"tessellm-prefix-v1"
@@ -118,7 +119,7 @@ class PagedCache(CacheManager):
         super().__init__(options, spec, layout)
         num_blocks = _budget_blocks(options, spec, spec.device, spec.dtype)
         self.pool = BlockPool(num_blocks)
-        slots = num_blocks * layout.block_size
+        slots = (num_blocks + 1) * layout.block_size  # + the scratch block, never handed out
         self._layers = [DenseKVStorage(layout, slots, spec.num_kv_heads, spec.head_dim, spec.device)
                         for _ in range(spec.num_layers)]
         self._tables: dict[int, list[int]] = {}  # seq_id -> blocks
@@ -147,6 +148,10 @@ class PagedCache(CacheManager):
 
     def block_table(self, seq: Sequence) -> list[int]:
         return self._tables[seq.seq_id]
+
+    @property
+    def scratch_block(self) -> int:
+        return self.pool.num_blocks  # the storage's last block: the pool holds ids below it
 
     # ------------------------------------------------------------------ growth
 
@@ -178,6 +183,21 @@ class PagedCache(CacheManager):
             table[i] = self._copy_block(table[i])
         for _ in range(new):
             table.append(self.pool.allocate())
+
+    def try_reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        table = self._tables.get(seq.seq_id)
+        if table is not None and num_tokens <= len(table) * self.layout.block_size:
+            # fast path (a decode step inside its last block): only the blocks about to be
+            # written can need a copy-on-write; without one, nothing changes
+            bs = self.layout.block_size
+            refs, pool = self.pool.ref_counts, self.pool
+            if all(refs[table[i]] == 1 and not pool.is_cached(table[i])
+                   for i in range(seq.num_computed_tokens // bs, -(-num_tokens // bs))):
+                return True
+        if not self.can_reserve(seq, num_tokens):
+            return False
+        self.reserve(seq, num_tokens)
+        return True
 
     def _copy_block(self, block: int) -> int:
         fresh = self.pool.allocate()

@@ -6,7 +6,7 @@ import torch
 
 import tessellm
 from tessellm.core.batch import BatchMetadata
-from tessellm.core.decoding import Decoder
+from tessellm.core.decoding import Decoder, slot_logits
 from tessellm.core.errors import InvalidRequestError
 from tessellm.core.sequence import SamplingParams
 
@@ -28,8 +28,7 @@ class GreedyDecoder(Decoder):
 
     def decode(self, logits: torch.Tensor, batch: BatchMetadata) -> list[list[int]]:
         # logits: [R, vocab] float32
-        rows = torch.tensor([s.first_row for s in batch.samples], dtype=torch.long, device=logits.device)
-        return [[t] for t in logits[rows].argmax(dim=-1).tolist()]
+        return [[t] for t in slot_logits(logits, batch).argmax(dim=-1).tolist()]
 
 
 @tessellm.hookimpl

@@ -10,7 +10,7 @@ import torch
 
 import tessellm
 from tessellm.core.batch import BatchMetadata
-from tessellm.core.decoding import Decoder
+from tessellm.core.decoding import Decoder, slot_logits
 from tessellm.core.sequence import SamplingParams
 
 
@@ -62,8 +62,7 @@ class SampleDecoder(Decoder):
 
     def decode(self, logits: torch.Tensor, batch: BatchMetadata) -> list[list[int]]:
         # logits: [R, vocab] float32
-        rows = torch.tensor([s.first_row for s in batch.samples], dtype=torch.long, device=logits.device)
-        logits = logits[rows]
+        logits = slot_logits(logits, batch)
         params = [s.seq.params for s in batch.samples]
         tokens = logits.argmax(dim=-1).tolist()
         sampled = [i for i, p in enumerate(params) if p.temperature > 0]

@@ -95,23 +95,24 @@ class ContinuousScheduler(QueueScheduler):
         chosen: dict[int, ScheduledSeq] = {}
         self.running.sort(key=self._urgency)
         for seq in list(self.running):
-            if seq not in self.running:  # preempted to make room for a more urgent one
-                continue
+            if out.preempted and seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted to make room for a more urgent one
             if budget == 0:
                 break
-            remaining = seq.num_tokens - seq.num_computed_tokens
+            remaining = len(seq.token_ids) - seq.num_computed_tokens
             if remaining == 0:
                 continue
             n = min(remaining, budget)
             need = seq.num_computed_tokens + n + (lookahead if n == remaining else 0)
-            while not self.cache.can_reserve(seq, need):
-                victim = self.running[-1]
-                budget += self._preempt(victim, chosen, out)
-                if victim is seq:
-                    break
-            if seq not in self.running:
-                continue
-            self.cache.reserve(seq, need)
+            if not self.cache.try_reserve(seq, need):
+                while not self.cache.can_reserve(seq, need):
+                    victim = self.running[-1]
+                    budget += self._preempt(victim, chosen, out)
+                    if victim is seq:
+                        break
+                if seq.status is not SequenceStatus.RUNNING:
+                    continue
+                self.cache.reserve(seq, need)
             chosen[seq.seq_id] = ScheduledSeq(seq, n)
             budget -= n
         if not out.preempted or not chosen:

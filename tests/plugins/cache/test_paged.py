@@ -384,6 +384,25 @@ def test_fork_shares_blocks_and_copies_on_first_write():
     assert cache.num_free_blocks == cache.num_blocks and cache.pool.num_used == 0
 
 
+def test_try_reserve_equals_can_reserve_then_reserve():
+    """The fast path (a write inside the last block) changes nothing; a shared block about to be
+    written is still copied; a full cache answers False and allocates nothing."""
+    cache = make_cache(4, 4)
+    parent = new_seq([1, 2, 3, 4, 5, 6])
+    cache.match_prefix(parent)
+    compute(cache, parent, 6)
+    table = list(cache.block_table(parent))
+    assert cache.try_reserve(parent, 7) and cache.block_table(parent) == table  # room in block 1
+    child = parent.fork(1)
+    cache.fork(parent, child)
+    assert cache.try_reserve(parent, 7) and cache.cow_copies == 1  # block 1 is shared: copied first
+    assert cache.block_table(parent)[1] != table[1]
+    hog = new_seq([9] * 8)
+    assert cache.num_free_blocks == 1 and not cache.try_reserve(hog, 8)  # needs 2 blocks
+    assert cache.num_free_blocks == 1 and hog.seq_id not in cache._tables
+    assert cache.try_reserve(hog, 4) and cache.num_free_blocks == 0
+
+
 def test_reset_prefix_cache():
     cache = make_cache(4, 8)
     tokens = list(range(1, 11))
@@ -426,8 +445,8 @@ def test_capacity_from_the_cpu_memory_budget():
     assert bytes_per_block(spec, 16, torch.float32) == per_block
     budget = 2**20 + 100
     cache = PagedCache(PagedOptions(block_size=16, cpu_memory_bytes=budget), spec, KVLayout("kv", 16, torch.float32))
-    assert cache.num_blocks == budget // per_block == 256
-    assert cache.layer(1).k.shape == (256 * 16, 2, 8)
+    assert cache.num_blocks == budget // per_block - 1 == 255  # one block is the scratch block
+    assert cache.layer(1).k.shape == (256 * 16, 2, 8)  # the storage fills the budget
     assert make_cache(16, 5).num_blocks == 5  # num_blocks overrides the budget
 
 
