@@ -1,5 +1,6 @@
 """End to end on a GPU (issue 4, item 6): tessellm (flash + paged + continuous) against
-transformers' padded `generate` on the same requests, in one run, with the step roofline.
+transformers' padded `generate` and its continuous batching (`generate_batch`) on the same
+requests, in one run, with the step roofline.
 
 What it measures
 ----------------
@@ -8,13 +9,19 @@ A random-weight model with Llama-3.2-1B's shapes (built here from its config wit
 reachable) and 512 requests: lognormal prompt lengths with mean about 200 tokens (median 145,
 sigma 0.8, clipped to 16..1024), 256 new tokens each (``ignore_eos``), all submitted at t=0.
 
-- tessellm: ``--config``-free pipeline ``attention flash, cache paged, scheduler continuous``.
-- transformers: padded static batches of 64 and of 128 (``core.hf_baseline``), greedy.
+- tessellm: ``--config``-free pipeline ``attention flash, cache paged, scheduler continuous``;
+  ``--set KEY=VALUE`` (repeatable, as ``tessellm --set``) overrides any field of it, e.g.
+  ``--set scheduler.options.max_num_seqs=512 --set attention.name=sdpa``.
+- transformers: padded static batches of 64 and of 128 (``core.hf_baseline.run_hf_baseline``),
+  then continuous batching, ``model.generate_batch`` (``run_hf_generate_batch``, transformers >= 5;
+  off with ``--no-hf-generate-batch``), greedy, EOS ignored. ``--skip-hf``: none of them (no
+  speedup fields). A baseline that fails is reported as ``{"error": ...}`` and the run goes on.
 - Roofline: per decode step at the run's mean batch and mean context, the larger of (weight
   bytes + K/V bytes read) / copy bandwidth and FLOPs / bf16 matmul rate, both measured here;
   ``fraction_of_roofline`` = tessellm's output tokens/s over the roofline's.
 
-Targets: at least 10x transformers' best, at least 40% of the roofline.
+Targets: at least 10x transformers' best (``speedup_vs_best_hf``, over every baseline that
+ran, ``hf_generate_batch`` included), at least 40% of the roofline.
 
 How to run
 ----------
@@ -25,12 +32,15 @@ How to run
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
 import tempfile
 import time
+import traceback
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -38,7 +48,9 @@ import torch
 from tessellm import LLM
 from tessellm.core.bench import describe_device, run_offline
 from tessellm.core.bench_workloads import make_workload
-from tessellm.core.hf_baseline import load_transformers, run_hf_baseline
+from tessellm.core.config import apply_overrides
+from tessellm.core.errors import ConfigError
+from tessellm.core.hf_baseline import load_transformers, run_hf_baseline, run_hf_generate_batch
 
 LLAMA_32_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                    num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
@@ -97,12 +109,35 @@ def roofline(shapes: dict, dtype: torch.dtype, batch: float, context: float, ban
     return batch / max(step_bytes / bandwidth, step_flops / flops)
 
 
+def attempt(name: str, fn) -> dict:
+    """``fn()``'s metrics, or ``{"error": ...}`` (traceback on stderr) so that one failure does
+    not lose the rest of an expensive run."""
+    try:
+        metrics = fn().metrics()
+        print(f"{name}:", json.dumps(metrics), file=sys.stderr, flush=True)  # kept if a later run hangs
+        return metrics
+    except Exception as exc:  # noqa: BLE001 - recorded in the report
+        print(f"{name} failed:", file=sys.stderr)
+        traceback.print_exc()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(os.environ["OUT"], "e2e.json") if "OUT" in os.environ else None)
     ap.add_argument("--num-requests", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--hf-batches", default="64,128")
+    ap.add_argument("--hf-batches", default="64,128", help="padded generate baselines' batch sizes ('' for none)")
+    ap.add_argument("--hf-generate-batch", action=argparse.BooleanOptionalAction, default=True,
+                    help="run transformers' continuous batching (model.generate_batch) too (default: on)")
+    ap.add_argument("--hf-max-batch-tokens", type=int, default=None,
+                    help="generate_batch's max_batch_tokens (default: transformers sizes it from free memory)")
+    ap.add_argument("--skip-hf", action="store_true", help="no transformers baselines: tessellm and the roofline only")
+    ap.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                    help="override a field of tessellm's pipeline config, e.g. "
+                         "--set scheduler.options.max_num_seqs=512 --set attention.name=sdpa (repeatable; YAML values)")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU (TRITON_INTERPRET=1)")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -110,43 +145,73 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("no GPU: run with --smoke (and TRITON_INTERPRET=1) to check the code path on CPU")
     shapes, dtype = (LLAMA_32_1B, torch.bfloat16) if not args.smoke else (TINY, torch.float32)
     num, out_len = (args.num_requests, args.output_len) if not args.smoke else (4, 8)
-    hf_batches = [int(b) for b in args.hf_batches.split(",")] if not args.smoke else [2]
+    hf_batches = [int(b) for b in args.hf_batches.split(",") if b.strip()] if not args.smoke else [2]
+    if args.skip_hf:
+        hf_batches = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         build_model(folder, shapes, dtype)
-        llm = LLM({"model": str(folder), "device": "cuda" if cuda else "cpu", "dtype": str(dtype).split(".")[1],
-                   "max_model_len": 2048, "attention": {"name": "flash"}, "cache": {"name": "paged"},
-                   "scheduler": {"name": "continuous", "options": {"max_num_seqs": 256, "max_num_batched_tokens": 8192}}})
+        base = {"model": str(folder), "device": "cuda" if cuda else "cpu", "dtype": str(dtype).split(".")[1],
+                "max_model_len": 2048, "attention": {"name": "flash"}, "cache": {"name": "paged"},
+                "scheduler": {"name": "continuous", "options": {"max_num_seqs": 256, "max_num_batched_tokens": 8192}}}
+        try:
+            config = apply_overrides(base, args.overrides)
+        except ConfigError as exc:
+            ap.error(str(exc))
+        llm = LLM(config)
         device = llm.pipeline.resolved.device
-        requests = make_workload("mixed", seed=0, num_requests=num, tokenizer=llm.tokenizer, max_model_len=2048,
+        requests = make_workload("mixed", seed=0, num_requests=num, tokenizer=llm.tokenizer,
+                                 max_model_len=llm.pipeline.resolved.max_model_len,
                                  prompt_median=145, prompt_sigma=0.8, prompt_min=16, prompt_max=1024,
                                  output_median=out_len, output_min=out_len, output_max=out_len)
-        ours = run_offline(llm, requests)
-        metrics = ours.metrics()
+        metrics = attempt("tessellm", partial(run_offline, llm, requests))
         steps = llm.engine.stats.steps
-        del llm
+        graphs = llm.pipeline.runner.graphs
+        metrics.update(steps=steps, graph_replays=graphs.replays if graphs is not None else 0,
+                       graphs_unsupported=llm.pipeline.runner.graphs_unsupported())
+        print("tessellm (steps, graphs):", json.dumps(metrics), file=sys.stderr, flush=True)
+        del llm, graphs
+        gc.collect()  # the pipeline's parts refer to each other: free its KV cache before transformers loads
         if cuda:
             torch.cuda.empty_cache()
-        model = load_transformers(folder, dtype, device)
-        baselines = {f"hf_batch{b}": run_hf_baseline(model, requests, pad_id=0, batch_size=b).metrics()
-                     for b in hf_batches}
+        baselines: dict[str, dict] = {}
+        runs = {f"hf_batch{b}": partial(run_hf_baseline, requests=requests, pad_id=0, batch_size=b)
+                for b in hf_batches}
+        if args.hf_generate_batch and not args.skip_hf:
+            runs["hf_generate_batch"] = partial(run_hf_generate_batch, requests=requests, pad_id=0,
+                                                max_batch_tokens=args.hf_max_batch_tokens)
+        if runs:  # one transformers model for all, padded baselines first
+            model, load_error = None, None
+            try:
+                model = load_transformers(folder, dtype, device)
+            except Exception as exc:  # noqa: BLE001 - every transformers baseline records it
+                traceback.print_exc()
+                load_error = {"error": f"loading the transformers model: {type(exc).__name__}: {exc}"}
+            for name, run in runs.items():
+                baselines[name] = load_error if model is None else attempt(name, partial(run, model))
+            del model
     bandwidth, flops = measured_rates(device, args.smoke)
-    mean_batch = metrics["total_output_tokens"] / max(steps, 1)
-    mean_context = metrics["total_prompt_tokens"] / len(requests) + out_len / 2
-    roof = roofline(shapes, dtype, mean_batch, mean_context, bandwidth, flops)
-    best = max(b["output_tokens_per_s"] for b in baselines.values())
     report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
               "device": describe_device(device), "torch": torch.__version__, "model": "Llama-3.2-1B shapes, random bf16",
-              "tessellm": metrics, **baselines, "speedup_vs_best_hf": round(metrics["output_tokens_per_s"] / best, 2),
-              "copy_gbps": round(bandwidth / 1e9, 1), "matmul_tflops": round(flops / 1e12, 1),
-              "mean_decode_batch": round(mean_batch, 1), "mean_context": round(mean_context, 1),
-              "roofline_tok_s": round(roof, 1),
-              "fraction_of_roofline": round(metrics["output_tokens_per_s"] / roof, 3)}
+              "overrides": args.overrides, "tessellm": metrics, **baselines,
+              "copy_gbps": round(bandwidth / 1e9, 1), "matmul_tflops": round(flops / 1e12, 1)}
+    ran = {name: b["output_tokens_per_s"] for name, b in baselines.items() if "error" not in b}
+    if "error" not in metrics:
+        ours = metrics["output_tokens_per_s"]
+        if ran:
+            best = max(ran, key=ran.get)
+            report.update(best_hf=best, speedup_vs_best_hf=round(ours / ran[best], 2),
+                          speedup_vs_hf={name: round(ours / tps, 2) for name, tps in ran.items()})
+        mean_batch = metrics["total_output_tokens"] / max(steps, 1)
+        mean_context = metrics["total_prompt_tokens"] / len(requests) + out_len / 2
+        roof = roofline(shapes, dtype, mean_batch, mean_context, bandwidth, flops)
+        report.update(mean_decode_batch=round(mean_batch, 1), mean_context=round(mean_context, 1),
+                      roofline_tok_s=round(roof, 1), fraction_of_roofline=round(ours / roof, 3))
     text = json.dumps(report, indent=2)
     if args.out:
         Path(args.out).write_text(text + "\n")
     print(text)
-    return 0
+    return 1 if any("error" in r for r in (metrics, *baselines.values())) else 0
 
 
 if __name__ == "__main__":

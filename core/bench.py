@@ -92,13 +92,22 @@ def request_limit(llm: Any) -> int:
 
 
 def warm_up(llm: Any, requests: list[BenchRequest]) -> None:
-    """Two tiny requests through the whole path (first-call set-up is not throughput). Their
-    first token starts no workload prompt, so a prefix cache cannot hand the run their KV."""
+    """Two tiny requests through the whole path (first-call set-up is not throughput); on a
+    GPU also prompts that fill a whole step's token budget, so kernel compilation and library
+    autotuning for the largest prefill shapes happen here, not in the timed run (vLLM's engine
+    does the same with a dummy prefill at start-up). No warm-up prompt begins with a token a
+    workload prompt begins with, so a prefix cache cannot hand the run their KV."""
     taken = {r.prompt_token_ids[0] for r in requests}
-    token = int(next(t for t in plain_token_ids(llm.tokenizer, llm.pipeline.spec.vocab_size) if t not in taken))
-    n = max(1, min(16, request_limit(llm) // 2 - 4))
-    llm.generate([[token] * n, [token] * max(1, n // 2)],
-                 {"max_tokens": 4, "ignore_eos": True}, progress=False)
+    free = [int(t) for t in plain_token_ids(llm.tokenizer, llm.pipeline.spec.vocab_size) if t not in taken]
+    limit = request_limit(llm)
+    n = max(1, min(16, limit // 2 - 4))
+    prompts = [[free[0]] * n, [free[0]] * max(1, n // 2)]
+    budget = getattr(getattr(llm.pipeline.scheduler, "options", None), "max_num_batched_tokens", None)
+    if llm.pipeline.resolved.device.type == "cuda" and budget:
+        length = max(1, min(limit - 8, budget))
+        # distinct first tokens: the prompts must not share (and skip) each other's prefill
+        prompts += [[t] + [free[0]] * (length - 1) for t in free[1:1 + max(1, -(-budget // length))]]
+    llm.generate(prompts, {"max_tokens": 4, "ignore_eos": True}, progress=False)
 
 
 def run_offline(llm: Any, requests: list[BenchRequest], *, progress: bool = False, warmup: bool = True) -> BenchResult:

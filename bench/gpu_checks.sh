@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 4 in one command, for a device machine with no package registry:
+#   bench/gpu_checks.sh STAGE...   (stages: env tests sweep kernels e2e e2e-eager profile e2e-smoke)
+# Expects the wheels tessellm needs beyond the image (pydantic and its parts, and tessellm's
+# own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`) in .whl/. Logs and JSON
+# land in $OUT (or bench/results/gpu/ when OUT is unset); each stage runs under its own time
+# limit so one failure does not lose the others.
+set -u
+OUT=${OUT:-bench/results/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site
+fi
+limit() { timeout "${STAGE_LIMIT:-300}" "$@"; }
+for stage in "$@"; do
+  echo "=== $stage $(date -u +%H:%M:%S)"
+  case $stage in
+    env) { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv;
+           python3 -c "import torch, triton, transformers, tessellm; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"; } 2>&1 | tee "$OUT/env.txt" ;;
+    tests) [ -d .whl/tok ] && export TESSELLM_TEST_TOKENIZER_DIR=$PWD/.whl/tok  # tiny models' tokenizer
+           limit python3 -m pytest -q -p no:cacheprovider tests/plugins/attention/test_flash.py \
+             tests/core/test_cuda_graphs.py tests/core/test_fused_ops.py ${TESTS_EXTRA:-} 2>&1 | tail -40 | tee "$OUT/tests.log" ;;
+    sweep) limit python3 bench/kernels.py --sweep --out "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1; tail -60 "$OUT/sweep.log" ;;
+    kernels) limit python3 bench/kernels.py --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1; tail -5 "$OUT/kernels.log" ;;
+    e2e) limit python3 bench/e2e_gpu.py --out "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1; tail -40 "$OUT/e2e.log" ;;
+    e2e-eager) limit python3 bench/e2e_gpu.py --out "$OUT/e2e_eager.json" --skip-hf --set cuda_graphs=false \
+                 > "$OUT/e2e_eager.log" 2>&1; tail -40 "$OUT/e2e_eager.log" ;;
+    profile) limit python3 bench/step_profile.py --out "$OUT/profile.txt" > /dev/null 2>"$OUT/profile.err"; head -12 "$OUT/profile.txt"; tail -3 "$OUT/profile.err"
+             if [ -n "${PROFILE_EAGER:-}" ]; then
+               limit python3 bench/step_profile.py --set cuda_graphs=false --out "$OUT/profile_eager.txt" > /dev/null 2>&1
+               head -12 "$OUT/profile_eager.txt"; fi ;;
+    e2e-smoke) limit python3 bench/e2e_gpu.py --smoke --out "$OUT/e2e_smoke.json" 2>&1 | tail -30 ;;
+    *) echo "unknown stage $stage" ;;
+  esac
+done
