@@ -109,6 +109,39 @@ def roofline(shapes: dict, dtype: torch.dtype, batch: float, context: float, ban
     return batch / max(step_bytes / bandwidth, step_flops / flops)
 
 
+class StepTimeline:
+    """Wall time of every engine step, split into decode steps replayed from a CUDA graph and
+    the rest (prefill, mixed and eager steps), so a run's time can be placed: the first steps
+    (compilation), the eager ones, or the steady decode."""
+
+    def __init__(self, llm):
+        self.records: list[tuple[float, bool]] = []
+        engine, runner = llm.engine, llm.pipeline.runner
+        step = engine.step
+
+        def timed_step():
+            before = runner.graphs.replays if runner.graphs is not None else 0
+            start = time.perf_counter()
+            out = step()
+            replayed = runner.graphs is not None and runner.graphs.replays > before
+            self.records.append((time.perf_counter() - start, replayed))
+            return out
+
+        engine.step = timed_step
+
+    def summary(self, steps: int) -> dict:
+        """Over the last ``steps`` steps (the timed run's; the warm-up's came before)."""
+        records = self.records[-steps:] if steps else []
+        graph = [t for t, g in records if g]
+        other = [t for t, g in records if not g]
+        first = [round(t * 1e3, 1) for t, _ in records[:8]]
+        return {"graph_steps": len(graph), "graph_s": round(sum(graph), 3),
+                "graph_step_ms_median": round(sorted(graph)[len(graph) // 2] * 1e3, 2) if graph else None,
+                "other_steps": len(other), "other_s": round(sum(other), 3),
+                "slowest_other_ms": sorted((round(t * 1e3, 1) for t in other), reverse=True)[:8],
+                "first_steps_ms": first}
+
+
 def attempt(name: str, fn) -> dict:
     """``fn()``'s metrics, or ``{"error": ...}`` (traceback on stderr) so that one failure does
     not lose the rest of an expensive run."""
@@ -164,11 +197,12 @@ def main(argv: list[str] | None = None) -> int:
                                  max_model_len=llm.pipeline.resolved.max_model_len,
                                  prompt_median=145, prompt_sigma=0.8, prompt_min=16, prompt_max=1024,
                                  output_median=out_len, output_min=out_len, output_max=out_len)
+        timeline = StepTimeline(llm)
         metrics = attempt("tessellm", partial(run_offline, llm, requests))
         steps = llm.engine.stats.steps
         graphs = llm.pipeline.runner.graphs
         metrics.update(steps=steps, graph_replays=graphs.replays if graphs is not None else 0,
-                       graphs_unsupported=llm.pipeline.runner.graphs_unsupported())
+                       graphs_unsupported=llm.pipeline.runner.graphs_unsupported(), step_time=timeline.summary(steps))
         print("tessellm (steps, graphs):", json.dumps(metrics), file=sys.stderr, flush=True)
         del llm, graphs
         gc.collect()  # the pipeline's parts refer to each other: free its KV cache before transformers loads
