@@ -202,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         steps = llm.engine.stats.steps
         graphs = llm.pipeline.runner.graphs
         metrics.update(steps=steps, graph_replays=graphs.replays if graphs is not None else 0,
-                       graphs_unsupported=llm.pipeline.runner.graphs_unsupported(), step_time=timeline.summary(steps))
+                       graphs_unsupported=llm.pipeline.runner.graphs_unsupported(), step_time=timeline.summary(steps),
+                       overlapped_steps=llm.engine.stats.overlapped_steps)
         print("tessellm (steps, graphs):", json.dumps(metrics), file=sys.stderr, flush=True)
         del llm, graphs
         gc.collect()  # the pipeline's parts refer to each other: free its KV cache before transformers loads

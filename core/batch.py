@@ -21,6 +21,11 @@ if TYPE_CHECKING:
     from .cache import CacheManager
 
 
+PENDING_TOKEN = 0
+"""Stand-in id for a token not yet on the host (async scheduling); the engine overwrites it
+on the device before the forward reads it."""
+
+
 @dataclass
 class ScheduledSeq:
     """A sequence chosen for this step and how many of its uncomputed tokens to process."""
@@ -134,6 +139,8 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
         draft = drafts.get(seq.seq_id, [])
         base = len(ids)
         ids.extend(seq.token_ids[start:end])
+        if seq.num_pending and end > len(seq.token_ids):  # a token still on the device: the engine fills it there
+            ids.extend([PENDING_TOKEN] * (end - max(start, len(seq.token_ids))))
         ids.extend(draft)
         n = len(ids) - base
         starts.append(start)
@@ -161,11 +168,14 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
     pos = np.arange(num_tokens, dtype=np.int64) + np.repeat(np.asarray(starts, dtype=np.int64) - qsl_np[:-1], query_lens)
     slots = padded[seq_of_token, pos // bs] * bs + pos % bs
     seq_lens = np.asarray(starts, dtype=np.int64) + query_lens
-    # two host-to-device copies (one per dtype) instead of one per field
-    longs = torch.from_numpy(np.concatenate([np.asarray(ids, dtype=np.int64), pos, slots,
-                                             np.asarray(rows, dtype=np.int64)])).to(device, non_blocking=True)
-    ints = torch.from_numpy(np.concatenate([qsl_np, seq_lens, padded.reshape(-1)]).astype(np.int32)
-                            ).to(device, non_blocking=True)
+    # two host-to-device copies (one per dtype) instead of one per field, from pinned memory
+    # on a GPU: a copy from pageable memory may wait for the kernels already queued
+    def upload(values: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(values)
+        return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
+
+    longs = upload(np.concatenate([np.asarray(ids, dtype=np.int64), pos, slots, np.asarray(rows, dtype=np.int64)]))
+    ints = upload(np.concatenate([qsl_np, seq_lens, padded.reshape(-1)]).astype(np.int32))
     t, r, b = num_tokens, len(rows), num_seqs
     return BatchMetadata(
         input_ids=longs[:t], positions=longs[t:2 * t], slot_mapping=longs[2 * t:3 * t], logits_indices=longs[3 * t:3 * t + r],

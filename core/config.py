@@ -72,6 +72,11 @@ class PipelineConfig(BaseModel):
     cache support it (``flash`` with ``paged``); False runs every step eagerly."""
     cuda_graph_max_batch: int = Field(256, ge=1, le=2048, strict=True)
     """Largest decode batch replayed from a graph; larger batches run eagerly."""
+    async_scheduling: bool = False
+    """Schedule and launch each decode step before the previous step's tokens reach the host,
+    and absorb them while the GPU runs (requests whose decoder samples on the device: greedy;
+    other steps run synchronously). Outputs are the same; the host's work leaves the critical
+    path."""
 
     @field_validator("device")
     @classmethod

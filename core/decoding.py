@@ -36,6 +36,10 @@ class Decoder(Plugin):
       back.
     - ``finish(seq)`` is called once when a sequence finishes or is aborted: release any
       per-sequence state (a draft model's cache, an n-gram index).
+    - Optional, for async scheduling: ``samples_on_device(params)`` says whether it can pick a
+      request's tokens without the host, and ``device_tokens(logits, batch)`` then returns
+      one token per sample slot as a device tensor (no host synchronisation), exactly the
+      tokens ``decode`` would return.
     """
 
     kind: ClassVar[str] = "decoding"
@@ -58,6 +62,15 @@ class Decoder(Plugin):
 
     def finish(self, seq: Sequence) -> None:
         """Forget ``seq``'s per-sequence state; nothing by default."""
+
+    def samples_on_device(self, params: SamplingParams) -> bool:
+        """Whether ``device_tokens`` serves requests with ``params``; no by default."""
+        return False
+
+    def device_tokens(self, logits: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
+        """[len(batch.samples)] tokens on the logits' device, for requests that
+        ``samples_on_device`` accepted."""
+        raise NotImplementedError(f"decoding plugin {self.name!r} does not sample on the device")
 
     @abstractmethod
     def decode(self, logits: torch.Tensor, batch: BatchMetadata) -> list[list[int]]:

@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-from .batch import ScheduledSeq, build_batch
+from .batch import BatchMetadata, ScheduledSeq, SchedulerOutput, build_batch
 from .cache import CacheManager
 from .decoding import Decoder
 from .errors import InvalidRequestError, RequestRejectedError
@@ -51,6 +51,8 @@ class EngineStats:
     """Draft tokens verified (speculative decoding)."""
     accepted_draft_tokens: int = 0
     """Draft tokens the target accepted."""
+    overlapped_steps: int = 0
+    """Steps launched before the previous step's tokens reached the host (async scheduling)."""
     step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     """Wall time of the most recent steps (bounded: an engine may run for days)."""
 
@@ -75,6 +77,19 @@ class EngineStats:
         return (self.sample_slots + self.accepted_draft_tokens) / self.sample_slots
 
 
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens have not reached the host (async scheduling)."""
+
+    out: SchedulerOutput
+    batch: BatchMetadata
+    tokens: torch.Tensor  # [samples] on the device: the next step's inputs are taken from here
+    host: torch.Tensor  # their copy on the host (pinned), complete once ``event`` is
+    event: Any
+    counted: set[int]  # sequences whose num_pending counts this step's token
+    start: float
+
+
 class Engine:
     """Owns the live requests and advances them one step at a time.
 
@@ -85,7 +100,7 @@ class Engine:
 
     def __init__(self, runner: ModelRunner, cache: CacheManager, scheduler: Scheduler, decoder: Decoder,
                  *, max_model_len: int, eos_token_ids: set[int], vocab_size: int, seed: int = 0,
-                 decode_text: Callable[[list[int]], str] | None = None):
+                 decode_text: Callable[[list[int]], str] | None = None, async_scheduling: bool = False):
         self.runner = runner
         self.cache = cache
         self.scheduler = scheduler
@@ -101,6 +116,9 @@ class Engine:
         caller that waits for a request pops its entry."""
         self.stats = EngineStats()
         self._counter = 0
+        self.async_scheduling = async_scheduling
+        self._pending: _InFlight | None = None  # async scheduling: the launched step whose tokens are on their way
+        self._carried: list[RequestState] = []  # finished in a step that then failed: returned by the next
 
     # ------------------------------------------------------------------ requests
 
@@ -148,15 +166,52 @@ class Engine:
     # ------------------------------------------------------------------ one step
 
     def step(self) -> list[RequestState]:
-        """Run one step; return the requests that finished in it."""
+        """Run one step; return the requests that finished in it.
+
+        With ``async_scheduling``, a step of decodes only is launched before the previous
+        step's tokens reach the host (its inputs are taken from them on the device), and the
+        previous step is then finished while the GPU runs this one: the call returns the
+        requests the previous step finished. Any other step runs synchronously."""
         start = time.perf_counter()
+        finished, self._carried = self._carried, []
+        try:
+            more = self._step(start, finished)  # extends ``finished`` with what it completes first
+        except BaseException:
+            self._carried = finished  # finished before the failure: returned by the next step
+            raise
+        return finished + more
+
+    def _step(self, start: float, finished: list[RequestState]) -> list[RequestState]:
+        """``step`` without the hand-over of requests finished before a failure; appends
+        the ones it finishes first to ``finished``."""
+        if self._pending is not None and not self._can_overlap():
+            finished += self._complete(self._take_pending())  # the next schedule needs its tokens
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         if out.is_empty:
+            if self._pending is not None:
+                return self._complete(self._take_pending())
             if self.has_unfinished():
                 raise RuntimeError("scheduler returned an empty batch while requests are waiting "
                                    f"({self.scheduler.num_waiting} waiting, {self.scheduler.num_running} running)")
             return []
+        if self.async_scheduling and self._decodes_only(out):
+            previous = self._pending
+            try:
+                self._pending = self._launch(out, previous, start)
+            except Exception:  # finish the previous step, then this one synchronously (fault isolation)
+                self._pending = previous
+            else:
+                return self._complete(previous) if previous is not None else []
+        if self._pending is not None:  # a synchronous step: nothing may stay in flight
+            finished += self._complete(self._take_pending())
+            out.scheduled = [i for i in out.scheduled if not i.seq.is_finished]
+            if not out.scheduled:
+                return []
+        return self._step_sync(out, start)
+
+    def _step_sync(self, out: SchedulerOutput, start: float) -> list[RequestState]:
+        """Propose, build, run, decode and absorb one scheduled step, waiting for its tokens."""
         drafts = self.decoder.propose(out)
         if any(len(d) > self.decoder.num_lookahead_tokens for d in drafts.values()):
             raise RuntimeError(f"decoding plugin {self.decoder.name!r} proposed more drafts than its "
@@ -190,7 +245,6 @@ class Engine:
                 self.scheduler.adopt(child)
             self.requests[parent.request_id].forked = True
         logprobs = self._logprobs(logits, batch, tokens)
-        finished: list[RequestState] = []
         for slot, accepted, lps in zip(batch.samples, tokens, logprobs):
             seq = slot.seq
             self.stats.sample_slots += 1
@@ -205,6 +259,11 @@ class Engine:
                     seq.logprobs.append(lps[i])
                 if self._append(seq, token):
                     break
+        return self._absorbed(out, batch, start)
+
+    def _absorbed(self, out: SchedulerOutput, batch: BatchMetadata, start: float) -> list[RequestState]:
+        """After a step's tokens are appended: index newly full blocks, count the step, and
+        return the requests it finished."""
         for item in out.scheduled:
             if not item.seq.is_finished:
                 self.cache.commit(item.seq)
@@ -215,11 +274,87 @@ class Engine:
                 state = self.requests.get(seq.request_id)
                 if state is not None and state.finished:
                     done[seq.request_id] = state
-        finished.extend(done.values())
         self._sample_memory(len(out.scheduled))
         self.stats.steps += 1
         self.stats.step_seconds.append(time.perf_counter() - start)
-        return finished
+        return list(done.values())
+
+    # ------------------------------------------------------------------ async scheduling
+
+    def _async_ok(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s next token can be picked on the device and left there a step."""
+        state = self.requests.get(seq.request_id)
+        return (self.decoder.num_lookahead_tokens == 0 and seq.params.logprobs is None
+                and self.decoder.samples_on_device(seq.params)
+                and (seq.params.n == 1 or state is None or state.forked))
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be scheduled before the pending step's tokens arrive:
+        nothing waits to be admitted and every live sequence is decoding."""
+        if self.scheduler.num_waiting:
+            return False
+        return all(s.num_tokens - s.num_computed_tokens == 1 and self._async_ok(s)
+                   for s in self.scheduler.unfinished())
+
+    def _decodes_only(self, out: SchedulerOutput) -> bool:
+        return all(i.num_query_tokens == 1 and i.seq.num_computed_tokens == i.seq.num_tokens - 1
+                   and self._async_ok(i.seq) for i in out.scheduled)
+
+    def _take_pending(self) -> _InFlight:
+        pending, self._pending = self._pending, None
+        return pending
+
+    def _launch(self, out: SchedulerOutput, previous: _InFlight | None, start: float) -> _InFlight:
+        """Run a decodes-only step up to its sampled tokens, which stay on the device (a copy
+        to the host is queued). Nothing about the sequences changes unless it all succeeds."""
+        device = self.runner.device
+        batch = build_batch(out.scheduled, self.cache, device)
+        if previous is not None:  # inputs still on the device: take them from the previous step's tokens
+            src = {slot.seq.seq_id: j for j, slot in enumerate(previous.batch.samples)}
+            rows, picks, row = [], [], 0
+            for seq, n in zip(batch.seqs, batch.query_lens_cpu):
+                if seq.num_pending:
+                    rows.append(row)
+                    picks.append(src[seq.seq_id])
+                row += n
+            self.stats.overlapped_steps += 1
+            if rows:
+                index = torch.tensor([rows, picks], dtype=torch.long)
+                index = (index.pin_memory() if device.type == "cuda" else index).to(device, non_blocking=True)
+                batch.input_ids[index[0]] = previous.tokens.index_select(0, index[1])
+        logits = self.runner.forward(batch)
+        tokens = self.decoder.device_tokens(logits, batch)
+        host, event = tokens, None
+        if tokens.is_cuda:  # pinned, so the copy waits for this step only, not for the next
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += 1
+        counted = set()
+        for slot in batch.samples:  # the tokens to come count in the sequences' lengths ...
+            seq = slot.seq
+            if seq.num_output_tokens + seq.num_pending + 1 < seq.params.max_tokens and \
+                    seq.num_tokens + 1 < self.max_model_len:  # ... unless this one is surely its last
+                seq.num_pending += 1
+                counted.add(seq.seq_id)
+        return _InFlight(out, batch, tokens, host, event, counted, start)
+
+    def _complete(self, step: _InFlight) -> list[RequestState]:
+        """Wait for a launched step's tokens and absorb them as a synchronous step would."""
+        if step.event is not None:
+            step.event.synchronize()
+        tokens = step.host.tolist()
+        for slot, token in zip(step.batch.samples, tokens):
+            seq = slot.seq
+            if seq.seq_id in step.counted:
+                seq.num_pending -= 1
+            if seq.is_finished:  # aborted, or finished by the step before, while this one ran
+                continue
+            self.stats.sample_slots += 1
+            self._append(seq, token)
+        return self._absorbed(step.out, step.batch, step.start)
 
     def _run_batch(self, batch) -> tuple[torch.Tensor, list[list[int]]]:
         """Forward and decode one packed batch (checking the decoder's side of the contract)."""

@@ -98,7 +98,8 @@ class Pipeline:
         self.engine = Engine(self.runner, self.cache, self.scheduler, self.decoder,
                              max_model_len=r.max_model_len, eos_token_ids=self._eos_ids(hf_config),
                              vocab_size=self.spec.vocab_size, seed=config.seed,
-                             decode_text=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+                             decode_text=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
+                             async_scheduling=config.async_scheduling)
         self.decoder.bind(self)
 
     def _eos_ids(self, hf_config: Any) -> set[int]:

@@ -93,6 +93,9 @@ class Sequence:
         self.generator: torch.Generator | None = None  # set by the engine for sampling
         self.stop_text_len: int | None = None  # where a stop string cut the text
         self.logprobs: list[TokenLogprob] = []  # one per output token when params.logprobs is set
+        self.num_pending = 0
+        """Tokens sampled on the device whose values have not reached the host yet (async
+        scheduling): counted in ``num_tokens``, absent from ``token_ids``."""
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -100,7 +103,8 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """The sequence's length, tokens still on the device included."""
+        return len(self.token_ids) + self.num_pending
 
     @property
     def num_output_tokens(self) -> int:

@@ -28,7 +28,13 @@ class GreedyDecoder(Decoder):
 
     def decode(self, logits: torch.Tensor, batch: BatchMetadata) -> list[list[int]]:
         # logits: [R, vocab] float32
-        return [[t] for t in slot_logits(logits, batch).argmax(dim=-1).tolist()]
+        return [[t] for t in self.device_tokens(logits, batch).tolist()]
+
+    def samples_on_device(self, params: SamplingParams) -> bool:
+        return True
+
+    def device_tokens(self, logits: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
+        return slot_logits(logits, batch).argmax(dim=-1)
 
 
 @tessellm.hookimpl

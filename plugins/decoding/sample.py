@@ -75,6 +75,12 @@ class SampleDecoder(Decoder):
                 tokens[i] = int(torch.multinomial(probs[j], 1, generator=gen))
         return [[t] for t in tokens]
 
+    def samples_on_device(self, params: SamplingParams) -> bool:
+        return params.temperature == 0  # seeded sampling draws from CPU generators
+
+    def device_tokens(self, logits: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
+        return slot_logits(logits, batch).argmax(dim=-1)
+
 
 @tessellm.hookimpl
 def register_decoding(register):

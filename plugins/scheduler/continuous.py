@@ -99,7 +99,7 @@ class ContinuousScheduler(QueueScheduler):
                 continue  # preempted to make room for a more urgent one
             if budget == 0:
                 break
-            remaining = len(seq.token_ids) - seq.num_computed_tokens
+            remaining = seq.num_tokens - seq.num_computed_tokens
             if remaining == 0:
                 continue
             n = min(remaining, budget)

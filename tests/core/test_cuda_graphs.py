@@ -33,11 +33,11 @@ def test_capture_sizes_cover_every_batch_with_little_padding():
     assert capture_sizes(5) == [1, 2, 4, 5] and capture_sizes(1) == [1]
 
 
-def _llm(cpu_config, model, graphs: bool):
+def _llm(cpu_config, model, graphs: bool, async_scheduling: bool = False):
     llm = LLM(cpu_config(model, device="cuda" if CUDA else "cpu", attention={"name": "flash"},
                          cache={"name": "paged", "options": {"block_size": 4, "num_blocks": 96}},
                          scheduler={"name": "continuous", "options": {"max_num_batched_tokens": 32}},
-                         decoding={"name": "greedy"}, cuda_graphs=False))
+                         decoding={"name": "greedy"}, cuda_graphs=False, async_scheduling=async_scheduling))
     if graphs:
         llm.pipeline.runner.capture_graphs(max_batch=6, max_model_len=64, capture=CUDA)
     return llm
@@ -65,6 +65,18 @@ def test_decode_graphs_give_the_eager_tokens(tiny_model, cpu_config):
     written = ~cache.layer(0).k.isnan().any(-1).any(-1)
     assert torch.equal(written[:scratch], ~eager.pipeline.cache.layer(0).k[:scratch].isnan().any(-1).any(-1))
     assert written[scratch:].any()  # padding happened, and went there
+
+
+def test_graphs_with_async_scheduling_give_the_eager_tokens(tiny_model, cpu_config):
+    """Replayed decode steps whose input ids are filled on the device from the previous
+    step's tokens (async scheduling) give the synchronous eager engine's tokens."""
+    model = tiny_model("llama")
+    eager, graphed = _llm(cpu_config, model, False), _llm(cpu_config, model, True, async_scheduling=True)
+    prompts = [list(range(5, 5 + n)) for n in (3, 11, 6, 8)]
+    params = [{"max_tokens": m, "ignore_eos": True} for m in (9, 4, 12, 7)]
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == [o.token_ids for o in eager.generate(prompts, params)]
+    assert graphed.engine.stats.overlapped_steps > 0 and graphed.pipeline.runner.graphs.replays > 0
+    assert graphed.pipeline.cache.num_free_blocks == graphed.pipeline.cache.num_blocks
 
 
 def test_decode_graph_logits_match_eager(tiny_model, cpu_config):

@@ -1,7 +1,8 @@
 """The engine and the Python API on a tiny random model (float64, so batch composition
 cannot change a token): nothing dropped, nothing leaked, n > 1, stops, aborts, faults.
-Every test runs twice: with the reference parts (contiguous + static) and the default ones
-(paged + continuous)."""
+Every test runs three times: with the reference parts (contiguous + static), the default ones
+(paged + continuous), and those with async scheduling (decode steps launched before the
+previous step's tokens reach the host)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ PARTS = {
         {"name": "paged", "options": {"block_size": 16, "num_blocks": 3 * seqs}},
         {"name": "continuous", "options": {"max_num_seqs": batch, "max_num_batched_tokens": 64}}),
 }
+PARTS["paged+continuous+async"] = PARTS["paged+continuous"]
 
 
 @pytest.fixture(params=list(PARTS))
@@ -36,6 +38,8 @@ def make_llm(request, folder, cpu_config):
 
     def make(max_seqs=8, batch=16, **extra) -> LLM:
         cache, scheduler = PARTS[request.param](max_seqs, batch)
+        if request.param.endswith("+async"):
+            extra["async_scheduling"] = True
         return LLM(cpu_config(folder, dtype="float64", cache=cache, scheduler=scheduler, **extra))
 
     return make
@@ -116,7 +120,7 @@ def test_fault_in_a_step_leaves_no_request_and_no_block(make_llm, monkeypatch):
 
     def flaky(batch, layers=None):
         calls["n"] += 1
-        if calls["n"] == 3:
+        if calls["n"] in (3, 4):  # twice: async scheduling reruns a failed launch synchronously once
             raise RuntimeError("injected fault")
         return forward(batch, layers)
 

@@ -69,6 +69,7 @@ class DraftView:
         self.seq_id = seq.seq_id
         self.token_ids = list(seq.token_ids)
         self.num_computed_tokens = seq.num_computed_tokens
+        self.num_pending = 0  # speculative steps never leave tokens on the device
 
     @property
     def num_tokens(self) -> int:
