@@ -370,3 +370,35 @@ def test_an_error_outside_a_step_never_kills_the_engine_loop(cpu_config, tiny_mo
         assert httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"] == \
             first.json()["choices"][0]["text"]
         assert httpx.get(url + "/health").status_code == 200
+
+
+def test_async_scheduling_server_streams_the_synchronous_texts(cpu_config, tiny_model, offline):
+    """The same concurrent streams through an engine with async scheduling: texts equal
+    offline generation, usage counts are exact, and nothing is left behind."""
+    from openai import AsyncOpenAI
+
+    config = {**pipeline_config(cpu_config, tiny_model), "async_scheduling": True}
+    llm = LLM(config)
+    lengths = [5, 17, 9, 24, 12, 3]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(lengths))]
+    refs = [offline.generate([p], {"max_tokens": n, "ignore_eos": True})[0].text for p, n in zip(prompts, lengths)]
+
+    async def one(c, prompt, n):
+        stream = await c.completions.create(model=MODEL, prompt=prompt, max_tokens=n, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        text, usage = "", None
+        async for chunk in stream:
+            text += "".join(choice.text for choice in chunk.choices)
+            usage = chunk.usage or usage
+        return text, usage.completion_tokens
+
+    async def run(url):
+        async with AsyncOpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0) as c:
+            return await asyncio.gather(*(one(c, p, n) for p, n in zip(prompts, lengths)))
+
+    with serving(build_app(llm, model_name=MODEL, api_key=KEY)) as url:
+        results = asyncio.run(run(url))
+    assert [t for t, _ in results] == refs
+    assert [n for _, n in results] == lengths
+    assert llm.engine.stats.overlapped_steps > 0
+    wait_idle(llm)
