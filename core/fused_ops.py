@@ -45,6 +45,11 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(gate) * up
 
 
+def silu_mul_packed_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return silu_mul_reference(gate, up)
+
+
 # ----------------------------------------------------------------------------- kernels
 
 
@@ -94,6 +99,17 @@ def _silu_mul_kernel(G, U, Out, n, BLOCK: tl.constexpr):
     tl.store(Out + offs, (silu * u).to(Out.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _silu_mul_packed_kernel(GU, Out, inter, stride_gu, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < inter
+    g = tl.load(GU + row * stride_gu + cols, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(GU + row * stride_gu + inter + cols, mask=ok, other=0.0).to(tl.float32)
+    silu = (g / (1.0 + tl.exp(-g))).to(GU.dtype.element_ty).to(tl.float32)
+    tl.store(Out + row * stride_o + cols, (silu * u).to(Out.dtype.element_ty), mask=ok)
+
+
 # ----------------------------------------------------------------------------- wrappers
 
 
@@ -118,6 +134,18 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
         _rotary_kernel[(t,)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), H=h, HALF=d // 2,
                              BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d // 2))
     return x
+
+
+def silu_mul_packed(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a [T, 2 I] tensor holding gate then up (a stacked gate/up GEMM's
+    output; its rows may be strided), as [T, I]."""
+    rows, width = gate_up.shape
+    inter = width // 2
+    out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if rows:
+        _silu_mul_packed_kernel[(rows, triton.cdiv(inter, 1024))](gate_up, out, inter, gate_up.stride(0),
+                                                                  out.stride(0), BLOCK=1024)
+    return out
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,19 @@ from .cache import CacheManager
 from .model_spec import ModelSpec
 
 
+def _stacked(*linears: nn.Linear) -> nn.Linear:
+    """One Linear computing ``linears`` side by side (outputs concatenated in order)."""
+    first = linears[0]
+    bias = first.bias is not None
+    out = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=bias,
+                    device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        out.weight.copy_(torch.cat([m.weight for m in linears]))
+        if bias:
+            out.bias.copy_(torch.cat([m.bias for m in linears]))
+    return out.requires_grad_(False)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -60,13 +73,24 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=spec.o_bias)
+        self.qkv_proj: nn.Linear | None = None
+
+    def fuse_projections(self) -> None:
+        """Replace q/k/v_proj by one ``qkv_proj`` (their weights stacked): one GEMM, not three."""
+        self.qkv_proj = _stacked(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 backend: AttentionBackend, cache: CacheManager, plan: Any, fused: bool = False) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is not None:  # views into one [T, (Hq + 2 Hkv) D] output
+            q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                                              self.num_kv_heads * self.head_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         if fused:
             from .fused_ops import rotary_
 
@@ -86,8 +110,22 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=spec.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=spec.mlp_bias)
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse_projections(self) -> None:
+        """Replace gate/up_proj by one ``gate_up_proj`` (their weights stacked)."""
+        self.gate_up_proj = _stacked(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate_up = self.gate_up_proj(x)  # [T, 2 I]: gate, then up
+            if fused:
+                from .fused_ops import silu_mul_packed
+
+                return self.down_proj(silu_mul_packed(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         if fused:
             from .fused_ops import silu_mul
 
@@ -143,6 +181,13 @@ class LlamaForCausalLM(nn.Module):
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(spec)
+
+    def fuse_projections(self) -> None:
+        """Stack each layer's q/k/v and gate/up projections into one GEMM each (fewer, larger
+        launches; the module names change, so do this after loading the checkpoint)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
                 backend: AttentionBackend, cache: CacheManager, plan: Any,

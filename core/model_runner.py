@@ -40,8 +40,11 @@ def build_model(spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.d
         model.lm_head.weight = model.model.embed_tokens.weight
     model.rotary = RotaryEmbedding(spec).to(device)  # buffers were on the meta device
     model.eval().requires_grad_(False)
-    # on CUDA the norms, RoPE and SwiGLU run as fused Triton kernels (float64 stays the exact reference)
+    # on CUDA the norms, RoPE and SwiGLU run as fused Triton kernels and the q/k/v and gate/up
+    # projections as one GEMM each (float64 stays the exact reference)
     model.fused = device.type == "cuda" and dtype != torch.float64 and importlib.util.find_spec("triton") is not None
+    if model.fused:
+        model.fuse_projections()
     return quantizer.apply(model) if quantizer is not None else model
 
 
