@@ -244,15 +244,16 @@ def paged_flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 @triton.jit(do_not_specialize=["stride_bt"])
 def _paged_decode_split(
-    Q, K, V, OutPart, LsePart, BlockTables, Rows, SeqLens,
+    Q, K, V, OutPart, LsePart, Out, BlockTables, Rows, SeqLens,
     scale_log2,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_bt, stride_pb, stride_ph, stride_ps,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_bt, stride_pb, stride_ph, stride_ps, stride_ot, stride_oh,
     GROUP: tl.constexpr, WINDOW: tl.constexpr, KV_BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP32_DOT: tl.constexpr, UPCAST: tl.constexpr,
+    FP32_DOT: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
 ):
     """One program: one decoding sequence, one KV head (all GROUP query heads that read it,
-    so each K/V block is loaded once per KV head), one split of the context."""
+    so each K/V block is loaded once per KV head), one split of the context. ``DIRECT`` (a
+    single split) writes the final output, with no partials to merge."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -295,10 +296,14 @@ def _paged_decode_split(
         m_i = m_new
     empty = l_i == 0.0  # a split past the end of a short context
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
-    lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))  # base 2
-    base = seq * stride_pb + heads * stride_ph + split * stride_ps
-    tl.store(OutPart + base[:, None] + offs_d[None, :], out, mask=g_ok[:, None] & d_ok[None, :])
-    tl.store(LsePart + (seq * stride_pb + heads * stride_ph) // BLOCK_D + split, lse, mask=g_ok)
+    if DIRECT:
+        tl.store(Out + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
+                 mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))  # base 2
+        base = seq * stride_pb + heads * stride_ph + split * stride_ps
+        tl.store(OutPart + base[:, None] + offs_d[None, :], out, mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(LsePart + (seq * stride_pb + heads * stride_ph) // BLOCK_D + split, lse, mask=g_ok)
 
 
 @triton.jit
@@ -359,22 +364,25 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     splits = num_splits or default_num_splits(num_seqs, num_kv_heads, max_kv_len, cfg.block_n)
     block_d = triton.next_power_of_2(head_dim)
     upcast = q.dtype == torch.bfloat16 and _interpreting()
+    target = out if not upcast else torch.empty_like(out, dtype=torch.float32)
+    direct = splits == 1  # one split: its result is final, written in place (no merge launch)
     # partial outputs [B, Hq, S, BLOCK_D] and their lse [B, Hq, S] share strides / BLOCK_D
-    part = torch.empty(num_seqs, num_heads, splits, block_d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
+    part = target if direct else torch.empty(num_seqs, num_heads, splits, block_d, dtype=torch.float32, device=q.device)
+    lse = target if direct else torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
+    part_strides = (0, 0, 0) if direct else (part.stride(0), part.stride(1), part.stride(2))
     _paged_decode_split[(num_seqs, num_kv_heads, splits)](
-        q, k_cache, v_cache, part, lse, block_tables, rows, seq_lens, scale * LOG2E,
+        q, k_cache, v_cache, part, lse, target, block_tables, rows, seq_lens, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        part.stride(0), part.stride(1), part.stride(2),
+        *part_strides, target.stride(0), target.stride(1),
         GROUP=group, WINDOW=window or 0, KV_BLOCK=kv_block_size, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
-        FP32_DOT=q.dtype == torch.float32 or upcast, UPCAST=upcast,
+        FP32_DOT=q.dtype == torch.float32 or upcast, UPCAST=upcast, DIRECT=direct,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    target = out if not upcast else torch.empty_like(out, dtype=torch.float32)
-    _paged_decode_merge[(num_seqs, num_heads)](
-        part, lse, target, rows, part.stride(0), part.stride(1), part.stride(2), target.stride(0), target.stride(1), splits,
-        BLOCK_S=triton.next_power_of_2(splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
-    )
+    if not direct:
+        _paged_decode_merge[(num_seqs, num_heads)](
+            part, lse, target, rows, part.stride(0), part.stride(1), part.stride(2), target.stride(0),
+            target.stride(1), splits, BLOCK_S=triton.next_power_of_2(splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        )
     if upcast:
         out[rows] = target[rows].to(out.dtype)
