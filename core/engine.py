@@ -317,7 +317,6 @@ class Engine:
                     rows.append(row)
                     picks.append(src[seq.seq_id])
                 row += n
-            self.stats.overlapped_steps += 1
             if rows:
                 index = torch.tensor([rows, picks], dtype=torch.long)
                 index = (index.pin_memory() if device.type == "cuda" else index).to(device, non_blocking=True)
@@ -330,6 +329,7 @@ class Engine:
             host.copy_(tokens, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
+        self.stats.overlapped_steps += previous is not None
         for item in out.scheduled:
             item.seq.num_computed_tokens += 1
         counted = set()
