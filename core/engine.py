@@ -471,8 +471,19 @@ class Engine:
         return False
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
-        text = self.decode_text(seq.output_token_ids)
-        hits = [text.find(s) for s in seq.params.stop if s and s in text]
+        """Whether the output now contains a stop string (``stop_text_len``: where the first
+        begins). Checked after every token, so only an occurrence ending in the newest
+        token's text is new: it lies within the last few tokens, and only those are decoded
+        (a token is at least a quarter of a character; 8 tokens of margin keep the window's
+        own start, where decoding a suffix may differ, out of play). The whole output is
+        decoded only to place a hit."""
+        stops = [s for s in seq.params.stop if s]
+        output = seq.output_token_ids
+        window = 4 * max((len(s) for s in stops), default=0) + 8
+        if len(output) > window and not any(s in self.decode_text(output[-window:]) for s in stops):
+            return False
+        text = self.decode_text(output)
+        hits = [text.find(s) for s in stops if s in text]
         if hits:
             seq.stop_text_len = min(hits)
             return True

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tessellm import LLM
 from tessellm.core.errors import InvalidRequestError, RequestRejectedError
-from tessellm.core.sequence import SamplingParams
+from tessellm.core.sequence import SamplingParams, Sequence
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +181,34 @@ def test_generate_takes_priority_and_cache_salt(make_llm):
     with pytest.raises(InvalidRequestError, match="cache_salt must be a string or None"):
         llm.generate(ps, params, cache_salt=5)
     assert free_everything(llm)
+
+
+@pytest.fixture(scope="module")
+def stop_llm(folder, cpu_config):
+    return LLM(cpu_config(folder))
+
+
+@settings(max_examples=40)
+@given(st.lists(st.integers(0, 49151), min_size=1, max_size=120), st.data())
+def test_stop_strings_checked_on_a_window_match_the_whole_text(stop_llm, ids, data):
+    """The windowed stop-string check finds the first stop exactly where decoding the whole
+    output after every token finds it (SmolLM2's byte-level tokenizer: multi-byte
+    characters split across tokens, spaces, special tokens)."""
+    llm = stop_llm
+    text = llm.tokenizer.decode(ids, skip_special_tokens=True)
+    start = data.draw(st.integers(0, max(len(text) - 1, 0)))
+    stop = text[start:start + data.draw(st.integers(1, 12))] or "x"
+    stops = [stop, data.draw(st.sampled_from(["\n\n", "###", "zzq"]))]
+    seq = Sequence("s", [1], SamplingParams(stop=stops, max_tokens=200))
+    found, expected = None, None
+    for i, token in enumerate(ids):
+        seq.token_ids.append(token)
+        full = llm.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        if expected is None and any(s in full for s in stops):
+            expected = (i, min(full.find(s) for s in stops if s in full))
+        if found is None and llm.engine._hit_stop_string(seq):
+            found = (i, seq.stop_text_len)
+        if found or expected:
+            break
+    assert found == expected
+
