@@ -76,6 +76,15 @@ def build_model(folder: Path, shapes: dict, dtype: torch.dtype) -> None:
                             eos_token=f"t{shapes['eos_token_id']}", pad_token="t0").save_pretrained(folder)
 
 
+def pipeline_config(folder: Path, cuda: bool, dtype: torch.dtype, overrides: list[str]) -> dict:
+    """tessellm's pipeline for these runs (flash + paged + continuous, 256 sequences and 8192
+    tokens a step) with ``--set`` overrides applied; raises ConfigError on a bad one."""
+    base = {"model": str(folder), "device": "cuda" if cuda else "cpu", "dtype": str(dtype).split(".")[1],
+            "max_model_len": 2048, "attention": {"name": "flash"}, "cache": {"name": "paged"},
+            "scheduler": {"name": "continuous", "options": {"max_num_seqs": 256, "max_num_batched_tokens": 8192}}}
+    return apply_overrides(base, overrides)
+
+
 def measured_rates(device: torch.device, smoke: bool) -> tuple[float, float]:
     """(copy bandwidth bytes/s, bf16 matmul FLOP/s) on ``device``."""
     n = 2**28 if not smoke else 2**18
@@ -184,11 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         build_model(folder, shapes, dtype)
-        base = {"model": str(folder), "device": "cuda" if cuda else "cpu", "dtype": str(dtype).split(".")[1],
-                "max_model_len": 2048, "attention": {"name": "flash"}, "cache": {"name": "paged"},
-                "scheduler": {"name": "continuous", "options": {"max_num_seqs": 256, "max_num_batched_tokens": 8192}}}
         try:
-            config = apply_overrides(base, args.overrides)
+            config = pipeline_config(folder, cuda, dtype, args.overrides)
         except ConfigError as exc:
             ap.error(str(exc))
         llm = LLM(config)

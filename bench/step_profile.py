@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from e2e_gpu import LLAMA_32_1B, TINY, build_model  # noqa: E402
+from e2e_gpu import LLAMA_32_1B, TINY, build_model, pipeline_config  # noqa: E402
 
 from tessellm import LLM  # noqa: E402
 from tessellm.core import engine as engine_module  # noqa: E402
-from tessellm.core.config import apply_overrides  # noqa: E402
+from tessellm.core.errors import ConfigError  # noqa: E402
 from tessellm.core.sequence import SamplingParams  # noqa: E402
 
 
@@ -48,11 +48,11 @@ def main(argv: list[str] | None = None) -> int:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with tempfile.TemporaryDirectory() as tmp:
         build_model(Path(tmp), shapes, dtype)
-        config = {"model": tmp, "device": "cuda" if cuda else "cpu", "dtype": str(dtype).split(".")[1],
-                  "max_model_len": 2048, "attention": {"name": "flash"}, "cache": {"name": "paged"},
-                  "scheduler": {"name": "continuous", "options": {"max_num_seqs": 256, "max_num_batched_tokens": 8192}},
-                  "decoding": {"name": "greedy"}}
-        llm = LLM(apply_overrides(config, args.overrides))
+        try:  # e2e_gpu's pipeline, greedy
+            config = pipeline_config(Path(tmp), cuda, dtype, ["decoding.name=greedy", *args.overrides])
+        except ConfigError as exc:
+            ap.error(str(exc))
+        llm = LLM(config)
     engine = llm.engine
     g = torch.Generator().manual_seed(0)
     for i in range(seqs):

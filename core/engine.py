@@ -184,8 +184,11 @@ class Engine:
     def _step(self, start: float, finished: list[RequestState]) -> list[RequestState]:
         """``step`` without the hand-over of requests finished before a failure; appends
         the ones it finishes first to ``finished``."""
-        if self._pending is not None and not self._can_overlap():
-            finished += self._complete(self._take_pending())  # the next schedule needs its tokens
+        overlap_checked = False  # every live sequence was found able to sample on the device
+        if self._pending is not None:
+            overlap_checked = self._can_overlap()
+            if not overlap_checked:
+                finished += self._complete(self._take_pending())  # the next schedule needs its tokens
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         if out.is_empty:
@@ -195,7 +198,7 @@ class Engine:
                 raise RuntimeError("scheduler returned an empty batch while requests are waiting "
                                    f"({self.scheduler.num_waiting} waiting, {self.scheduler.num_running} running)")
             return []
-        if self.async_scheduling and self._decodes_only(out):
+        if self.async_scheduling and self._decodes_only(out, overlap_checked):
             previous = self._pending
             try:
                 self._pending = self._launch(out, previous, start)
@@ -296,9 +299,11 @@ class Engine:
         return all(s.num_tokens - s.num_computed_tokens == 1 and self._async_ok(s)
                    for s in self.scheduler.unfinished())
 
-    def _decodes_only(self, out: SchedulerOutput) -> bool:
+    def _decodes_only(self, out: SchedulerOutput, sampling_checked: bool) -> bool:
+        """Whether ``out`` is one decode token per sequence, all sampled on the device
+        (``sampling_checked``: ``_can_overlap`` has just checked that for every live one)."""
         return all(i.num_query_tokens == 1 and i.seq.num_computed_tokens == i.seq.num_tokens - 1
-                   and self._async_ok(i.seq) for i in out.scheduled)
+                   and (sampling_checked or self._async_ok(i.seq)) for i in out.scheduled)
 
     def _take_pending(self) -> _InFlight:
         pending, self._pending = self._pending, None
