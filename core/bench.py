@@ -51,6 +51,8 @@ class BenchResult:
     tokens_per_forward: float | None = None
     """Speculative decoding: draft tokens verified, the share accepted, and tokens a sequence
     gained per target forward (1.0 without speculation)."""
+    kernel_builds: int | None = None
+    """Triton kernel variants built during the run's steps (each a compile stall; 0 expected)."""
     outputs: list[list[int]] | None = None
     """Each request's output token ids, in workload order (for comparing two runs)."""
 
@@ -72,6 +74,7 @@ class BenchResult:
             "preemptions": self.preemptions, "draft_tokens": self.draft_tokens,
             "acceptance_rate": None if self.acceptance_rate is None else round(self.acceptance_rate, 4),
             "tokens_per_forward": None if self.tokens_per_forward is None else round(self.tokens_per_forward, 4),
+            "kernel_builds": self.kernel_builds,
         }
 
 
@@ -92,21 +95,15 @@ def request_limit(llm: Any) -> int:
 
 
 def warm_up(llm: Any, requests: list[BenchRequest]) -> None:
-    """Two tiny requests through the whole path (first-call set-up is not throughput); on a
-    GPU also prompts that fill a whole step's token budget, so kernel compilation and library
-    autotuning for the largest prefill shapes happen here, not in the timed run (vLLM's engine
-    does the same with a dummy prefill at start-up). No warm-up prompt begins with a token a
-    workload prompt begins with, so a prefix cache cannot hand the run their KV."""
+    """Two tiny requests through the whole path: first-call set-up (the sampler, allocator
+    growth) is not throughput. Kernel compilation for every step shape already happened when
+    the pipeline started (``ModelRunner.warm_up``; the run's ``kernel_builds`` says whether
+    any was missed). No warm-up prompt begins with a token a workload prompt begins with, so a
+    prefix cache cannot hand the run their KV."""
     taken = {r.prompt_token_ids[0] for r in requests}
     free = [int(t) for t in plain_token_ids(llm.tokenizer, llm.pipeline.spec.vocab_size) if t not in taken]
-    limit = request_limit(llm)
-    n = max(1, min(16, limit // 2 - 4))
+    n = max(1, min(16, request_limit(llm) // 2 - 4))
     prompts = [[free[0]] * n, [free[0]] * max(1, n // 2)]
-    budget = getattr(getattr(llm.pipeline.scheduler, "options", None), "max_num_batched_tokens", None)
-    if llm.pipeline.resolved.device.type == "cuda" and budget:
-        length = max(1, min(limit - 8, budget))
-        # distinct first tokens: the prompts must not share (and skip) each other's prefill
-        prompts += [[t] + [free[0]] * (length - 1) for t in free[1:1 + max(1, -(-budget // length))]]
     llm.generate(prompts, {"max_tokens": 4, "ignore_eos": True}, progress=False)
 
 
@@ -165,7 +162,7 @@ def run_offline(llm: Any, requests: list[BenchRequest], *, progress: bool = Fals
                        peak_kv_blocks=stats.peak_kv_blocks, peak_running=stats.peak_running,
                        preemptions=stats.preemptions, draft_tokens=stats.draft_tokens,
                        acceptance_rate=stats.acceptance_rate, tokens_per_forward=stats.tokens_per_forward,
-                       outputs=[done[r.request_id].seqs[0].output_token_ids for r in requests])
+                       kernel_builds=stats.kernel_builds, outputs=[done[r.request_id].seqs[0].output_token_ids for r in requests])
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -220,7 +217,7 @@ def format_report(report: dict[str, Any]) -> str:
         (key, [m.get(key) for m in [report] + ([base] if base else [])])
         for key in ("num_requests", "total_prompt_tokens", "total_output_tokens", "elapsed_s", "output_tokens_per_s",
                     "requests_per_s", "kv_waste", "prefix_hit_rate", "peak_kv_blocks", "peak_running", "preemptions",
-                    "draft_tokens", "acceptance_rate", "tokens_per_forward")]
+                    "draft_tokens", "acceptance_rate", "tokens_per_forward", "kernel_builds")]
     for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
         for stat in ("mean", "p50", "p90", "p99"):
             rows.append((f"{key} {stat}", [m[key][stat] for m in [report] + ([base] if base else [])]))

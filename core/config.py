@@ -70,8 +70,9 @@ class PipelineConfig(BaseModel):
     cuda_graphs: bool = True
     """On CUDA, replay decode steps from captured CUDA graphs when the attention backend and
     cache support it (``flash`` with ``paged``); False runs every step eagerly."""
-    cuda_graph_max_batch: int = Field(256, ge=1, le=2048, strict=True)
-    """Largest decode batch replayed from a graph; larger batches run eagerly."""
+    cuda_graph_max_batch: int = Field(512, ge=1, le=2048, strict=True)
+    """Largest decode batch replayed from a graph (capped by the scheduler's sequences per
+    step); larger batches run eagerly."""
     async_scheduling: bool = False
     """Schedule and launch each decode step before the previous step's tokens reach the host,
     and absorb them while the GPU runs (requests whose decoder samples on the device: greedy;

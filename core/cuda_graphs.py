@@ -38,8 +38,9 @@ def capture_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     """Captured decode forwards, one per padded batch size, sharing one memory pool.
 
-    ``run(batch)`` returns the logits [B, vocab] of a qualifying decode batch (a view of a
-    static buffer, valid until the next step), or None when the batch must run eagerly.
+    ``run(batch)`` returns the logits [B, vocab] of a qualifying decode batch (a view of the
+    one static buffer every size writes, valid until the next replay), or None when the batch
+    must run eagerly.
     """
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, cache: CacheManager, device: torch.device,
@@ -61,10 +62,15 @@ class DecodeGraphs:
         self.block_tables = torch.full((m, self.max_blocks), cache.scratch_block, **i32)
         self.query_start_loc = torch.arange(m + 1, **i32)
         self.logits_indices = torch.arange(m, **i64)
-        self.graphs: dict[int, tuple[Any, Any, torch.Tensor | None]] = {}  # size -> (graph, plan, logits)
+        # one logits buffer for every size, allocated outside the graphs' pool: a graph's own
+        # output would stay alive in the pool, a (batch x vocabulary) float32 block per size
+        self.logits: torch.Tensor | None = None
+        self.graphs: dict[int, tuple[Any, Any]] = {}  # size -> (graph, plan)
         self.replays = 0
         self.capture = capture
         with torch.inference_mode():
+            # an eager forward of one row sizes the logits buffer, on this stream, outside the pool
+            self._forward(1, backend.graph_plan(self._static_batch(1), cache, max_model_len))
             pool = torch.cuda.graph_pool_handle() if capture else None
             for size in reversed(self.sizes):  # largest first: later captures reuse its pool memory
                 self.graphs[size] = self._capture(size, pool)
@@ -80,13 +86,18 @@ class DecodeGraphs:
             seqs=[], samples=[])
 
     def _forward(self, size: int, plan: Any) -> torch.Tensor:
-        return self.model(self.input_ids[:size], self.positions[:size], self.logits_indices[:size],
-                          self.backend, self.cache, plan)
+        out = None if self.logits is None else self.logits[:size]
+        logits = self.model(self.input_ids[:size], self.positions[:size], self.logits_indices[:size],
+                            self.backend, self.cache, plan, logits_out=out)
+        if self.logits is None:  # the first forward: its logits' row shape and dtype serve all sizes
+            self.logits = torch.empty((self.sizes[-1], *logits.shape[1:]), dtype=logits.dtype, device=logits.device)
+            logits = self.logits[:size].copy_(logits)
+        return logits
 
-    def _capture(self, size: int, pool: Any) -> tuple[Any, Any, torch.Tensor | None]:
+    def _capture(self, size: int, pool: Any) -> tuple[Any, Any]:
         plan = self.backend.graph_plan(self._static_batch(size), self.cache, self.max_model_len)
         if not self.capture:
-            return None, plan, None
+            return None, plan
         # warm up on a side stream (kernel compilation, allocator, library handles), then capture
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -95,8 +106,8 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            logits = self._forward(size, plan)
-        return graph, plan, logits
+            self._forward(size, plan)
+        return graph, plan
 
     def eligible(self, batch: BatchMetadata) -> int | None:
         """The padded size ``batch`` replays in, or None if it must run eagerly."""
@@ -123,9 +134,9 @@ class DecodeGraphs:
             self.slot_mapping[n:size].fill_(self.scratch_slot)
             self.seq_lens[n:size].fill_(1)
             self.block_tables[n:size, 0].fill_(self.cache.scratch_block)
-        graph, plan, logits = self.graphs[size]
+        graph, plan = self.graphs[size]
         self.replays += 1
         if graph is None:
             return self._forward(size, plan)[:n]
         graph.replay()
-        return logits[:n]
+        return self.logits[:n]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -13,10 +14,12 @@ from .batch import BatchMetadata, ScheduledSeq, SchedulerOutput, build_batch
 from .cache import CacheManager
 from .decoding import Decoder
 from .errors import InvalidRequestError, RequestRejectedError
+from .kernel_builds import build_log
 from .model_runner import ModelRunner
 from .scheduler import Scheduler
 from .sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, TokenLogprob
 
+logger = logging.getLogger(__name__)
 
 @dataclass
 class RequestState:
@@ -53,6 +56,9 @@ class EngineStats:
     """Draft tokens the target accepted."""
     overlapped_steps: int = 0
     """Steps launched before the previous step's tokens reached the host (async scheduling)."""
+    kernel_builds: int = 0
+    """Triton kernel variants built during steps (each stalls its step for a compile; start-up
+    warm-up should leave none: see core/kernel_builds.py). Counted where Triton is in use."""
     step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     """Wall time of the most recent steps (bounded: an engine may run for days)."""
 
@@ -173,13 +179,23 @@ class Engine:
         previous step is then finished while the GPU runs this one: the call returns the
         requests the previous step finished. Any other step runs synchronously."""
         start = time.perf_counter()
+        builds = build_log.total
         finished, self._carried = self._carried, []
         try:
             more = self._step(start, finished)  # extends ``finished`` with what it completes first
         except BaseException:
             self._carried = finished  # finished before the failure: returned by the next step
             raise
+        finally:
+            if build_log.total != builds:
+                self._built_kernels(build_log.total - builds)
         return finished + more
+
+    def _built_kernels(self, count: int) -> None:
+        self.stats.kernel_builds += count
+        logger.info("step %d built %d new Triton kernel variant(s) and stalled for the compile (kernels built so "
+                    "far: %s); start-up warm-up did not cover this step's shapes", self.stats.steps, count,
+                    ", ".join(f"{k} x{n}" for k, n in build_log.by_kernel.items()))
 
     def _step(self, start: float, finished: list[RequestState]) -> list[RequestState]:
         """``step`` without the hand-over of requests finished before a failure; appends

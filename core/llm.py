@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from .cache import CacheSpec
 from .config import PipelineConfig, apply_overrides, config_from_dict, load_config
 from .engine import Engine, RequestState
+from .kernel_builds import build_log
 from .errors import InvalidRequestError
 from .model_loader import load_hf_config, load_state_dict, load_tokenizer
 from .model_runner import ModelRunner, build_model
@@ -87,9 +88,14 @@ class Pipeline:
         limits = SchedulerLimits(r.max_model_len, self.decoder.num_lookahead_tokens)
         self.scheduler = c["scheduler"].cls(c["scheduler"].options, self.cache, limits)
         self.runner = ModelRunner(self.model, self.spec, self.attention, self.cache, r.device)
+        if r.device.type == "cuda":  # compile every kernel variant now, not inside a request's step
+            build_log.install()
+            self.runner.warm_up(self.scheduler.max_step_tokens or r.max_model_len, r.max_model_len)
         if config.cuda_graphs and self.runner.graphs_unsupported() is None:
             try:
-                self.runner.capture_graphs(config.cuda_graph_max_batch, r.max_model_len)
+                # no decode batch outgrows the scheduler's limit: capturing larger ones wastes memory
+                max_batch = min(config.cuda_graph_max_batch, self.scheduler.max_step_seqs or config.cuda_graph_max_batch)
+                self.runner.capture_graphs(max_batch, r.max_model_len)
             except torch.cuda.OutOfMemoryError as exc:  # a slower engine beats none: say so, run eagerly
                 self.runner.graphs = None
                 torch.cuda.empty_cache()

@@ -191,10 +191,12 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
                 backend: AttentionBackend, cache: CacheManager, plan: Any,
-                layers: Sequence[int] | None = None) -> torch.Tensor:
+                layers: Sequence[int] | None = None, logits_out: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions [T] -> logits [len(logits_indices), vocab].
 
-        ``layers`` runs a subset of the decoder layers (self-drafting by layer skipping)."""
+        ``layers`` runs a subset of the decoder layers (self-drafting by layer skipping);
+        ``logits_out`` (float32, or float64 in a float64 model) receives the logits, which
+        are then returned (a captured graph's static output)."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, x.dtype)
         order = range(len(self.model.layers)) if layers is None else layers
@@ -214,4 +216,6 @@ class LlamaForCausalLM(nn.Module):
                 x = self.model.layers[i](x, cos, sin, backend, cache, plan)
             x = self.model.norm(x[logits_indices])  # norm is per row: select first, then normalise
         logits = self.lm_head(x)
+        if logits_out is not None:
+            return logits_out.copy_(logits)
         return logits if logits.dtype == torch.float64 else logits.float()  # float64 stays exact

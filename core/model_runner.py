@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import importlib.util
-from typing import Sequence
+from types import SimpleNamespace
+from typing import Sequence as Layers
 
 import torch
 from torch import nn
 
 from .attention import AttentionBackend
-from .batch import BatchMetadata
+from .batch import BatchMetadata, ScheduledSeq, build_batch
 from .cache import CacheManager
 from .cuda_graphs import DecodeGraphs
 from .errors import ModelLoadError
 from .model import LlamaForCausalLM, RotaryEmbedding
 from .model_spec import ModelSpec
 from .quant import Quantizer
+from .sequence import SamplingParams, Sequence
 
 
 def build_model(spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
@@ -70,6 +72,31 @@ class ModelRunner:
             return f"cache {self.cache.name!r} has no scratch block for padded rows"
         return None
 
+    @torch.inference_mode()
+    def warm_up(self, max_step_tokens: int, max_model_len: int) -> int:
+        """Run the step shapes the engine will meet on dummy batches, so every kernel variant
+        is compiled (and every library heuristic chosen) now, not inside the first requests'
+        steps: a full step of prefill, a prefill chunk beside a long-context decode, and a
+        short-context decode. On the flash backend that is the prefill kernel, the split-K
+        decode with and without its merge, and the fused norm/RoPE/SwiGLU kernels; each new
+        variant mid-run would stall a step for a compile (``EngineStats.kernel_builds``). vLLM's
+        engine does the same with its dummy runs at start-up.
+
+        Every dummy token reads and writes only the cache's scratch block, which no sequence
+        holds, so no block is taken and no cached KV changes. Returns the number of dummy
+        forwards run (0: the cache has no scratch block, nothing was run)."""
+        scratch = self.cache.scratch_block
+        if scratch is None:
+            return 0
+        chunk = max(1, min(max_step_tokens, max_model_len))
+        prefill = [(chunk, chunk)] * max(1, max_step_tokens // chunk)
+        shapes = [prefill,
+                  [(min(2, max_model_len), min(2, max_model_len)), (1, max_model_len)],  # chunk + split decode
+                  [(1, 1)]]  # a decode over a short context: one split, no merge
+        for shape in shapes:
+            self.forward(_scratch_batch(shape, scratch, self.cache.layout.block_size, self.device))
+        return len(shapes)
+
     def capture_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> None:
         """Capture decode forwards for batches up to ``max_batch`` (``capture=False``: the same
         padded static-buffer path, run eagerly, for testing without a GPU)."""
@@ -77,7 +104,7 @@ class ModelRunner:
                                    max_model_len=max_model_len, capture=capture)
 
     @torch.inference_mode()
-    def forward(self, batch: BatchMetadata, layers: Sequence[int] | None = None) -> torch.Tensor:
+    def forward(self, batch: BatchMetadata, layers: Layers[int] | None = None) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab]: float32 (float64 in a float64 pipeline)."""
         if self.graphs is not None and layers is None:
             logits = self.graphs.run(batch)
@@ -86,3 +113,26 @@ class ModelRunner:
         plan = self.backend.plan(batch, self.cache)
         return self.model(batch.input_ids, batch.positions, batch.logits_indices,
                           self.backend, self.cache, plan, layers)
+
+
+class _ScratchTables:
+    """A stand-in cache for ``build_batch``: every sequence's blocks are the scratch block."""
+
+    def __init__(self, scratch: int, block_size: int):
+        self.scratch = scratch
+        self.layout = SimpleNamespace(block_size=block_size)
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        return [self.scratch] * -(-seq.num_tokens // self.layout.block_size)
+
+
+def _scratch_batch(shape: list[tuple[int, int]], scratch: int, block_size: int, device: torch.device) -> BatchMetadata:
+    """A batch of dummy sequences, (query tokens, context length after the step) each, laid out
+    by ``build_batch`` exactly as real ones are, all of their KV in the scratch block."""
+    params = SamplingParams(max_tokens=1, ignore_eos=True)
+    scheduled = []
+    for query, context in shape:
+        seq = Sequence("warm-up", [0] * context, params)
+        seq.num_computed_tokens = context - query
+        scheduled.append(ScheduledSeq(seq, query))
+    return build_batch(scheduled, _ScratchTables(scratch, block_size), device)

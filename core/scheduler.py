@@ -46,6 +46,18 @@ class Scheduler(Plugin):
         self.cache = cache
         self.limits = limits
 
+    @property
+    def max_step_tokens(self) -> int | None:
+        """The most query tokens one step can hold (None: no fixed budget). Start-up warm-up
+        runs a step of this size."""
+        return None
+
+    @property
+    def max_step_seqs(self) -> int | None:
+        """The most sequences one step can hold (None: no fixed limit). No decode batch is
+        larger, so no CUDA graph is captured for a larger one."""
+        return None
+
     def check_admission(self, seq: Sequence) -> None:
         """Raise RequestRejectedError if ``seq`` could never run to its max_tokens."""
         need = seq.num_prompt_tokens + seq.params.max_tokens

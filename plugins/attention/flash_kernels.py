@@ -306,7 +306,9 @@ def _paged_decode_split(
         tl.store(LsePart + (seq * stride_pb + heads * stride_ph) // BLOCK_D + split, lse, mask=g_ok)
 
 
-@triton.jit
+# the split count changes from step to step (batch size, longest context): one compiled
+# variant serves every count up to BLOCK_S (masked lanes load nothing)
+@triton.jit(do_not_specialize=["num_splits"])
 def _paged_decode_merge(
     OutPart, LsePart, Out, Rows,
     stride_pb, stride_ph, stride_ps, stride_ot, stride_oh, num_splits,
@@ -335,12 +337,17 @@ DECODE_PROGRAMS = 512
 flight to approach memory bandwidth (bench/kernels.py --sweep picks it)."""
 
 
+MAX_AUTO_SPLITS = 32
+"""The most splits ``default_num_splits`` chooses; the merge kernel is compiled for this many
+(or for 64, the most ``FlashOptions.decode_splits`` allows), whatever the step's count."""
+
+
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: int,
                        target_programs: int = DECODE_PROGRAMS) -> int:
     """Split the context only when the batch alone leaves the GPU idle; each split keeps at
     least a few key tiles of work."""
     want = max(1, -(-target_programs // max(num_seqs * num_kv_heads, 1)))
-    return max(1, min(want, 32, -(-max_kv_len // (4 * block_n))))
+    return max(1, min(want, MAX_AUTO_SPLITS, -(-max_kv_len // (4 * block_n))))
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
@@ -382,7 +389,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if not direct:
         _paged_decode_merge[(num_seqs, num_heads)](
             part, lse, target, rows, part.stride(0), part.stride(1), part.stride(2), target.stride(0),
-            target.stride(1), splits, BLOCK_S=triton.next_power_of_2(splits), HEAD_DIM=head_dim, BLOCK_D=block_d,
+            target.stride(1), splits, BLOCK_S=max(MAX_AUTO_SPLITS, triton.next_power_of_2(splits)),
+            HEAD_DIM=head_dim, BLOCK_D=block_d,
         )
     if upcast:
         out[rows] = target[rows].to(out.dtype)

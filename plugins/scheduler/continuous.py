@@ -59,6 +59,14 @@ class ContinuousScheduler(QueueScheduler):
     Options = ContinuousOptions
     auto_priority = 50
 
+    @property
+    def max_step_tokens(self) -> int:
+        return self.options.max_num_batched_tokens
+
+    @property
+    def max_step_seqs(self) -> int:
+        return self.options.max_num_seqs
+
     def __init__(self, options: ContinuousOptions, cache, limits):
         super().__init__(options, cache, limits)
         self.waiting: list[Sequence] = []  # sorted by _urgency

@@ -36,6 +36,10 @@ class StaticScheduler(QueueScheduler):
     Options = StaticOptions
     auto_priority = 10
 
+    @property
+    def max_step_seqs(self) -> int:
+        return self.options.max_batch_size
+
     def __init__(self, options, cache, limits):
         super().__init__(options, cache, limits)
         self.waiting: deque[Sequence] = deque()

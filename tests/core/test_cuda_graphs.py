@@ -124,3 +124,28 @@ def test_capture_out_of_memory_falls_back_to_eager(tiny_model, cpu_config, monke
     assert llm.pipeline.runner.graphs is None
     assert "run eagerly" in caplog.text and "cuda_graph_max_batch" in caplog.text
     assert len(llm.generate([[5, 6, 7]], {"max_tokens": 3, "ignore_eos": True})[0].token_ids) == 3
+
+
+@pytest.mark.parametrize("max_num_seqs, limit, captured", [(6, 512, 6), (300, 256, 256), (512, 512, 512)])
+def test_graphs_are_captured_up_to_the_schedulers_batch_limit(tiny_model, cpu_config, monkeypatch, max_num_seqs,
+                                                             limit, captured):
+    """No decode batch outgrows the scheduler's sequences per step, so no larger graph is
+    captured (each size costs capture time and pool memory)."""
+    from tessellm.core.model_runner import ModelRunner
+
+    asked = []
+    monkeypatch.setattr(ModelRunner, "graphs_unsupported", lambda self: None)
+    monkeypatch.setattr(ModelRunner, "capture_graphs", lambda self, max_batch, max_len: asked.append(max_batch))
+    LLM(cpu_config(tiny_model("llama"), cache={"name": "paged", "options": {"num_blocks": 64}},
+                   scheduler={"name": "continuous", "options": {"max_num_seqs": max_num_seqs}},
+                   cuda_graph_max_batch=limit))
+    assert asked == [captured]
+
+
+def test_one_logits_buffer_serves_every_captured_size(tiny_model, cpu_config):
+    """Every padded size writes the same static logits buffer, sized for the largest batch."""
+    llm = _llm(cpu_config, tiny_model("llama"), True)
+    graphs = llm.pipeline.runner.graphs
+    assert graphs.logits.shape == (6, llm.pipeline.spec.vocab_size) and graphs.logits.dtype == torch.float32
+    out = llm.generate([[5, 6, 7], [8, 9]], {"max_tokens": 4, "ignore_eos": True})
+    assert all(len(o.token_ids) == 4 for o in out) and graphs.replays > 0
