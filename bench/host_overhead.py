@@ -1,47 +1,165 @@
-"""Host (Python) time of one engine step's bookkeeping, without a model: scheduling, batch
-building, each attention backend's plan, commit and KV accounting, for a decode step of
-``--seqs`` sequences of ``--context`` tokens over the paged cache. On a GPU this work sits on
-the critical path of every step unless it is overlapped or captured (issue 4).
+"""Host (Python) time of engine steps, without a model: what a GPU would wait for, or what
+async scheduling must hide behind the forward (issue 4).
 
-    .venv/bin/python bench/host_overhead.py --seqs 64 --context 900
+Two measurements of decode steps of ``--seqs`` sequences of ``--context`` tokens over the
+paged cache and the continuous scheduler:
+
+- whole ``Engine.step`` calls, synchronous and with ``async_scheduling``, around a stub
+  forward (a constant logits tensor over a small vocabulary); what a GPU would run (the
+  forward, the argmax) is timed apart and left out. Each is run with the heap frozen during
+  the steps, as ``LLM.generate``, the benchmarks and the server loop do
+  (core/heap.py), and without: the garbage collector's time and its full passes are
+  counted. ``--heap`` first loads the default pipeline (SmolLM2), so the collector has a
+  real process's objects to walk;
+- the parts of a step one by one: scheduling, batch building, each attention backend's
+  plan, commit and the KV accounting.
+
+    .venv/bin/python bench/host_overhead.py --seqs 256 512 --context 200 [--heap] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import json
+import platform
 import time
+from datetime import datetime, timezone
 from types import SimpleNamespace
 
 import torch
 
 from tessellm.core.batch import build_batch
 from tessellm.core.cache import CacheSpec, KVLayout
+from tessellm.core.engine import Engine
+from tessellm.core.heap import frozen_heap
 from tessellm.core.scheduler import SchedulerLimits
 from tessellm.core.sequence import SamplingParams, Sequence
 from tessellm.plugins.attention.cascade import CascadeAttention, CascadeOptions
 from tessellm.plugins.attention.flash import FlashAttention, FlashOptions
 from tessellm.plugins.attention.sdpa import SdpaAttention, SdpaOptions
 from tessellm.plugins.cache.paged import PagedCache, PagedOptions
+from tessellm.plugins.decoding.greedy import GreedyDecoder
 from tessellm.plugins.scheduler.continuous import ContinuousOptions, ContinuousScheduler
 
+VOCAB = 512
+CPU = torch.device("cpu")
+STUB_MODEL = SimpleNamespace(attention_scale=0.125, sliding_window=None, head_dim=64, num_kv_heads=8, vocab_size=VOCAB)
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seqs", type=int, default=64)
-    ap.add_argument("--context", type=int, default=900)
-    ap.add_argument("--steps", type=int, default=50)
-    args = ap.parse_args()
-    spec = CacheSpec(1, 1, 1, torch.float32, torch.device("cpu"), 8192)
-    blocks = args.seqs * (args.context + args.steps + 16) // 16 + 16
+
+class StubRunner:
+    """The model runner's interface with no model: plans attention as the real one does,
+    then returns fixed logits (token 7 wins). ``device_s`` adds up the time of what a GPU
+    would run (the stub forward, the input ids filled from the previous step's tokens, the
+    argmax): the host figures leave it out."""
+
+    graphs = None
+
+    def __init__(self, backend, cache):
+        self.device, self.backend, self.cache = CPU, backend, cache
+        self.logits = torch.zeros(4096, VOCAB)
+        self.logits[:, 7] = 1.0
+        self.device_s = 0.0
+
+    def forward(self, batch, layers=None):
+        self.backend.plan(batch, self.cache)
+        start = time.perf_counter()
+        logits = self.logits[:batch.logits_indices.shape[0]]
+        self.device_s += time.perf_counter() - start
+        return logits
+
+
+def on_device(runner: StubRunner, fn):
+    """``fn`` with its time counted as device time."""
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            runner.device_s += time.perf_counter() - start
+    return timed
+
+
+def paged_parts(seqs: int, context: int, steps: int):
+    spec = CacheSpec(1, 1, 1, torch.float32, CPU, 8192)
+    blocks = seqs * (context + steps + 32) // 16 + 16
     cache = PagedCache(PagedOptions(block_size=16, num_blocks=blocks), spec, KVLayout("kv", 16, torch.float32))
-    sched = ContinuousScheduler(ContinuousOptions(max_num_seqs=args.seqs, max_num_batched_tokens=args.seqs * args.context),
+    sched = ContinuousScheduler(ContinuousOptions(max_num_seqs=seqs, max_num_batched_tokens=max(8192, seqs)),
                                 cache, SchedulerLimits(8192, 0))
-    sched.add([Sequence(f"r{i}", list(range(1000 + i, 1000 + i + args.context)), SamplingParams(max_tokens=1000))
-               for i in range(args.seqs)])
-    stub = SimpleNamespace(attention_scale=0.125, sliding_window=None, head_dim=64)
-    backends = [SdpaAttention(SdpaOptions(), stub, torch.device("cpu"), torch.float32),
-                CascadeAttention(CascadeOptions(), stub, torch.device("cpu"), torch.float32),
-                FlashAttention(FlashOptions(), stub, torch.device("cpu"), torch.float32)]
+    return cache, sched
+
+
+def prompts(seqs: int, context: int) -> list[list[int]]:
+    return [[(i * 7 + j) % (VOCAB - 1) + 1 for j in range(context)] for i in range(seqs)]
+
+
+class CollectorClock:
+    """The garbage collector's passes and time while active (``gc.callbacks``)."""
+
+    def __init__(self):
+        self.seconds, self.passes, self.full, self._start = 0.0, 0, 0, 0.0
+
+    def __call__(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.passes += 1
+            self.full += info["generation"] == 2
+
+    def __enter__(self):
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self)
+
+
+def engine_steps(seqs: int, context: int, steps: int, async_scheduling: bool, freeze: bool = True) -> dict:
+    """Host ms per decode step of a whole ``Engine.step`` after every prompt is prefilled,
+    the device's share (``StubRunner.device_s``) left out, with the collector's share of it
+    and its full passes over the measured steps."""
+    cache, sched = paged_parts(seqs, context, steps)
+    decoder = GreedyDecoder(GreedyDecoder.Options(), STUB_MODEL, CPU)
+    runner = StubRunner(FlashAttention(FlashOptions(), STUB_MODEL, CPU, torch.float32), cache)
+    # the argmax, and (async) the fill of next inputs from the last tokens, are device work
+    decoder.device_tokens = on_device(runner, decoder.device_tokens)
+    argmax = decoder.decode
+    decoder.decode = on_device(runner, argmax)
+    engine = Engine(runner, cache, sched, decoder, max_model_len=8192, eos_token_ids={0}, vocab_size=VOCAB,
+                    async_scheduling=async_scheduling)
+    for i, prompt in enumerate(prompts(seqs, context)):
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=steps + 16, ignore_eos=True))
+    while any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.unfinished()):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    runner.device_s = 0.0
+    with frozen_heap() if freeze else _nothing(), CollectorClock() as clock:
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        elapsed = time.perf_counter() - start
+    return {"host_ms": (elapsed - runner.device_s) / steps * 1000, "gc_ms": clock.seconds / steps * 1000,
+            "full_collections": clock.full}
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return None
+
+
+def step_parts(seqs: int, context: int, steps: int) -> dict[str, float]:
+    """Mean ms per decode step of each part of a step, timed one by one."""
+    cache, sched = paged_parts(seqs, context, steps)
+    sched.add([Sequence(f"r{i}", p, SamplingParams(max_tokens=steps + 16)) for i, p in enumerate(prompts(seqs, context))])
+    backends = [SdpaAttention(SdpaOptions(), STUB_MODEL, CPU, torch.float32),
+                CascadeAttention(CascadeOptions(), STUB_MODEL, CPU, torch.float32),
+                FlashAttention(FlashOptions(), STUB_MODEL, CPU, torch.float32)]
     totals: dict[str, float] = {}
 
     def clock(name, fn):
@@ -50,11 +168,11 @@ def main() -> None:
         totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
         return result
 
-    for step in range(args.steps + 1):
+    for step in range(steps + 1):
         if step == 1:
             totals.clear()  # step 0 prefills everything
         out = clock("schedule", sched.schedule)
-        batch = clock("build_batch", lambda: build_batch(out.scheduled, cache, torch.device("cpu")))
+        batch = clock("build_batch", lambda: build_batch(out.scheduled, cache, CPU))
         for b in backends:
             clock(f"{b.name}.plan", lambda: b.plan(batch, cache))
 
@@ -65,9 +183,47 @@ def main() -> None:
                 cache.commit(item.seq)
         clock("commit", commit)
         clock("num_used_slots", cache.num_used_slots)
-    print(f"host ms per decode step, {args.seqs} sequences of ~{args.context} tokens, mean of {args.steps} steps:")
-    for name, total in totals.items():
-        print(f"  {name:16s} {total / args.steps * 1000:.3f}")
+    return {name: total / steps * 1000 for name, total in totals.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seqs", type=int, nargs="+", default=[256, 512])
+    ap.add_argument("--context", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=3, help="whole-step runs per point (their mean is reported)")
+    ap.add_argument("--heap", action="store_true", help="load the default pipeline first (a real process's heap)")
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    results = {"command": "bench/host_overhead.py", "args": vars(args), "cpu": platform.processor() or platform.machine(),
+               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "points": []}
+    if args.heap:
+        from tessellm import LLM
+
+        results["heap_pipeline"] = LLM()  # kept alive for the whole run (not written to the JSON)
+    results["tracked_objects"] = len(gc.get_objects())
+    for seqs in args.seqs:
+        point = {"seqs": seqs, "context": args.context}
+        print(f"{seqs} sequences of ~{args.context} tokens, {args.repeats} runs of {args.steps} decode steps, "
+              f"{results['tracked_objects']} objects tracked; mean ms per step:")
+        for name, mode, freeze in (("sync", False, True), ("async", True, True),
+                                   ("sync_unfrozen", False, False), ("async_unfrozen", True, False)):
+            runs = [engine_steps(seqs, args.context, args.steps, mode, freeze) for _ in range(args.repeats)]
+            mean = {k: sum(r[k] for r in runs) / len(runs) for k in ("host_ms", "gc_ms")}
+            mean["full_collections"] = sum(r["full_collections"] for r in runs)  # a rare event: the total
+            point[name] = {k: round(v, 3) for k, v in mean.items()}
+            print(f"  whole step, {name:15s} host {mean['host_ms']:.3f} ({mean['host_ms'] / seqs * 1000:.2f} us per "
+                  f"sequence), of which gc {mean['gc_ms']:.3f}; full collections {mean['full_collections']}")
+        parts = step_parts(seqs, args.context, args.steps)
+        point["parts_ms"] = {k: round(v, 3) for k, v in parts.items()}
+        results["points"].append(point)
+        for name, ms in parts.items():
+            print(f"  part: {name:22s} {ms:.3f}")
+    results.pop("heap_pipeline", None)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":

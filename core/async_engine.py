@@ -18,6 +18,7 @@ from typing import Any, AsyncIterator, Callable
 
 from .engine import RequestState
 from .errors import RequestRejectedError
+from .heap import frozen_heap
 from .sequence import SamplingParams, Sequence, SequenceStatus, TokenLogprob
 
 
@@ -171,12 +172,13 @@ class AsyncEngine:
     # ------------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
-        while not self._stopping:
-            try:
-                self._iteration()
-            except Exception:  # a bug outside stepping (publishing, metrics): log it, keep serving
-                self.errors += 1
-                logger.exception("tessellm engine loop: error outside a step")
+        with frozen_heap():  # for the loop's life: full collections skip the pipeline's objects
+            while not self._stopping:
+                try:
+                    self._iteration()
+                except Exception:  # a bug outside stepping (publishing, metrics): log it, keep serving
+                    self.errors += 1
+                    logger.exception("tessellm engine loop: error outside a step")
 
     def _iteration(self) -> None:
         """One pass: take commands, step if there is work, publish what the step produced."""

@@ -132,25 +132,32 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
     tables: list[list[int]] = []
     rows: list[int] = []
     samples: list[SampleSlot] = []
-    for item in scheduled:
+    block_table = cache.block_table
+    for item in scheduled:  # per sequence: a decode step of hundreds of sequences runs this on the host
         seq = item.seq
         start = seq.num_computed_tokens
         end = start + item.num_query_tokens
-        draft = drafts.get(seq.seq_id, [])
-        base = len(ids)
+        held = len(seq.token_ids)
         ids.extend(seq.token_ids[start:end])
-        if seq.num_pending and end > len(seq.token_ids):  # a token still on the device: the engine fills it there
-            ids.extend([PENDING_TOKEN] * (end - max(start, len(seq.token_ids))))
-        ids.extend(draft)
-        n = len(ids) - base
+        if seq.num_pending and end > held:  # a token still on the device: the engine fills it there
+            ids.extend([PENDING_TOKEN] * (end - max(start, held)))
+        draft = drafts.get(seq.seq_id) if drafts else None
+        if draft:
+            ids.extend(draft)
+        stop = len(ids)
         starts.append(start)
-        qsl.append(base + n)
-        tables.append(cache.block_table(seq))
-        if end == seq.num_tokens:  # the chunk reaches the sequence's end: it samples
+        qsl.append(stop)
+        tables.append(block_table(seq))
+        if end == held + seq.num_pending:  # the chunk reaches the sequence's end: it samples
             first = len(rows)
-            rows.extend(range(base + n - 1 - len(draft), base + n))
-            for s in [seq, *forks.get(seq.seq_id, [])]:
-                samples.append(SampleSlot(s, first, 1 + len(draft), list(draft)))
+            if draft:
+                rows.extend(range(stop - 1 - len(draft), stop))
+            else:
+                rows.append(stop - 1)
+            width = 1 + len(draft) if draft else 1
+            samples.append(SampleSlot(seq, first, width, list(draft) if draft else []))
+            for child in forks.get(seq.seq_id, ()) if forks else ():
+                samples.append(SampleSlot(child, first, width, list(draft) if draft else []))
     if all_logits:
         rows = list(range(len(ids)))
     # everything below is vectorized: a prefill step has thousands of tokens, a decode step

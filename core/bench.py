@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from .bench_workloads import BenchRequest, plain_token_ids
 from .engine import EngineStats
+from .heap import frozen_heap
 
 
 @dataclass
@@ -130,15 +131,16 @@ def run_offline(llm: Any, requests: list[BenchRequest], *, progress: bool = Fals
             state.seqs[0].arrival_time = start  # all arrive at t=0: submission time counts as queueing
             submitted.append(r.request_id)
         pending = set(submitted)
-        while pending:
-            finished = engine.step()
-            if not finished and not engine.has_unfinished():
-                raise RuntimeError(f"the engine went idle with {len(pending)} benchmark requests unfinished")
-            for state in finished:
-                if state.request_id in pending:
-                    pending.discard(state.request_id)
-                    done[state.request_id] = engine.pop_finished(state.request_id)
-            bar.update(engine.stats.generated_tokens - bar.n)
+        with frozen_heap():  # as in LLM.generate: no full collection walks the pipeline's objects
+            while pending:
+                finished = engine.step()
+                if not finished and not engine.has_unfinished():
+                    raise RuntimeError(f"the engine went idle with {len(pending)} benchmark requests unfinished")
+                for state in finished:
+                    if state.request_id in pending:
+                        pending.discard(state.request_id)
+                        done[state.request_id] = engine.pop_finished(state.request_id)
+                bar.update(engine.stats.generated_tokens - bar.n)
         elapsed = time.perf_counter() - start
     except BaseException:
         for request_id in submitted:  # leave no request (or its cache) behind

@@ -20,6 +20,7 @@ from .config import PipelineConfig, apply_overrides, config_from_dict, load_conf
 from .engine import Engine, RequestState
 from .kernel_builds import build_log
 from .errors import InvalidRequestError
+from .heap import frozen_heap
 from .model_loader import load_hf_config, load_state_dict, load_tokenizer
 from .model_runner import ModelRunner, build_model
 from .model_spec import ModelSpec
@@ -224,15 +225,16 @@ class LLM:
         wanted = set(ids)
         done: dict[str, RequestState] = {}
         before = self.engine.stats.generated_tokens
-        while wanted - done.keys():
-            for state in self.engine.step():
-                if state.request_id in wanted:
-                    done[state.request_id] = self.engine.pop_finished(state.request_id)
-            failed = [r for r in ids if r in self.engine.failures]
-            if failed:  # the engine aborted a request whose own forward raised
-                errors = [self.engine.failures.pop(r) for r in failed]
-                raise errors[0]
-            bar.update(self.engine.stats.generated_tokens - before - bar.n)
+        with frozen_heap():  # the collector's full passes skip the pipeline's objects meanwhile
+            while wanted - done.keys():
+                for state in self.engine.step():
+                    if state.request_id in wanted:
+                        done[state.request_id] = self.engine.pop_finished(state.request_id)
+                failed = [r for r in ids if r in self.engine.failures]
+                if failed:  # the engine aborted a request whose own forward raised
+                    errors = [self.engine.failures.pop(r) for r in failed]
+                    raise errors[0]
+                bar.update(self.engine.stats.generated_tokens - before - bar.n)
         bar.close()
         return done
 

@@ -191,8 +191,10 @@ class PagedCache(CacheManager):
             # written can need a copy-on-write; without one, nothing changes
             bs = self.layout.block_size
             refs, pool = self.pool.ref_counts, self.pool
-            if all(refs[table[i]] == 1 and not pool.is_cached(table[i])
-                   for i in range(seq.num_computed_tokens // bs, -(-num_tokens // bs))):
+            for i in range(seq.num_computed_tokens // bs, -(-num_tokens // bs)):  # usually one block
+                if refs[table[i]] != 1 or pool.is_cached(table[i]):
+                    break
+            else:
                 return True
         if not self.can_reserve(seq, num_tokens):
             return False

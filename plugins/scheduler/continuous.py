@@ -71,6 +71,7 @@ class ContinuousScheduler(QueueScheduler):
         super().__init__(options, cache, limits)
         self.waiting: list[Sequence] = []  # sorted by _urgency
         self.running: list[Sequence] = []
+        self._running_sorted = True  # removals keep the order; only appends can break it
 
     def _urgency(self, seq: Sequence) -> tuple:
         if self.options.policy == "priority":
@@ -101,7 +102,9 @@ class ContinuousScheduler(QueueScheduler):
         budget = self.options.max_num_batched_tokens
         lookahead = self.limits.num_lookahead_tokens
         chosen: dict[int, ScheduledSeq] = {}
-        self.running.sort(key=self._urgency)
+        if not self._running_sorted:  # a step of hundreds of sequences need not re-sort them all
+            self.running.sort(key=self._urgency)
+            self._running_sorted = True
         for seq in list(self.running):
             if out.preempted and seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted to make room for a more urgent one
@@ -144,6 +147,8 @@ class ContinuousScheduler(QueueScheduler):
         return seq.params.n if seq.sample_index == 0 and seq.num_output_tokens == 0 else 1
 
     def _admit(self, budget: int, chosen: dict[int, ScheduledSeq], out: SchedulerOutput, lookahead: int) -> None:
+        if not self.waiting or budget <= 0:  # the usual decode step: nobody to admit, no count needed
+            return
         width = sum(self._width(s) for s in self.running)  # kept current below, not recounted per admission
         while self.waiting and budget > 0:
             seq = self.waiting[0]
@@ -170,6 +175,7 @@ class ContinuousScheduler(QueueScheduler):
             self.waiting.pop(0)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self._running_sorted = False
             chosen[seq.seq_id] = ScheduledSeq(seq, n)
             budget -= n
             width += self._width(seq)
@@ -194,6 +200,7 @@ class ContinuousScheduler(QueueScheduler):
         else:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
+            self._running_sorted = False
 
 
 @tessellm.hookimpl

@@ -1,0 +1,51 @@
+"""``frozen_heap`` (core/heap.py): the heap is frozen while the engine steps, and only then."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from tessellm import LLM
+from tessellm.core.engine import Engine
+from tessellm.core.heap import frozen_heap
+
+
+def test_frozen_heap_nests_and_always_unfreezes():
+    gc.unfreeze()
+    marker = [object()]  # a tracked container alive at entry
+    with frozen_heap():
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with frozen_heap():  # nested: nothing refrozen, nothing unfrozen on the inner exit
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError):
+        with frozen_heap():
+            raise RuntimeError("a failed step")
+    assert gc.get_freeze_count() == 0  # a failure inside does not leave the heap frozen
+    assert marker
+
+
+def test_generate_steps_with_the_heap_frozen_and_cycles_are_collected_after(tiny_model, cpu_config, monkeypatch):
+    llm = LLM(cpu_config(tiny_model("llama")))
+    counts = []
+    real_step = Engine.step
+    monkeypatch.setattr(Engine, "step", lambda self: counts.append(gc.get_freeze_count()) or real_step(self))
+    gc.unfreeze()
+
+    class Cycle:
+        pass
+
+    cycle = Cycle()
+    cycle.me = cycle  # cyclic garbage created before the run: frozen during it, collected after
+    collected = []
+    import weakref
+    ref = weakref.ref(cycle, lambda _: collected.append(True))
+    del cycle
+    llm.generate([[5, 6, 7]], {"max_tokens": 3, "ignore_eos": True})
+    assert counts and all(c > 0 for c in counts)
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert ref() is None and collected
