@@ -50,6 +50,7 @@ from tessellm.core.bench import describe_device, run_offline
 from tessellm.core.bench_workloads import make_workload
 from tessellm.core.config import apply_overrides
 from tessellm.core.errors import ConfigError
+from tessellm.core.heap import CollectorClock
 from tessellm.core.hf_baseline import load_transformers, run_hf_baseline, run_hf_generate_batch
 
 LLAMA_32_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -146,6 +147,7 @@ class StepTimeline:
         first = [round(t * 1e3, 1) for t, _ in records[:8]]
         return {"graph_steps": len(graph), "graph_s": round(sum(graph), 3),
                 "graph_step_ms_median": round(sorted(graph)[len(graph) // 2] * 1e3, 2) if graph else None,
+                "slowest_graph_ms": sorted((round(t * 1e3, 1) for t in graph), reverse=True)[:8],
                 "other_steps": len(other), "other_s": round(sum(other), 3),
                 "slowest_other_ms": sorted((round(t * 1e3, 1) for t in other), reverse=True)[:8],
                 "first_steps_ms": first}
@@ -204,12 +206,15 @@ def main(argv: list[str] | None = None) -> int:
                                  prompt_median=145, prompt_sigma=0.8, prompt_min=16, prompt_max=1024,
                                  output_median=out_len, output_min=out_len, output_max=out_len)
         timeline = StepTimeline(llm)
-        metrics = attempt("tessellm", partial(run_offline, llm, requests))
+        with CollectorClock() as collector:  # the warm-up's two requests included
+            metrics = attempt("tessellm", partial(run_offline, llm, requests))
         steps = llm.engine.stats.steps
         graphs = llm.pipeline.runner.graphs
         metrics.update(steps=steps, graph_replays=graphs.replays if graphs is not None else 0,
                        graphs_unsupported=llm.pipeline.runner.graphs_unsupported(), step_time=timeline.summary(steps),
-                       overlapped_steps=llm.engine.stats.overlapped_steps)
+                       overlapped_steps=llm.engine.stats.overlapped_steps,
+                       gc={"passes": collector.passes, "full_passes": collector.full,
+                           "seconds": round(collector.seconds, 4)})
         print("tessellm (steps, graphs):", json.dumps(metrics), file=sys.stderr, flush=True)
         del llm, graphs
         gc.collect()  # the pipeline's parts refer to each other: free its KV cache before transformers loads

@@ -32,7 +32,7 @@ import torch
 from tessellm.core.batch import build_batch
 from tessellm.core.cache import CacheSpec, KVLayout
 from tessellm.core.engine import Engine
-from tessellm.core.heap import frozen_heap
+from tessellm.core.heap import CollectorClock, frozen_heap
 from tessellm.core.scheduler import SchedulerLimits
 from tessellm.core.sequence import SamplingParams, Sequence
 from tessellm.plugins.attention.cascade import CascadeAttention, CascadeOptions
@@ -92,28 +92,6 @@ def paged_parts(seqs: int, context: int, steps: int):
 
 def prompts(seqs: int, context: int) -> list[list[int]]:
     return [[(i * 7 + j) % (VOCAB - 1) + 1 for j in range(context)] for i in range(seqs)]
-
-
-class CollectorClock:
-    """The garbage collector's passes and time while active (``gc.callbacks``)."""
-
-    def __init__(self):
-        self.seconds, self.passes, self.full, self._start = 0.0, 0, 0, 0.0
-
-    def __call__(self, phase, info):
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.seconds += time.perf_counter() - self._start
-            self.passes += 1
-            self.full += info["generation"] == 2
-
-    def __enter__(self):
-        gc.callbacks.append(self)
-        return self
-
-    def __exit__(self, *exc):
-        gc.callbacks.remove(self)
 
 
 def engine_steps(seqs: int, context: int, steps: int, async_scheduling: bool, freeze: bool = True) -> dict:

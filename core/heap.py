@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import gc
 import threading
+import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Any, Iterator
 
 _lock = threading.Lock()
 _depth = 0
@@ -43,3 +44,26 @@ def frozen_heap() -> Iterator[None]:
             _depth -= 1
             if _depth == 0:
                 gc.unfreeze()
+
+
+class CollectorClock:
+    """While active (a context manager): the garbage collector's passes, its full passes
+    (``full``) and the seconds they took, through ``gc.callbacks``. For benchmarks."""
+
+    def __init__(self) -> None:
+        self.seconds, self.passes, self.full, self._start = 0.0, 0, 0, 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+            self.passes += 1
+            self.full += info["generation"] == 2
+
+    def __enter__(self) -> "CollectorClock":
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        gc.callbacks.remove(self)
