@@ -5,9 +5,11 @@ What it measures (on CUDA, bf16)
 - **Prefill**, causal, TFLOP/s (4 * N^2 * H * D / 2 per sequence, i.e. causal halves the
   work), at sequence 1k, 4k, 16k and head dim 64 and 128 (heads = 2048 / head dim, batch =
   16k / N, as flash-attention's own benchmark), for:
-  tessellm `flash` (K/V read from a paged cache, block 16, contiguous tables), torch SDPA
-  restricted to its flash backend, to its cuDNN backend, and FlexAttention (torch.compile'd,
-  causal block mask).
+  tessellm `flash` (K/V read from a paged cache, block 16, contiguous tables), the same
+  kernel with the prompt's own K/V read as packed rows through TMA descriptors
+  (`tessellm_flash_packed`, `FlashOptions.packed_prefill`), torch SDPA restricted to its
+  flash backend, to its cuDNN backend, and FlexAttention (torch.compile'd, causal block
+  mask).
 - **Decode**, GB/s = K and V bytes read / time, at context 1k, 4k, 16k, 32k and batch 1, 16,
   64, with Llama-3.2-1B's attention shape (32 query heads, 8 KV heads, head dim 64), for
   tessellm's split-K paged decode kernel and torch SDPA over contiguous K/V; against the
@@ -22,7 +24,8 @@ How to run
     python bench/kernels.py --sweep --out sweep.json                  # on a GPU: launch-shape search
     TRITON_INTERPRET=1 python bench/kernels.py --smoke                # CPU: tiny shapes, code path only
 
-``--sweep`` times the flash kernels alone over tile sizes, warps, pipeline stages and (decode)
+``--sweep`` times the flash kernels alone over tile sizes, warps, pipeline stages, the prefill's
+K/V source (block table or packed rows) and (decode)
 the number of programs split-K aims for, at a few representative points; its best shapes are
 what ``prefill_config``, ``decode_config`` and ``DECODE_PROGRAMS`` in flash_kernels.py hold.
 
@@ -96,11 +99,14 @@ def prefill_point(n: int, head_dim: int, device, dtype, reps: int, smoke: bool) 
     flops = 4 * batch * heads * n * n * head_dim / 2
     qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
 
-    def flash():
-        paged_flash_attention(qp, kc, vc, out, tables, starts, lens, lens, n, scale, 16,
-                              block_m=16 if smoke else None, block_n=16 if smoke else None)
+    def flash(packed: bool = False, dest: torch.Tensor = out):
+        # packed: the prompt's own K/V rows read through TMA descriptors (FlashOptions.packed_prefill)
+        paged_flash_attention(qp, kc, vc, dest, tables, starts, lens, lens, n, scale, 16,
+                              block_m=16 if smoke else None, block_n=16 if smoke else None,
+                              k_new=kc if packed else None, v_new=vc if packed else None)
 
-    runs = {"tessellm_flash": flash}
+    out_packed = torch.empty_like(qp)
+    runs = {"tessellm_flash": flash, "tessellm_flash_packed": lambda: flash(True, out_packed)}
     if device.type == "cuda":
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -123,8 +129,10 @@ def prefill_point(n: int, head_dim: int, device, dtype, reps: int, smoke: bool) 
         except Exception as exc:  # a backend this GPU or build lacks: record why, keep going
             point[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:200]
     flash()
+    flash(True, out_packed)
     ref = F.scaled_dot_product_attention(qt.float(), kt.float(), vt.float(), is_causal=True).transpose(1, 2)
     point["flash_max_err"] = float((out.view_as(q).float() - ref).abs().max())
+    point["flash_packed_max_err"] = float((out_packed.view_as(q).float() - ref).abs().max())
     if "sdpa_flash" in runs:
         point["sdpa_flash_max_err"] = float((runs["sdpa_flash"]().transpose(1, 2).float() - ref).abs().max())
     return point
@@ -171,13 +179,15 @@ def sweep(device, dtype, smoke: bool) -> dict:
         lens = torch.full((batch,), n, dtype=torch.int32, device=device)
         out = torch.empty_like(q)
         flops = 4 * batch * heads * n * n * d / 2
-        shapes = itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3, 4]) if not smoke else [(16, 16, 4, 1)]
-        for bm, bn, warps, stages in shapes:
+        shapes = itertools.product([64, 128], [32, 64, 128], [4, 8], [2, 3, 4], [False, True]) if not smoke \
+            else [(16, 16, 4, 1, False), (16, 16, 4, 1, True)]
+        for bm, bn, warps, stages, packed in shapes:  # packed: the prompt's K/V through TMA descriptors
             cfg = KernelConfig(bm, bn, warps, stages)
-            row = {"head_dim": d, "seq_len": n, **cfg.__dict__}
+            row = {"head_dim": d, "seq_len": n, **cfg.__dict__, "packed": packed}
             try:
                 row["tflops"] = round(flops / timed(lambda: paged_flash_attention(
-                    q, k, v, out, tables, starts, lens, lens, n, d ** -0.5, 16, config=cfg), device, reps, 5) / 1e12, 1)
+                    q, k, v, out, tables, starts, lens, lens, n, d ** -0.5, 16, config=cfg,
+                    k_new=k if packed else None, v_new=v if packed else None), device, reps, 5) / 1e12, 1)
             except Exception as exc:  # e.g. out of shared memory: that shape is not an option
                 row["error"] = f"{type(exc).__name__}: {exc}"[:120]
             found["prefill"].append(row)
@@ -229,8 +239,9 @@ def sweep(device, dtype, smoke: bool) -> dict:
             print("splits", row, flush=True)
     ranked = {}
     for d in {r["head_dim"] for r in found["prefill"]}:
-        rows_d = [r for r in found["prefill"] if r["head_dim"] == d and "tflops" in r]
-        ranked[f"prefill_d{d}"] = sorted(rows_d, key=lambda r: -r["tflops"])[:3]
+        for packed in (False, True):
+            rows_d = [r for r in found["prefill"] if r["head_dim"] == d and r["packed"] == packed and "tflops" in r]
+            ranked[f"prefill_d{d}" + ("_packed" if packed else "")] = sorted(rows_d, key=lambda r: -r["tflops"])[:3]
     ranked["decode"] = sorted(ok, key=lambda r: -best[(r["block_n"], r["num_warps"], r["num_stages"])])[:3]
     found["best"] = ranked
     return found

@@ -37,6 +37,11 @@ class FlashOptions(PluginOptions):
     """Run decodes (query length 1) through the split-K flash-decoding kernel."""
     decode_splits: int | None = Field(None, ge=1, le=64)
     """Splits of each decode's context (None: enough programs to fill the GPU)."""
+    packed_prefill: bool = False
+    """Read a prefill's own new keys and values from the step's packed K/V rows through TMA
+    descriptors (contiguous rows, no block-table gather) where the shapes allow it (a
+    power-of-two head dim, no sliding window); earlier context still comes from the cache.
+    Off until a GPU benchmark shows it faster (bench/kernels.py measures both)."""
 
 
 @dataclass
@@ -149,9 +154,10 @@ class FlashAttention(AttentionBackend):
         o = self.options
         if plan.others is not None:
             s = plan.others
+            packed = o.packed_prefill and k.dtype == kv.k.dtype  # the cache may store another dtype
             paged_flash_attention(q, kv.k, kv.v, out, s.block_tables, s.query_start, s.query_lens, s.seq_lens,
                                   s.max_query_len, self.scale, plan.block_size, self.sliding_window,
-                                  o.block_m, o.block_n)
+                                  o.block_m, o.block_n, k_new=k if packed else None, v_new=v if packed else None)
         if plan.decodes is not None:
             s = plan.decodes
             paged_decode_attention(q, kv.k, kv.v, out, s.query_start, s.block_tables, s.seq_lens, s.max_seq_len,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -86,12 +87,35 @@ def _fold(acc, l_i, m_i, s, m_safe, v, FP32_DOT: tl.constexpr):
 
 
 @triton.jit
+def _score_tile(acc, l_i, m_i, q, k, v, offs_n, kv_len, q_pos, scale_log2,
+                MASKED: tl.constexpr, WINDOW: tl.constexpr, FP32_DOT: tl.constexpr, UPCAST: tl.constexpr):
+    """Fold one key tile (``k``, ``v`` at positions ``offs_n``) into the online softmax
+    (scores in base 2). Unmasked tiles lie wholly inside the context and below every row's
+    diagonal."""
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    s = _dot(q, tl.trans(k), FP32_DOT) * scale_log2
+    if MASKED:
+        visible = (offs_n < kv_len)[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if WINDOW > 0:
+            visible = visible & (q_pos[:, None] - offs_n[None, :] < WINDOW)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = m_new
+    acc, l_i = _fold(acc, l_i, m_i, s, m_safe, v, FP32_DOT)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _attend_tile(acc, l_i, m_i, q, K, V, BlockTables, start, seq, kv_head, kv_len, q_pos, scale_log2,
                  stride_kt, stride_kh, stride_bt, offs_d,
                  MASKED: tl.constexpr, WINDOW: tl.constexpr, KV_BLOCK: tl.constexpr, PAD_D: tl.constexpr,
                  HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr, UPCAST: tl.constexpr):
-    """One key tile of online softmax (scores in base 2). Unmasked tiles lie wholly inside
-    the context and below every row's diagonal."""
+    """One key tile read from the paged cache through the block table."""
     offs_n = start + tl.arange(0, BLOCK_N)
     if MASKED:
         key_ok = offs_n < kv_len
@@ -112,35 +136,39 @@ def _attend_tile(acc, l_i, m_i, q, K, V, BlockTables, start, seq, kv_head, kv_le
     else:
         k = tl.load(K + kv_ptr)
         v = tl.load(V + kv_ptr)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    s = _dot(q, tl.trans(k), FP32_DOT) * scale_log2
-    if MASKED:
-        visible = key_ok[None, :] & (offs_n[None, :] <= q_pos[:, None])
-        if WINDOW > 0:
-            visible = visible & (q_pos[:, None] - offs_n[None, :] < WINDOW)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = m_new
-    acc, l_i = _fold(acc, l_i, m_i, s, m_safe, v, FP32_DOT)
-    return acc, l_i, m_new
+    return _score_tile(acc, l_i, m_i, q, k, v, offs_n, kv_len, q_pos, scale_log2, MASKED, WINDOW, FP32_DOT, UPCAST)
+
+
+@triton.jit
+def _attend_packed_tile(acc, l_i, m_i, q, k_desc, v_desc, start, first_row, ctx0, kv_head, kv_len, q_pos,
+                        scale_log2, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                        FP32_DOT: tl.constexpr, UPCAST: tl.constexpr):
+    """One key tile of this step's own new tokens (positions ``ctx0`` on), read from the
+    packed K/V rows through TMA descriptors: contiguous rows, no block table. Rows past the
+    sequence's end belong to the next sequence (or lie past the tensor, read as zeros); the
+    causal mask drops them."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    row = first_row + start - ctx0
+    k = k_desc.load([row, kv_head * HEAD_DIM])
+    v = v_desc.load([row, kv_head * HEAD_DIM])
+    return _score_tile(acc, l_i, m_i, q, k, v, offs_n, kv_len, q_pos, scale_log2, MASKED, 0, FP32_DOT, UPCAST)
 
 
 # the block-table row stride is the widest table in the batch: left to specialise (on 1 and on
 # multiples of 16), it would recompile the kernels mid-run as tables grow
 @triton.jit(do_not_specialize=["stride_bt"])
 def _paged_flash_fwd(
-    Q, K, V, Out, BlockTables, QueryStart, QueryLens, SeqLens,
+    Q, K, V, Out, BlockTables, QueryStart, QueryLens, SeqLens, KNew, VNew,
     scale_log2,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, WINDOW: tl.constexpr, KV_BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP32_DOT: tl.constexpr, UPCAST: tl.constexpr,
+    FP32_DOT: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr,
 ):
+    """``PACKED``: key tiles wholly among the step's new tokens are read from ``KNew`` /
+    ``VNew``, TMA descriptors over the packed K/V rows [tokens, KV heads x HEAD_DIM] (whole
+    prompts: every tile), the rest through the block table; otherwise every tile through the
+    block table (``KNew``, ``VNew`` unused)."""
     # the longest tiles (last rows of the causal triangle) start first
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
@@ -179,6 +207,24 @@ def _paged_flash_fwd(
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, BlockTables, start, seq, kv_head, kv_len, q_pos, scale_log2,
                                          stride_kt, stride_kh, stride_bt, offs_d, True, WINDOW, KV_BLOCK, PAD_D,
                                          HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST)
+    elif PACKED:
+        full = ((first_pos + 1) // BLOCK_N) * BLOCK_N
+        ctx0 = kv_len - q_len  # the step's first new position
+        split = tl.cdiv(ctx0, BLOCK_N) * BLOCK_N  # the first key tile wholly among the new tokens
+        for start in range(0, tl.minimum(full, split), BLOCK_N):
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, BlockTables, start, seq, kv_head, kv_len, q_pos, scale_log2,
+                                         stride_kt, stride_kh, stride_bt, offs_d, False, WINDOW, KV_BLOCK, PAD_D,
+                                         HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST)
+        for start in range(split, full, BLOCK_N):
+            acc, l_i, m_i = _attend_packed_tile(acc, l_i, m_i, q, KNew, VNew, start, q_start, ctx0, kv_head, kv_len,
+                                                q_pos, scale_log2, False, HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST)
+        for start in range(full, tl.minimum(hi, tl.maximum(full, split)), BLOCK_N):
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, BlockTables, start, seq, kv_head, kv_len, q_pos, scale_log2,
+                                         stride_kt, stride_kh, stride_bt, offs_d, True, WINDOW, KV_BLOCK, PAD_D,
+                                         HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST)
+        for start in range(tl.maximum(full, split), hi, BLOCK_N):
+            acc, l_i, m_i = _attend_packed_tile(acc, l_i, m_i, q, KNew, VNew, start, q_start, ctx0, kv_head, kv_len,
+                                                q_pos, scale_log2, True, HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST)
     else:
         # key tiles wholly at or before the first row's position are seen in full by every row
         full = ((first_pos + 1) // BLOCK_N) * BLOCK_N
@@ -199,11 +245,30 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def packed_source_ok(k_new: torch.Tensor, head_dim: int, window: int | None) -> bool:
+    """Whether the prefill kernel can read the step's new keys/values from ``k_new`` [T, Hkv,
+    D] through TMA descriptors: a power-of-two head dim (no padded columns), no sliding
+    window, heads contiguous within a row, rows 16-byte aligned."""
+    size = k_new.element_size()
+    return (head_dim == triton.next_power_of_2(head_dim) and not window and k_new.stride(2) == 1
+            and k_new.stride(1) == head_dim and (k_new.stride(0) * size) % 16 == 0
+            and k_new.data_ptr() % 16 == 0 and head_dim * size >= 16)
+
+
+def _row_descriptor(t: torch.Tensor, block_n: int) -> Any:
+    """A TMA descriptor over ``t`` [T, H, D] as rows [T, H*D], one [block_n, D] box at a time."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    rows, heads, dim = t.shape
+    return TensorDescriptor(t, shape=[rows, heads * dim], strides=[t.stride(0), 1], block_shape=[block_n, dim])
+
+
 def paged_flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                           block_tables: torch.Tensor, query_start: torch.Tensor, query_lens: torch.Tensor,
                           seq_lens: torch.Tensor, max_query_len: int, scale: float, kv_block_size: int,
                           window: int | None = None, block_m: int | None = None, block_n: int | None = None,
-                          config: KernelConfig | None = None) -> None:
+                          config: KernelConfig | None = None, k_new: torch.Tensor | None = None,
+                          v_new: torch.Tensor | None = None) -> None:
     """Attention of packed queries ``q`` [T, Hq, D] over each sequence's cached context,
     written into ``out`` at the same rows.
 
@@ -212,6 +277,11 @@ def paged_flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     ``query_start`` [B] (first packed row), ``query_lens`` [B], ``seq_lens`` [B] (context
     length after this step, the new tokens included and already stored); all int32.
     ``config`` (or else ``prefill_config``) sets the launch shape.
+
+    ``k_new``, ``v_new`` (optional): the step's new keys and values [T, Hkv, D], packed row for
+    row with ``q`` (views into a stacked projection are fine). Where ``packed_source_ok``,
+    key tiles wholly among a sequence's new tokens are read from them, as contiguous rows
+    through TMA descriptors, rather than gathered from the cache through the block table.
     """
     num_seqs = seq_lens.shape[0]
     num_tokens, num_heads, head_dim = q.shape
@@ -224,14 +294,17 @@ def paged_flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     # bfloat16 tiles are widened to float32 and the output is rounded by torch
     upcast = q.dtype == torch.bfloat16 and _interpreting()
     target = out if not upcast else torch.empty_like(out, dtype=torch.float32)
+    packed = (k_new is not None and v_new is not None and packed_source_ok(k_new, head_dim, window)
+              and packed_source_ok(v_new, head_dim, window))
+    k_src, v_src = (_row_descriptor(k_new, cfg.block_n), _row_descriptor(v_new, cfg.block_n)) if packed else (k_cache, v_cache)
     grid = (triton.cdiv(max_query_len, cfg.block_m), num_seqs, num_heads)
     _paged_flash_fwd[grid](
-        q, k_cache, v_cache, target, block_tables, query_start, query_lens, seq_lens, scale * LOG2E,
+        q, k_cache, v_cache, target, block_tables, query_start, query_lens, seq_lens, k_src, v_src, scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), target.stride(0), target.stride(1),
         block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, WINDOW=window or 0, KV_BLOCK=kv_block_size,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        FP32_DOT=q.dtype == torch.float32 or upcast, UPCAST=upcast,
+        FP32_DOT=q.dtype == torch.float32 or upcast, UPCAST=upcast, PACKED=packed,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if upcast:  # only this call's rows: others may belong to the decode kernel

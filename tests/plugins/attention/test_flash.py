@@ -57,15 +57,27 @@ def packed_batches(draw):
                 shared_blocks=draw(st.sampled_from([0, 0, 1, 2])),
                 window=draw(st.one_of(st.none(), st.integers(1, 24))),
                 block_n=draw(st.sampled_from([16, 32])), seed=draw(st.integers(0, 2**16)),
-                split_decode=draw(st.booleans()), decode_splits=draw(st.sampled_from([None, 1, 3, 8])))
+                split_decode=draw(st.booleans()), decode_splits=draw(st.sampled_from([None, 1, 3, 8])),
+                packed_prefill=draw(st.booleans()))
+
+
+def stacked_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """``q``, ``k``, ``v`` as views into one [T, (Hq + 2 Hkv) * D] tensor, as the stacked q/k/v
+    projection hands them to the backend (rows strided, heads contiguous)."""
+    t = q.shape[0]
+    qkv = torch.cat([x.reshape(t, -1) for x in (q, k, v)], dim=1)
+    a, b = q[0].numel(), k[0].numel()
+    return (qkv[:, :a].view(q.shape), qkv[:, a:a + b].view(k.shape), qkv[:, a + b:].view(v.shape))
 
 
 def run_flash(case, p, dtype):
-    options = FlashOptions(block_n=p["block_n"], split_decode=p["split_decode"], decode_splits=p["decode_splits"])
+    options = FlashOptions(block_n=p["block_n"], split_decode=p["split_decode"], decode_splits=p["decode_splits"],
+                           packed_prefill=p.get("packed_prefill", False))
     backend = FlashAttention(options, ref.model_stub(p["head_dim"], p["window"]), DEVICE, dtype)
     case = on_device(case)
     plan = backend.plan(case.batch, cache=None)
-    out = backend.forward(0, case.q, case.k_new, case.v_new, case.storage, plan)
+    q, k, v = stacked_views(case.q, case.k_new, case.v_new) if options.packed_prefill else (case.q, case.k_new, case.v_new)
+    out = backend.forward(0, q, k, v, case.storage, plan)
     k_back, v_back = case.storage.gather(case.batch.slot_mapping)  # the new tokens went where mapped
     assert torch.equal(k_back, case.k_new) and torch.equal(v_back, case.v_new)
     return out.cpu()
@@ -115,7 +127,8 @@ def test_flash_large_shapes_on_gpu(kv_lens, heads, head_dim, block_size, seed, d
     q_lens = [data.draw(st.sampled_from([1, n, data.draw(st.integers(1, n))])) for n in kv_lens]
     check_bfloat16(dict(kv_lens=kv_lens, q_lens=q_lens, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
                         block_size=block_size, shared_blocks=data.draw(st.sampled_from([0, 4])), window=None,
-                        block_n=64, seed=seed, split_decode=True, decode_splits=None))
+                        block_n=64, seed=seed, split_decode=True, decode_splits=None,
+                        packed_prefill=data.draw(st.booleans())))
 
 
 def test_flash_is_refused_on_cpu_without_the_interpreter(monkeypatch):
@@ -128,17 +141,20 @@ def test_flash_is_refused_on_cpu_without_the_interpreter(monkeypatch):
     assert any("TRITON_INTERPRET=1" in r for r in reasons)
 
 
-def test_whole_model_matches_sdpa(tiny_model, cpu_config):
+@pytest.mark.parametrize("options", [{}, {"packed_prefill": True}])
+def test_whole_model_matches_sdpa(tiny_model, cpu_config, options):
     """`--set attention.name=flash` on a machine without a GPU: the tiny model through the
-    paged cache and continuous batching gives sdpa's tokens and logits."""
+    paged cache and continuous batching (prompts in chunks) gives sdpa's tokens and logits;
+    also with the prompts' own K/V read as packed rows (``packed_prefill``)."""
     from tessellm import LLM
 
-    def llm(attention):
-        return LLM(cpu_config(tiny_model("llama"), device=DEVICE.type, attention={"name": attention},
+    def llm(attention, options=None):
+        return LLM(cpu_config(tiny_model("llama"), device=DEVICE.type,
+                              attention={"name": attention, "options": options or {}},
                               cache={"name": "paged", "options": {"block_size": 16, "num_blocks": 64}},
                               scheduler={"name": "continuous", "options": {"max_num_batched_tokens": 24}}))
 
-    flash, sdpa = llm("flash"), llm("sdpa")
+    flash, sdpa = llm("flash", options), llm("sdpa")
     assert flash.pipeline.resolved.summary()["attention"]["name"] == "flash"
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 30, 17)]
@@ -165,3 +181,62 @@ def test_auto_picks_flash_on_cuda_only(monkeypatch):
     assert FlashAttention.unsupported_reasons(ctx("cuda", "auto")) == []
     assert any("CUDA only" in r for r in FlashAttention.unsupported_reasons(ctx("cpu", "auto")))
     assert FlashAttention.unsupported_reasons(ctx("cpu", "flash")) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_prefill_reads_new_tokens_from_the_packed_rows_with_the_same_result(monkeypatch, dtype):
+    """``packed_prefill``: whole prompts (several key tiles), a chunk after cached context that
+    does not start on a tile boundary, a chunk shorter than a tile, and decodes in one batch.
+    The packed path is taken and gives exactly the gather path's output (same tiles, same
+    order, same values)."""
+    from tessellm.plugins.attention import flash_kernels
+
+    made = []
+    real = flash_kernels._row_descriptor
+    monkeypatch.setattr(flash_kernels, "_row_descriptor", lambda t, n: made.append(t.shape) or real(t, n))
+    p = dict(kv_lens=[70, 53, 40, 9, 33], q_lens=[70, 21, 5, 1, 33], num_heads=4, num_kv_heads=2, head_dim=32,
+             block_size=4, shared_blocks=1, window=None, block_n=16, seed=3, split_decode=True, decode_splits=None)
+    case = ref.make_case(p["kv_lens"], p["q_lens"], p["num_heads"], p["num_kv_heads"], p["head_dim"],
+                         p["block_size"], dtype, p["seed"], shared_blocks=p["shared_blocks"])
+    gathered = run_flash(case, dict(p, packed_prefill=False), dtype)
+    assert not made
+    packed = run_flash(case, dict(p, packed_prefill=True), dtype)
+    assert len(made) == 2  # one descriptor over K, one over V
+    assert torch.equal(packed, gathered)
+    expected = ref.reference_packed(case, p["head_dim"] ** -0.5, None)
+    assert (packed.double() - expected).abs().max().item() <= (TOLERANCE[torch.float32] if dtype == torch.float32
+                                                                 else 2e-2)
+
+
+def test_packed_source_is_used_only_where_descriptors_fit():
+    from tessellm.plugins.attention.flash_kernels import packed_source_ok
+
+    t = torch.zeros(10, 2, 64, dtype=torch.bfloat16)
+    assert packed_source_ok(t, 64, None)
+    assert not packed_source_ok(t, 64, 16)  # sliding window: the gather path's window loop
+    assert not packed_source_ok(torch.zeros(10, 2, 48, dtype=torch.bfloat16), 48, None)  # padded head dim
+    wide = torch.zeros(10, 2 * 64 + 8, dtype=torch.bfloat16)
+    assert packed_source_ok(wide[:, 8:136].view(10, 2, 64), 64, None)  # 16 bytes into each row: aligned
+    assert not packed_source_ok(wide[:, 1:129].view(10, 2, 64), 64, None)  # 2 bytes in: not aligned
+    assert not packed_source_ok(torch.zeros(10, 64, 2, dtype=torch.bfloat16).transpose(1, 2), 64, None)
+
+
+def test_kernels_compile_for_hopper():
+    """The compiled (not interpreted) kernels, the packed prefill's TMA path included, build
+    for an H100 (sm_90a) with the installed Triton, without a GPU: bench/compile_hopper.py
+    --check, in a process of its own (this one runs the kernels interpreted)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import triton
+
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
+        pytest.skip("this Triton has no NVIDIA backend tools")
+    script = Path(__file__).parents[3] / "bench" / "compile_hopper.py"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    assert any('"tma_loads": 0' not in r and "PACKED=True" in r for r in rows)  # the packed path uses TMA
+    assert all('"fits": true' in r for r in rows)  # no spills, shared memory within the H100's

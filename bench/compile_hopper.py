@@ -1,0 +1,167 @@
+"""Compile the `flash` kernels for an H100 (sm_90a) on any machine, no GPU needed, and report
+what the compiler made of each launch shape: registers per thread, spilled bytes (stack),
+shared memory, and the instruction mix (wgmma tensor-core MMAs, TMA bulk copies, cp.async
+copies). A shape that spills or exceeds the 227 KB of shared memory is not worth timing; the
+GPU sweep (bench/kernels.py --sweep) times the rest.
+
+    python bench/compile_hopper.py [--head-dims 64 128] [--json out.json] [--check]
+
+It runs the kernels' own Python wrappers on CPU tensors with launching replaced by
+recording, compiles each recorded launch with the installed Triton for GPUTarget("cuda",
+90, 32), and reads the resource usage from the cubin (Triton's bundled cuobjdump).
+``--check`` compiles a small set and exits non-zero on any failure (the test suite runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+
+os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels, before triton is imported
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource, make_backend  # noqa: E402
+from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
+
+from tessellm.core import fused_ops  # noqa: E402
+from tessellm.plugins.attention import flash_kernels as fk  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+SMEM_LIMIT = 227 * 1024  # H100: shared memory a block can opt into
+
+
+@contextlib.contextmanager
+def recorded_launches():
+    """``kernel[grid](...)`` records (kernel, args, kwargs) instead of launching."""
+    launches: list[tuple] = []
+    real = JITFunction.__getitem__
+
+    def record(self, grid):
+        return lambda *args, **kwargs: launches.append((self, args, kwargs))
+
+    JITFunction.__getitem__ = record
+    try:
+        yield launches
+    finally:
+        JITFunction.__getitem__ = real
+
+
+def compile_launch(kernel: JITFunction, args: tuple, kwargs: dict):
+    """The launch's variant, compiled for TARGET (as Triton would on the GPU)."""
+    backend = make_backend(TARGET)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    opts, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=opts.__dict__)
+
+
+def resources(compiled) -> dict:
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    usage = dict(re.findall(r"(REG|STACK):(\d+)", text))
+    ptx = compiled.asm["ptx"]
+    return {"registers": int(usage.get("REG", -1)), "stack_bytes": int(usage.get("STACK", -1)),
+            "shared_bytes": compiled.metadata.shared,
+            "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
+            "tma_loads": ptx.count("cp.async.bulk.tensor"), "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca")}
+
+
+def prefill_launches(head_dim: int, shapes: list[tuple[int, int, int, int]], packed: bool):
+    """One prefill launch per shape: bf16, MHA 2048 wide, one 4k sequence, K/V as views of a
+    stacked q/k/v projection (as the engine hands them over)."""
+    heads, n, dt = 2048 // head_dim, 4096, torch.bfloat16
+    qkv = torch.zeros(n, 3 * heads * head_dim, dtype=dt)
+    q, k, v = (qkv[:, i * heads * head_dim:(i + 1) * heads * head_dim].view(n, heads, head_dim) for i in range(3))
+    cache_k, cache_v = torch.zeros(n, heads, head_dim, dtype=dt), torch.zeros(n, heads, head_dim, dtype=dt)
+    tables = torch.arange(n // 16, dtype=torch.int32).view(1, -1)
+    starts, lens = torch.zeros(1, dtype=torch.int32), torch.full((1,), n, dtype=torch.int32)
+    out = torch.empty(n, heads, head_dim, dtype=dt)
+    with recorded_launches() as launches:
+        for bm, bn, warps, stages in shapes:
+            fk.paged_flash_attention(q.contiguous(), cache_k, cache_v, out, tables, starts, lens, lens, n,
+                                     head_dim ** -0.5, 16, config=fk.KernelConfig(bm, bn, warps, stages),
+                                     k_new=k if packed else None, v_new=v if packed else None)
+    return launches
+
+
+def decode_launches():
+    """The split-K decode, single split (direct) and split with its merge, Llama-3.2-1B's shape."""
+    hq, hkv, d, dt = 32, 8, 64, torch.bfloat16
+    q = torch.zeros(64, hq, d, dtype=dt)
+    cache_k, cache_v = torch.zeros(64 * 1024, hkv, d, dtype=dt), torch.zeros(64 * 1024, hkv, d, dtype=dt)
+    tables = torch.arange(64 * 1024 // 16, dtype=torch.int32).view(64, -1)
+    rows, lens = torch.arange(64, dtype=torch.int32), torch.full((64,), 1024, dtype=torch.int32)
+    out = torch.empty_like(q)
+    with recorded_launches() as launches:
+        for splits in (1, 4):
+            fk.paged_decode_attention(q, cache_k, cache_v, out, rows, tables, lens, 1024, d ** -0.5, 16,
+                                      num_splits=splits, config=fk.decode_config(d, torch.device("cuda")))
+    return launches
+
+
+def fused_launches():
+    x, r, w = torch.zeros(256, 2048, dtype=torch.bfloat16), torch.zeros(256, 2048, dtype=torch.bfloat16), torch.ones(2048)
+    qk = torch.zeros(256, 48, 64, dtype=torch.bfloat16)
+    cos = sin = torch.zeros(256, 64, dtype=torch.bfloat16)
+    with recorded_launches() as launches:
+        fused_ops.add_rmsnorm(x, r, w.to(torch.bfloat16), 1e-5)
+        fused_ops.rotary_(qk[:, :32], cos, sin)
+        fused_ops.silu_mul_packed(torch.zeros(256, 2 * 8192, dtype=torch.bfloat16))
+    return launches
+
+
+def describe(kernel, kwargs) -> str:
+    keys = ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "PACKED", "DIRECT")
+    return kernel.fn.__name__ + " " + " ".join(f"{k}={kwargs[k]}" for k in keys if k in kwargs)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--json")
+    ap.add_argument("--check", action="store_true", help="a small set; exit 1 if any launch fails to compile")
+    args = ap.parse_args()
+    if args.check:
+        shapes = [fk.prefill_config(128, torch.device("cuda")).__dict__]
+        shapes = [(s["block_m"], s["block_n"], s["num_warps"], s["num_stages"]) for s in shapes]
+        head_dims = [128]
+    else:
+        shapes = [(bm, bn, w, st) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
+        head_dims = args.head_dims
+    launches = [launch for d in head_dims for packed in (False, True) for launch in prefill_launches(d, shapes, packed)]
+    launches += decode_launches() + fused_launches()
+    rows, failed = [], 0
+    for kernel, largs, kwargs in launches:
+        row = {"launch": describe(kernel, kwargs)}
+        try:
+            row.update(resources(compile_launch(kernel, largs, kwargs)))
+            row["fits"] = row["stack_bytes"] == 0 and row["shared_bytes"] <= SMEM_LIMIT
+        except Exception as exc:  # noqa: BLE001 - reported per launch
+            failed += 1
+            row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": "bench/compile_hopper.py " + " ".join(sys.argv[1:]), "triton": triton.__version__,
+                       "target": "sm_90a", "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                       "launches": rows}, f, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
