@@ -26,24 +26,30 @@ from typing import Any, Iterator
 
 _lock = threading.Lock()
 _depth = 0
+_owned = False  # whether the outermost frozen_heap froze the heap (and so unfreezes it)
 
 
 @contextmanager
 def frozen_heap() -> Iterator[None]:
-    """Freeze the heap for the duration (nestable, thread-safe: the outermost exit unfreezes,
-    which also unfreezes anything frozen by other code in the meantime)."""
-    global _depth
+    """Freeze the heap for the duration. Nestable and thread-safe: the outermost exit
+    unfreezes. A heap someone else already froze (a server that freezes before forking its
+    workers) is left exactly as it is: their freeze already covers the start-up objects, and
+    Python cannot unfreeze only ours."""
+    global _depth, _owned
     with _lock:
         if _depth == 0:
-            gc.freeze()
+            _owned = gc.get_freeze_count() == 0
+            if _owned:
+                gc.freeze()
         _depth += 1
     try:
         yield
     finally:
         with _lock:
             _depth -= 1
-            if _depth == 0:
+            if _depth == 0 and _owned:
                 gc.unfreeze()
+                _owned = False
 
 
 class CollectorClock:

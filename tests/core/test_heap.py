@@ -28,6 +28,18 @@ def test_frozen_heap_nests_and_always_unfreezes():
     assert marker
 
 
+def test_a_heap_frozen_by_someone_else_stays_frozen():
+    gc.unfreeze()
+    gc.freeze()  # e.g. a server before forking its workers
+    try:
+        before = gc.get_freeze_count()
+        with frozen_heap():
+            assert gc.get_freeze_count() == before
+        assert gc.get_freeze_count() == before  # not unfrozen behind its owner's back
+    finally:
+        gc.unfreeze()
+
+
 def test_generate_steps_with_the_heap_frozen_and_cycles_are_collected_after(tiny_model, cpu_config, monkeypatch):
     llm = LLM(cpu_config(tiny_model("llama")))
     counts = []

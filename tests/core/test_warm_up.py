@@ -31,20 +31,21 @@ from tessellm.testing.triton_variants import VariantRecorder, triton_kernels  # 
 MAX_LEN = 160  # 16-key tiles: decodes split 1 to 3 ways (4 tiles a split at least) as contexts grow
 
 
-def _llm(cpu_config, model, dtype: str = "float32"):
-    return LLM(cpu_config(model, device="cuda" if CUDA else "cpu", dtype=dtype, attention={"name": "flash", "options": {"block_n": 16}},
+def _llm(cpu_config, model, dtype: str = "float32", **flash_options):
+    return LLM(cpu_config(model, device="cuda" if CUDA else "cpu", dtype=dtype,
+                          attention={"name": "flash", "options": {"block_n": 16, **flash_options}},
                           cache={"name": "paged", "options": {"block_size": 4, "num_blocks": 160}},
                           scheduler={"name": "continuous", "options": {"max_num_batched_tokens": 48,
                                                                        "max_num_seqs": 6}},
                           decoding={"name": "greedy"}, cuda_graphs=False, max_model_len=MAX_LEN))
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_warm_up_launches_every_kernel_variant_a_run_launches(tiny_model, cpu_config, dtype):
+@pytest.mark.parametrize("dtype, packed", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
+def test_warm_up_launches_every_kernel_variant_a_run_launches(tiny_model, cpu_config, dtype, packed):
     from tessellm.core import fused_ops
     from tessellm.plugins.attention import flash_kernels
 
-    llm = _llm(cpu_config, tiny_model("llama"), dtype)
+    llm = _llm(cpu_config, tiny_model("llama"), dtype, packed_prefill=packed)
     pipeline = llm.pipeline
     model = pipeline.model
     if not model.fused:  # the CUDA model: fused norm/RoPE/SwiGLU kernels, stacked projections
@@ -69,6 +70,8 @@ def test_warm_up_launches_every_kernel_variant_a_run_launches(tiny_model, cpu_co
     launched = rec.names()
     assert {"_paged_flash_fwd", "_paged_decode_split", "_paged_decode_merge", "_add_rmsnorm_kernel",
             "_rotary_kernel", "_silu_mul_packed_kernel"} <= launched
+    prefills = {k[1][-1] for k in rec.seen if k[0] == "_paged_flash_fwd"}  # its last argument: PACKED
+    assert prefills == {("constexpr", packed)}  # the option's prefill variant, and only it
     # both decode variants were met: the split one, merged, and the single-split one; and
     # the run's split counts varied (1, 2 and 3: the longest context in a step grows)
     assert len({k for k in rec.seen if k[0] == "_paged_decode_split"}) == 2
