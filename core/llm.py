@@ -19,7 +19,7 @@ from .cache import CacheSpec
 from .config import PipelineConfig, apply_overrides, config_from_dict, load_config
 from .engine import Engine, RequestState
 from .kernel_builds import build_log
-from .errors import InvalidRequestError
+from .errors import ConfigError, InvalidRequestError
 from .heap import frozen_heap
 from .model_loader import load_hf_config, load_state_dict, load_tokenizer
 from .model_runner import ModelRunner, build_model
@@ -89,9 +89,16 @@ class Pipeline:
         limits = SchedulerLimits(r.max_model_len, self.decoder.num_lookahead_tokens)
         self.scheduler = c["scheduler"].cls(c["scheduler"].options, self.cache, limits)
         self.runner = ModelRunner(self.model, self.spec, self.attention, self.cache, r.device)
-        if r.device.type == "cuda":  # compile every kernel variant now, not inside a request's step
+        if self.runner.compiles_kernels():  # compile every kernel variant now, not inside a request's step
             build_log.install()
-            self.runner.warm_up(self.scheduler.max_step_tokens or r.max_model_len, r.max_model_len)
+            tokens = self.scheduler.max_step_tokens or r.max_model_len
+            try:
+                self.runner.warm_up(tokens, r.max_model_len)
+            except torch.cuda.OutOfMemoryError as exc:  # a real step that size would fail too: say so now
+                raise ConfigError(
+                    f"start-up warm-up ran out of GPU memory running one step of {tokens} tokens (the "
+                    f"scheduler's token budget) beside the KV cache; lower scheduler.options."
+                    f"max_num_batched_tokens or cache.options.gpu_memory_fraction ({exc})") from exc
         if config.cuda_graphs and self.runner.graphs_unsupported() is None:
             try:
                 # no decode batch outgrows the scheduler's limit: capturing larger ones wastes memory

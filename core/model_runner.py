@@ -72,6 +72,11 @@ class ModelRunner:
             return f"cache {self.cache.name!r} has no scratch block for padded rows"
         return None
 
+    def compiles_kernels(self) -> bool:
+        """Whether kernels are compiled (and autotuned) on first use here, so a start-up
+        warm-up pays: on CUDA; a CPU runs plain torch, or Triton interpreted."""
+        return self.device.type == "cuda"
+
     @torch.inference_mode()
     def warm_up(self, max_step_tokens: int, max_model_len: int) -> int:
         """Run the step shapes the engine will meet on dummy batches, so every kernel variant

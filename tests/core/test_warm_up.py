@@ -142,3 +142,23 @@ def test_engine_counts_builds_during_its_steps(tiny_model, cpu_config, monkeypat
         llm.generate([[5, 6, 7]], {"max_tokens": 4, "ignore_eos": True})
     assert llm.engine.stats.kernel_builds == 1
     assert "step 2 built 1 new Triton kernel variant" in caplog.text and "_my_kernel x1" in caplog.text
+
+
+def test_pipeline_warms_up_where_kernels_compile_and_says_why_it_ran_out_of_memory(tiny_model, cpu_config,
+                                                                                    monkeypatch):
+    from tessellm.core.errors import ConfigError
+    from tessellm.core.model_runner import ModelRunner
+
+    calls = []
+    monkeypatch.setattr(ModelRunner, "compiles_kernels", lambda self: True)  # as on CUDA
+    monkeypatch.setattr(ModelRunner, "warm_up", lambda self, tokens, max_len: calls.append((tokens, max_len)) or 3)
+    _llm(cpu_config, tiny_model("llama"))
+    assert calls == [(48, MAX_LEN)]  # the scheduler's token budget, the context window
+
+    def oom(self, tokens, max_len):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB")
+
+    monkeypatch.setattr(ModelRunner, "warm_up", oom)
+    with pytest.raises(ConfigError, match="max_num_batched_tokens") as info:
+        _llm(cpu_config, tiny_model("llama"))
+    assert "48 tokens" in str(info.value) and "gpu_memory_fraction" in str(info.value)
