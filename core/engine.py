@@ -317,9 +317,13 @@ class Engine:
 
     def _decodes_only(self, out: SchedulerOutput, sampling_checked: bool) -> bool:
         """Whether ``out`` is one decode token per sequence, all sampled on the device
-        (``sampling_checked``: ``_can_overlap`` has just checked that for every live one)."""
+        (``sampling_checked``: ``_can_overlap`` has just checked, before this schedule, that
+        every live sequence samples on the device with one token left to compute; nothing
+        was admitted since, so only the query lengths remain to check)."""
+        if sampling_checked:
+            return all(i.num_query_tokens == 1 for i in out.scheduled)
         return all(i.num_query_tokens == 1 and i.seq.num_computed_tokens == i.seq.num_tokens - 1
-                   and (sampling_checked or self._async_ok(i.seq)) for i in out.scheduled)
+                   and self._async_ok(i.seq) for i in out.scheduled)
 
     def _take_pending(self) -> _InFlight:
         pending, self._pending = self._pending, None
@@ -330,7 +334,12 @@ class Engine:
         to the host is queued). Nothing about the sequences changes unless it all succeeds."""
         device = self.runner.device
         batch = build_batch(out.scheduled, self.cache, device)
-        if previous is not None:  # inputs still on the device: take them from the previous step's tokens
+        if previous is not None and batch.seqs == previous.batch.seqs and \
+                len(previous.batch.samples) == len(batch.seqs):
+            # the steady state: the same sequences in the same order, each one pending token
+            # behind (one query row and one sampled row each): the inputs are the tokens
+            batch.input_ids.copy_(previous.tokens)
+        elif previous is not None:  # inputs still on the device: take them from the previous step's tokens
             src = {slot.seq.seq_id: j for j, slot in enumerate(previous.batch.samples)}
             rows, picks, row = [], [], 0
             for seq, n in zip(batch.seqs, batch.query_lens_cpu):
