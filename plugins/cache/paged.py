@@ -291,7 +291,11 @@ class PagedCache(CacheManager):
         if not self.options.prefix_caching:
             return
         bs = self.layout.block_size
-        keys = self._keys.setdefault(seq.seq_id, [])
+        keys = self._keys.get(seq.seq_id)
+        if keys is None:
+            keys = self._keys[seq.seq_id] = []
+        elif len(keys) >= n // bs:  # no block newly full: the usual decode step
+            return
         for i in range(len(keys), min(n // bs, len(table))):
             key = block_key(keys[-1] if keys else None, seq.token_ids[i * bs:(i + 1) * bs], seq.cache_salt)
             self.pool.register(table[i], key)
