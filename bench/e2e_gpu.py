@@ -51,6 +51,7 @@ from tessellm.core.bench_workloads import make_workload
 from tessellm.core.config import apply_overrides
 from tessellm.core.errors import ConfigError
 from tessellm.core.heap import CollectorClock
+from tessellm.core.kernel_builds import build_log
 from tessellm.core.hf_baseline import load_transformers, run_hf_baseline, run_hf_generate_batch
 
 LLAMA_32_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -214,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                        graphs_unsupported=llm.pipeline.runner.graphs_unsupported(), step_time=timeline.summary(steps),
                        overlapped_steps=llm.engine.stats.overlapped_steps,
                        gc={"passes": collector.passes, "full_passes": collector.full,
-                           "seconds": round(collector.seconds, 4)})
+                           "seconds": round(collector.seconds, 4)},
+                       # every Triton variant this process built, start-up included (kernel_builds: in the run)
+                       kernels_built=dict(build_log.by_kernel))
         print("tessellm (steps, graphs):", json.dumps(metrics), file=sys.stderr, flush=True)
         del llm, graphs
         gc.collect()  # the pipeline's parts refer to each other: free its KV cache before transformers loads
