@@ -8,76 +8,30 @@ GPU sweep (bench/kernels.py --sweep) times the rest.
 
 It runs the kernels' own Python wrappers on CPU tensors with launching replaced by
 recording, compiles each recorded launch with the installed Triton for GPUTarget("cuda",
-90, 32), and reads the resource usage from the cubin (Triton's bundled cuobjdump).
+90, 32), and reads the resource usage from the cubin (Triton's bundled cuobjdump); the
+three steps are tessellm.testing.triton_variants' ``recorded_launches``, ``compile_launch``
+and ``resources``.
 ``--check`` compiles a small set and exits non-zero on any failure (the test suite runs it).
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 from datetime import datetime, timezone
 
 os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels, before triton is imported
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource, make_backend  # noqa: E402
-from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 from tessellm.core import fused_ops  # noqa: E402
 from tessellm.plugins.attention import flash_kernels as fk  # noqa: E402
+from tessellm.testing.triton_variants import compile_launch, recorded_launches, resources  # noqa: E402
 
-TARGET = GPUTarget("cuda", 90, 32)
 SMEM_LIMIT = 227 * 1024  # H100: shared memory a block can opt into
-
-
-@contextlib.contextmanager
-def recorded_launches():
-    """``kernel[grid](...)`` records (kernel, args, kwargs) instead of launching."""
-    launches: list[tuple] = []
-    real = JITFunction.__getitem__
-
-    def record(self, grid):
-        return lambda *args, **kwargs: launches.append((self, args, kwargs))
-
-    JITFunction.__getitem__ = record
-    try:
-        yield launches
-    finally:
-        JITFunction.__getitem__ = real
-
-
-def compile_launch(kernel: JITFunction, args: tuple, kwargs: dict):
-    """The launch's variant, compiled for TARGET (as Triton would on the GPU)."""
-    backend = make_backend(TARGET)
-    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
-    bound, specialization, options = binder(*args, **kwargs)
-    opts, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=TARGET, options=opts.__dict__)
-
-
-def resources(compiled) -> dict:
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(compiled.asm["cubin"])
-    try:
-        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(f.name)
-    usage = dict(re.findall(r"(REG|STACK):(\d+)", text))
-    ptx = compiled.asm["ptx"]
-    return {"registers": int(usage.get("REG", -1)), "stack_bytes": int(usage.get("STACK", -1)),
-            "shared_bytes": compiled.metadata.shared,
-            "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
-            "tma_loads": ptx.count("cp.async.bulk.tensor"), "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca")}
 
 
 def prefill_launches(head_dim: int, shapes: list[tuple[int, int, int, int]], packed: bool):

@@ -20,6 +20,7 @@ paged cache and the continuous scheduler:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import platform
@@ -114,7 +115,7 @@ def engine_steps(seqs: int, context: int, steps: int, async_scheduling: bool, fr
     for _ in range(3):
         engine.step()
     runner.device_s = 0.0
-    with frozen_heap() if freeze else _nothing(), CollectorClock() as clock:
+    with frozen_heap() if freeze else contextlib.nullcontext(), CollectorClock() as clock:
         start = time.perf_counter()
         for _ in range(steps):
             engine.step()
@@ -122,13 +123,6 @@ def engine_steps(seqs: int, context: int, steps: int, async_scheduling: bool, fr
     return {"host_ms": (elapsed - runner.device_s) / steps * 1000, "gc_ms": clock.seconds / steps * 1000,
             "full_collections": clock.full}
 
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return None
 
 
 def step_parts(seqs: int, context: int, steps: int) -> dict[str, float]:
@@ -173,6 +167,8 @@ def main() -> None:
     ap.add_argument("--heap", action="store_true", help="load the default pipeline first (a real process's heap)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
+    if min(args.seqs) < 1 or args.context < 1 or args.steps < 1 or args.repeats < 1:
+        ap.error("--seqs, --context, --steps and --repeats must be at least 1")
     torch.manual_seed(0)
     results = {"command": "bench/host_overhead.py", "args": vars(args), "cpu": platform.processor() or platform.machine(),
                "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "points": []}
@@ -181,10 +177,18 @@ def main() -> None:
 
         results["heap_pipeline"] = LLM()  # kept alive for the whole run (not written to the JSON)
     results["tracked_objects"] = len(gc.get_objects())
+    passes = []
+    for _ in range(3):  # what one full collection over this heap costs when it comes
+        start = time.perf_counter()
+        gc.collect()
+        passes.append((time.perf_counter() - start) * 1000)
+    results["full_collection_ms"] = round(min(passes), 1)
+    print(f"{results['tracked_objects']} objects tracked; a full collection over them takes "
+          f"{results['full_collection_ms']} ms (best of 3)")
     for seqs in args.seqs:
         point = {"seqs": seqs, "context": args.context}
-        print(f"{seqs} sequences of ~{args.context} tokens, {args.repeats} runs of {args.steps} decode steps, "
-              f"{results['tracked_objects']} objects tracked; mean ms per step:")
+        print(f"{seqs} sequences of ~{args.context} tokens, {args.repeats} runs of {args.steps} decode steps; "
+              f"mean ms per step:")
         for name, mode, freeze in (("sync", False, True), ("async", True, True),
                                    ("sync_unfrozen", False, False), ("async_unfrozen", True, False)):
             runs = [engine_steps(seqs, args.context, args.steps, mode, freeze) for _ in range(args.repeats)]

@@ -15,15 +15,42 @@ machine without one that start-up warm-up launches every variant a run does::
 
 It works on kernels run by Triton's interpreter (``TRITON_INTERPRET=1``) and on compiled
 ones (both accept pre-run hooks).
+
+With kernels not interpreted, ``recorded_launches`` and ``compile_launch`` go one step
+further: they record a wrapper's launches on CPU tensors and compile each for the GPU, and
+``resources`` reads the result's registers, spills and shared memory
+(bench/compile_hopper.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import subprocess
+import tempfile
 from types import ModuleType
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 VariantKey = tuple[str, tuple, tuple]
 """(kernel name, per-argument specialisation, launch options)."""
+
+
+def hopper_backend(arch: int = 90, warp_size: int = 32) -> Any:
+    """Triton's compiler backend for a CUDA GPU of compute capability ``arch`` (no GPU needed)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+
+    return make_backend(GPUTarget("cuda", arch, warp_size))
+
+
+def _binder(kernel: Any, backend: Any) -> Any:
+    """Triton's own argument binder for ``kernel``: args -> (bound, specialisation, options).
+    An interpreted kernel keeps the decorator's options; its JIT view is rebuilt from them."""
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
+    return create_function_from_signature(jit.signature, jit.params, backend)
 
 
 def triton_kernels(*modules: ModuleType) -> list[Any]:
@@ -47,25 +74,15 @@ class VariantRecorder:
     """
 
     def __init__(self, kernels: Iterable[Any], arch: int = 90, warp_size: int = 32):
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import make_backend
-
         self.kernels = list(kernels)
-        self.backend = make_backend(GPUTarget("cuda", arch, warp_size))
+        self.backend = hopper_backend(arch, warp_size)
         self.seen: set[VariantKey] = set()
         self.launches: list[VariantKey] = []
         self._hooks: list[tuple[Any, Any]] = []
 
-    def _binder(self, kernel: Any) -> Any:
-        from triton.runtime.jit import JITFunction, create_function_from_signature
-
-        # an interpreted kernel keeps the decorator's options; rebuild the JIT view of it
-        jit = kernel if isinstance(kernel, JITFunction) else JITFunction(kernel.fn, **kernel.kwargs)
-        return create_function_from_signature(jit.signature, jit.params, self.backend)
-
     def __enter__(self) -> "VariantRecorder":
         for kernel in self.kernels:
-            binder = self._binder(kernel)
+            binder = _binder(kernel, self.backend)
             name = kernel.fn.__name__
 
             def hook(*args: Any, _binder: Any = binder, _name: str = name, **kwargs: Any) -> None:
@@ -89,3 +106,52 @@ class VariantRecorder:
     def names(self, keys: Iterable[VariantKey] | None = None) -> set[str]:
         """The kernel names among ``keys`` (default: every key seen)."""
         return {k[0] for k in (self.seen if keys is None else keys)}
+
+
+@contextlib.contextmanager
+def recorded_launches() -> Iterator[list[tuple[Any, tuple, dict]]]:
+    """While active, ``kernel[grid](...)`` on a compiled (not interpreted) kernel records
+    ``(kernel, args, kwargs)`` instead of launching, so wrappers run on CPU tensors."""
+    from triton.runtime.jit import JITFunction
+
+    launches: list[tuple[Any, tuple, dict]] = []
+    real = JITFunction.__getitem__
+    JITFunction.__getitem__ = lambda self, grid: lambda *args, **kwargs: launches.append((self, args, kwargs))
+    try:
+        yield launches
+    finally:
+        JITFunction.__getitem__ = real
+
+
+def compile_launch(kernel: Any, args: tuple, kwargs: dict, arch: int = 90) -> Any:
+    """The variant a recorded launch needs, compiled for a CUDA GPU of ``arch``, as Triton
+    would compile it on that GPU."""
+    import triton
+    from triton.compiler import ASTSource
+
+    backend = hopper_backend(arch)
+    bound, specialization, options = _binder(kernel, backend)(*args, **kwargs)
+    opts, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound, specialization, options)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=backend.target,
+                          options=opts.__dict__)
+
+
+def resources(compiled: Any) -> dict[str, int]:
+    """Registers per thread, stack (spilled) bytes, shared memory, and the PTX's counts of
+    wgmma and mma.sync tensor-core instructions, TMA bulk copies and cp.async copies, read
+    from the cubin with Triton's bundled cuobjdump."""
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(compiled.asm["cubin"])
+    try:
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(f.name)
+    usage = dict(re.findall(r"(REG|STACK):(\d+)", text))
+    ptx = compiled.asm["ptx"]
+    return {"registers": int(usage.get("REG", -1)), "stack_bytes": int(usage.get("STACK", -1)),
+            "shared_bytes": compiled.metadata.shared,
+            "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
+            "tma_loads": ptx.count("cp.async.bulk.tensor"), "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca")}
