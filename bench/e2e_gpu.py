@@ -125,17 +125,21 @@ class StepTimeline:
     the rest (prefill, mixed and eager steps), so a run's time can be placed: the first steps
     (compilation), the eager ones, or the steady decode."""
 
-    def __init__(self, llm):
-        self.records: list[tuple[float, bool]] = []
+    def __init__(self, llm, clock: CollectorClock):
+        # per step: seconds, replayed from a graph, the collector's seconds within, requests
+        # finished, objects in the collector's permanent generation (core/heap.py's freeze)
+        self.records: list[tuple[float, bool, float, int, int]] = []
         engine, runner = llm.engine, llm.pipeline.runner
         step = engine.step
 
         def timed_step():
             before = runner.graphs.replays if runner.graphs is not None else 0
+            gc_before = clock.seconds
             start = time.perf_counter()
             out = step()
             replayed = runner.graphs is not None and runner.graphs.replays > before
-            self.records.append((time.perf_counter() - start, replayed))
+            self.records.append((time.perf_counter() - start, replayed, clock.seconds - gc_before, len(out),
+                                 gc.get_freeze_count()))
             return out
 
         engine.step = timed_step
@@ -143,15 +147,21 @@ class StepTimeline:
     def summary(self, steps: int) -> dict:
         """Over the last ``steps`` steps (the timed run's; the warm-up's came before)."""
         records = self.records[-steps:] if steps else []
-        graph = [t for t, g in records if g]
-        other = [t for t, g in records if not g]
-        first = [round(t * 1e3, 1) for t, _ in records[:8]]
+        graph = [r[0] for r in records if r[1]]
+        other = [r[0] for r in records if not r[1]]
+        first = [round(r[0] * 1e3, 1) for r in records[:8]]
+        # the slowest steps by position, to place a stall: the collector's share, requests finished
+        slowest = sorted(range(len(records)), key=lambda i: records[i][0], reverse=True)[:4]
         return {"graph_steps": len(graph), "graph_s": round(sum(graph), 3),
                 "graph_step_ms_median": round(sorted(graph)[len(graph) // 2] * 1e3, 2) if graph else None,
                 "slowest_graph_ms": sorted((round(t * 1e3, 1) for t in graph), reverse=True)[:8],
                 "other_steps": len(other), "other_s": round(sum(other), 3),
                 "slowest_other_ms": sorted((round(t * 1e3, 1) for t in other), reverse=True)[:8],
-                "first_steps_ms": first}
+                "first_steps_ms": first,
+                "slowest_steps": [{"step": i, "ms": round(records[i][0] * 1e3, 1), "graph": records[i][1],
+                                   "gc_ms": round(records[i][2] * 1e3, 1), "finished": records[i][3],
+                                   "frozen_objects": records[i][4]}
+                                  for i in slowest]}
 
 
 def attempt(name: str, fn) -> dict:
@@ -206,16 +216,21 @@ def main(argv: list[str] | None = None) -> int:
                                  max_model_len=llm.pipeline.resolved.max_model_len,
                                  prompt_median=145, prompt_sigma=0.8, prompt_min=16, prompt_max=1024,
                                  output_median=out_len, output_min=out_len, output_max=out_len)
-        timeline = StepTimeline(llm)
-        with CollectorClock() as collector:  # the warm-up's two requests included
+        collector = CollectorClock()
+        timeline = StepTimeline(llm, collector)
+        with collector:  # the warm-up's two requests included
             metrics = attempt("tessellm", partial(run_offline, llm, requests))
         steps = llm.engine.stats.steps
         graphs = llm.pipeline.runner.graphs
         metrics.update(steps=steps, graph_replays=graphs.replays if graphs is not None else 0,
                        graphs_unsupported=llm.pipeline.runner.graphs_unsupported(), step_time=timeline.summary(steps),
+                       async_scheduling=llm.pipeline.async_scheduling,
                        overlapped_steps=llm.engine.stats.overlapped_steps,
+                       device_wait_s=round(llm.engine.stats.device_wait_seconds, 4),
                        gc={"passes": collector.passes, "full_passes": collector.full,
-                           "seconds": round(collector.seconds, 4)},
+                           "seconds": round(collector.seconds, 4), "longest_s": round(collector.longest, 4)},
+                       # the caching allocator freeing everything and retrying a failed cudaMalloc (a stall)
+                       alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries") if cuda else None,
                        # every Triton variant this process built, start-up included (kernel_builds: in the run)
                        kernels_built=dict(build_log.by_kernel))
         print("tessellm (steps, graphs):", json.dumps(metrics), file=sys.stderr, flush=True)

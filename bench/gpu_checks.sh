@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 4 in one command, for a device machine with no package registry:
-#   bench/gpu_checks.sh STAGE...   (stages: env tests sweep kernels e2e e2e-async e2e-512 e2e-512-async e2e-eager profile e2e-smoke)
+#   bench/gpu_checks.sh STAGE...   (stages: env tests sweep kernels e2e e2e-sync e2e-512 e2e-512-sync e2e-eager profile e2e-smoke;
+#   e2e runs the defaults, async scheduling included; the -sync stages turn it off)
 # Expects the wheels tessellm needs beyond the image (pydantic and its parts, and tessellm's
 # own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`) in .whl/. Logs and JSON
 # land in $OUT (or bench/results/gpu/ when OUT is unset); each stage runs under its own time
@@ -26,13 +27,13 @@ for stage in "$@"; do
     sweep) limit python3 bench/kernels.py --sweep --out "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1; tail -60 "$OUT/sweep.log" ;;
     kernels) limit python3 bench/kernels.py --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1; tail -5 "$OUT/kernels.log" ;;
     e2e) limit python3 bench/e2e_gpu.py --out "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1; tail -40 "$OUT/e2e.log" ;;
-    e2e-async) limit python3 bench/e2e_gpu.py --out "$OUT/e2e_async.json" --skip-hf --set async_scheduling=true \
-                 > "$OUT/e2e_async.log" 2>&1; tail -40 "$OUT/e2e_async.log" ;;
+    e2e-sync) limit python3 bench/e2e_gpu.py --out "$OUT/e2e_sync.json" --skip-hf --set async_scheduling=false \
+                 > "$OUT/e2e_sync.log" 2>&1; tail -40 "$OUT/e2e_sync.log" ;;
     e2e-512) limit python3 bench/e2e_gpu.py --out "$OUT/e2e_512.json" --skip-hf --set scheduler.options.max_num_seqs=512 \
                > "$OUT/e2e_512.log" 2>&1; tail -40 "$OUT/e2e_512.log" ;;
-    e2e-512-async) limit python3 bench/e2e_gpu.py --out "$OUT/e2e_512_async.json" --skip-hf \
-                     --set scheduler.options.max_num_seqs=512 --set async_scheduling=true \
-                     > "$OUT/e2e_512_async.log" 2>&1; tail -40 "$OUT/e2e_512_async.log" ;;
+    e2e-512-sync) limit python3 bench/e2e_gpu.py --out "$OUT/e2e_512_sync.json" --skip-hf \
+                     --set scheduler.options.max_num_seqs=512 --set async_scheduling=false \
+                     > "$OUT/e2e_512_sync.log" 2>&1; tail -40 "$OUT/e2e_512_sync.log" ;;
     e2e-eager) limit python3 bench/e2e_gpu.py --out "$OUT/e2e_eager.json" --skip-hf --set cuda_graphs=false \
                  > "$OUT/e2e_eager.log" 2>&1; tail -40 "$OUT/e2e_eager.log" ;;
     profile) limit python3 bench/step_profile.py --out "$OUT/profile.txt" > /dev/null 2>"$OUT/profile.err"; head -12 "$OUT/profile.txt"; tail -3 "$OUT/profile.err"

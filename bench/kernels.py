@@ -73,6 +73,10 @@ def timed_graph(fn, device: torch.device, reps: int) -> float:
         return timed(fn, device, reps)
     from triton.testing import do_bench_cudagraph
 
+    # do_bench_cudagraph runs fn on a side stream that does not wait for the default one: the
+    # inputs just built there (block tables, caches) may still be in flight. Unsynchronised,
+    # larger points read unwritten block tables (illegal address, H100 2026-11-23).
+    torch.cuda.synchronize()
     return do_bench_cudagraph(fn, rep=reps * 10, return_mode="median") / 1e3
 
 

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         build_model(Path(tmp), shapes, dtype)
         try:  # e2e_gpu's pipeline, greedy
-            config = pipeline_config(Path(tmp), cuda, dtype, ["decoding.name=greedy", *args.overrides])
+            config = pipeline_config(Path(tmp), cuda, dtype, ["decoding.name=greedy", "async_scheduling=false", *args.overrides])
         except ConfigError as exc:
             ap.error(str(exc))
         llm = LLM(config)

@@ -54,16 +54,19 @@ def frozen_heap() -> Iterator[None]:
 
 class CollectorClock:
     """While active (a context manager): the garbage collector's passes, its full passes
-    (``full``) and the seconds they took, through ``gc.callbacks``. For benchmarks."""
+    (``full``), the seconds they took and the longest one's, through ``gc.callbacks``. For
+    benchmarks."""
 
     def __init__(self) -> None:
-        self.seconds, self.passes, self.full, self._start = 0.0, 0, 0, 0.0
+        self.seconds, self.longest, self.passes, self.full, self._start = 0.0, 0.0, 0, 0, 0.0
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
         if phase == "start":
             self._start = time.perf_counter()
         else:
-            self.seconds += time.perf_counter() - self._start
+            took = time.perf_counter() - self._start
+            self.seconds += took
+            self.longest = max(self.longest, took)
             self.passes += 1
             self.full += info["generation"] == 2
 

@@ -105,7 +105,7 @@ def test_model_with_fused_kernels_matches_eager(tiny_model, cpu_config, arch, st
     params = {"max_tokens": 5, "ignore_eos": True}
     assert [o.token_ids for o in fused.generate(prompts, params)] == [o.token_ids for o in eager.generate(prompts, params)]
     ids = list(range(7, 40))
-    assert (fused.engine.score(ids) - eager.engine.score(ids)).abs().max().item() < 1e-4
+    assert (fused.engine.score(ids).cpu() - eager.engine.score(ids)).abs().max().item() < 1e-4
 
 
 def test_stacked_projections_alone_match_in_float64(tiny_model, cpu_config):

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Run bench/gpu_checks.sh stages in the background on a device machine, so that one lease can
+# outlast the 10-minute limit of a single device call:
+#   bench/gpu_bg.sh start SECONDS STAGE...   starts the stages detached, then collects
+#   bench/gpu_bg.sh collect SECONDS          waits up to SECONDS for them, then packs what exists
+# Each call packs everything written so far into $OUT/gpu_results.tgz, so a later call that never
+# comes (the machine went back) loses only the stages still running.
+set -u
+RES=/tmp/gpu_results
+mode=$1; wait_s=$2; shift 2
+if [ "$mode" = start ]; then
+  mkdir -p "$RES"
+  setsid nohup bash -c "OUT=$RES bench/gpu_checks.sh $*; touch $RES/DONE" > "$RES/all.log" 2>&1 < /dev/null &
+fi
+end=$((SECONDS + wait_s))
+while [ ! -e "$RES/DONE" ] && [ $SECONDS -lt $end ]; do sleep 5; done
+[ -e "$RES/DONE" ] && echo "ALL STAGES DONE" || echo "still running"
+tail -c 9000 "$RES/all.log"
+tar czf "${OUT:-/tmp}/gpu_results.tgz" -C "$RES" .
