@@ -73,11 +73,12 @@ class PipelineConfig(BaseModel):
     cuda_graph_max_batch: int = Field(512, ge=1, le=2048, strict=True)
     """Largest decode batch replayed from a graph (capped by the scheduler's sequences per
     step); larger batches run eagerly."""
-    async_scheduling: bool = False
+    async_scheduling: Optional[bool] = None
     """Schedule and launch each decode step before the previous step's tokens reach the host,
     and absorb them while the GPU runs (requests whose decoder samples on the device: greedy;
     other steps run synchronously). Outputs are the same; the host's work leaves the critical
-    path."""
+    path. None (the default): on where the pipeline runs on CUDA, off on the CPU (where the
+    forward itself holds the host, so there is nothing to overlap)."""
 
     @field_validator("device")
     @classmethod

@@ -42,16 +42,22 @@ class KernelConfig:
 
 
 def prefill_config(head_dim: int, device: torch.device, block_m: int | None = None,
-                   block_n: int | None = None) -> KernelConfig:
-    """The prefill kernel's launch shape for ``head_dim`` on ``device``; explicit tile sizes win.
+                   block_n: int | None = None, packed: bool = False) -> KernelConfig:
+    """The prefill kernel's launch shape for ``head_dim`` on ``device``, reading the new tokens'
+    keys from the packed rows (``packed``) or gathering every key from the cache; explicit tile
+    sizes win.
 
     The CUDA defaults come from ``python bench/kernels.py --sweep`` on an H100 (see
     docs/benchmarks.md); under the interpreter small tiles keep tests fast."""
     if device.type != "cuda":
         return KernelConfig(block_m or 16, block_n or 32, 4, 1)
-    # H100, bf16, 4k causal (2026-11-23): D 128 best at 128x32, 8 warps, 2 stages (343 TFLOP/s);
-    # D 64 at 64x64, 4 warps, 2 stages (331); the runners-up were within 4%
-    base = KernelConfig(128, 32, 8, 2) if head_dim > 64 else KernelConfig(64, 64, 4, 2)
+    # H100, bf16, 4k causal (2026-11-23). Packed: 64x64, 4 warps, 3 stages best for both head
+    # dims (D 128: 474 TFLOP/s, D 64: 387; the runners-up 10% and 0.4% behind). Gathered: D 128
+    # at 128x32, 8 warps, 2 stages (346); D 64 at 64x64, 4 warps, 2 stages (332)
+    if packed:
+        base = KernelConfig(64, 64, 4, 3)
+    else:
+        base = KernelConfig(128, 32, 8, 2) if head_dim > 64 else KernelConfig(64, 64, 4, 2)
     return KernelConfig(block_m or base.block_m, block_n or base.block_n, base.num_warps, base.num_stages)
 
 
@@ -288,14 +294,14 @@ def paged_flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     num_kv_heads = k_cache.shape[1]
     if num_tokens == 0 or num_seqs == 0:
         return
-    cfg = config or prefill_config(head_dim, q.device, block_m, block_n)
+    packed = (k_new is not None and v_new is not None and packed_source_ok(k_new, head_dim, window)
+              and packed_source_ok(v_new, head_dim, window))
+    cfg = config or prefill_config(head_dim, q.device, block_m, block_n, packed)
     # Triton's interpreter multiplies bfloat16 dot operands as raw bits (triton-lang/triton
     # issue 11584) and does not round float32 -> bfloat16 to nearest: there, and only there,
     # bfloat16 tiles are widened to float32 and the output is rounded by torch
     upcast = q.dtype == torch.bfloat16 and _interpreting()
     target = out if not upcast else torch.empty_like(out, dtype=torch.float32)
-    packed = (k_new is not None and v_new is not None and packed_source_ok(k_new, head_dim, window)
-              and packed_source_ok(v_new, head_dim, window))
     k_src, v_src = (_row_descriptor(k_new, cfg.block_n), _row_descriptor(v_new, cfg.block_n)) if packed else (k_cache, v_cache)
     grid = (triton.cdiv(max_query_len, cfg.block_m), num_seqs, num_heads)
     _paged_flash_fwd[grid](

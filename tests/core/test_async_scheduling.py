@@ -103,3 +103,18 @@ def test_abort_while_a_step_is_in_flight(folder, cpu_config):
     for i, n in ((0, 4), (2, 8)):
         assert outs[f"r{i}"] == alone.generate([list(range(3, 3 + n))], {"max_tokens": 20, "ignore_eos": True})[0].token_ids
     assert clean(llm)
+
+
+def test_async_scheduling_defaults_to_on_with_cuda_only(folder, cpu_config):
+    """``async_scheduling`` unset (None): on where the pipeline runs on CUDA, off on the CPU,
+    where the forward holds the host and there is nothing to overlap; set, it is obeyed."""
+    from tessellm.core.config import PipelineConfig
+
+    assert PipelineConfig().async_scheduling is None
+    unset = LLM(cpu_config(folder, dtype="float64"))
+    assert unset.pipeline.async_scheduling is False and unset.engine.async_scheduling is False
+    forced = LLM(cpu_config(folder, dtype="float64", async_scheduling=True))
+    assert forced.engine.async_scheduling is True
+    if torch.cuda.is_available():
+        on_gpu = LLM(cpu_config(folder, device="cuda", async_scheduling=None))
+        assert on_gpu.engine.async_scheduling is True

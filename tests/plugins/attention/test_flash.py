@@ -141,7 +141,7 @@ def test_flash_is_refused_on_cpu_without_the_interpreter(monkeypatch):
     assert any("TRITON_INTERPRET=1" in r for r in reasons)
 
 
-@pytest.mark.parametrize("options", [{}, {"packed_prefill": True}])
+@pytest.mark.parametrize("options", [{"packed_prefill": False}, {"packed_prefill": True}])
 def test_whole_model_matches_sdpa(tiny_model, cpu_config, options):
     """`--set attention.name=flash` on a machine without a GPU: the tiny model through the
     paged cache and continuous batching (prompts in chunks) gives sdpa's tokens and logits;
