@@ -47,7 +47,7 @@ class SchedulerOutput:
         return not self.scheduled
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleSlot:
     """Where one sequence's logits sit in the step's logits tensor.
 
@@ -59,7 +59,7 @@ class SampleSlot:
     seq: Sequence
     first_row: int
     num_rows: int
-    draft_tokens: list[int] = field(default_factory=list)
+    draft_tokens: tuple[int, ...] = ()
 
     @property
     def last_row(self) -> int:
@@ -138,9 +138,14 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
         start = seq.num_computed_tokens
         end = start + item.num_query_tokens
         held = len(seq.token_ids)
-        ids.extend(seq.token_ids[start:end])
+        if start < held:
+            ids.extend(seq.token_ids[start:end])
         if seq.num_pending and end > held:  # a token still on the device: the engine fills it there
-            ids.extend([PENDING_TOKEN] * (end - max(start, held)))
+            pending = end - max(start, held)
+            if pending == 1:  # async decoding's steady state
+                ids.append(PENDING_TOKEN)
+            else:
+                ids.extend([PENDING_TOKEN] * pending)
         draft = drafts.get(seq.seq_id) if drafts else None
         if draft:
             ids.extend(draft)
@@ -155,9 +160,9 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
             else:
                 rows.append(stop - 1)
             width = 1 + len(draft) if draft else 1
-            samples.append(SampleSlot(seq, first, width, list(draft) if draft else []))
+            samples.append(SampleSlot(seq, first, width, tuple(draft) if draft else ()))
             for child in forks.get(seq.seq_id, ()) if forks else ():
-                samples.append(SampleSlot(child, first, width, list(draft) if draft else []))
+                samples.append(SampleSlot(child, first, width, tuple(draft) if draft else ()))
     if all_logits:
         rows = list(range(len(ids)))
     # everything below is vectorized: a prefill step has thousands of tokens, a decode step

@@ -21,6 +21,12 @@ from .sequence import FinishReason, SamplingParams, Sequence, SequenceStatus, To
 
 logger = logging.getLogger(__name__)
 
+WASTE_SAMPLE_STEPS = 8
+"""KV waste is sampled every this many steps: counting used slots walks every live sequence
+(0.1 ms per step at 256 sequences on a 2-core CPU, bench/host_overhead.py), and a run's
+average needs no more."""
+
+
 @dataclass
 class RequestState:
     """A request's sequences (n > 1 forks them after the prompt) and its stop rules."""
@@ -47,7 +53,8 @@ class EngineStats:
     """Most sequences running in one step (the batch size reached)."""
     kv_allocated_slots: int = 0
     kv_used_slots: int = 0
-    """Sums over steps of allocated and used KV slots: waste = 1 - used / allocated."""
+    """Sums of allocated and used KV slots over every ``WASTE_SAMPLE_STEPS``-th step (the
+    first included): waste = 1 - used / allocated."""
     sample_slots: int = 0
     """Sequence-steps that produced tokens (one target forward each, verifying any drafts)."""
     draft_tokens: int = 0
@@ -56,6 +63,9 @@ class EngineStats:
     """Draft tokens the target accepted."""
     overlapped_steps: int = 0
     """Steps launched before the previous step's tokens reached the host (async scheduling)."""
+    device_wait_seconds: float = 0.0
+    """Host time spent waiting for launched steps' tokens (async scheduling): near zero over
+    a run means the host, not the GPU, set its pace."""
     kernel_builds: int = 0
     """Triton kernel variants built during steps (each stalls its step for a compile; start-up
     warm-up should leave none: see core/kernel_builds.py). Counted where Triton is in use."""
@@ -123,6 +133,7 @@ class Engine:
         self.stats = EngineStats()
         self._counter = 0
         self.async_scheduling = async_scheduling
+        self._async_verdicts: dict[int, bool] = {}  # seq_id -> _async_ok, for live sequences
         self._pending: _InFlight | None = None  # async scheduling: the launched step whose tokens are on their way
         self._carried: list[RequestState] = []  # finished in a step that then failed: returned by the next
 
@@ -301,11 +312,19 @@ class Engine:
     # ------------------------------------------------------------------ async scheduling
 
     def _async_ok(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s next token can be picked on the device and left there a step."""
+        """Whether ``seq``'s next token can be picked on the device and left there a step
+        (asked of every live sequence every step: the verdict is kept until it finishes, once
+        it can no longer change)."""
+        ok = self._async_verdicts.get(seq.seq_id)
+        if ok is not None:
+            return ok
         state = self.requests.get(seq.request_id)
-        return (self.decoder.num_lookahead_tokens == 0 and seq.params.logprobs is None
-                and self.decoder.samples_on_device(seq.params)
-                and (seq.params.n == 1 or state is None or state.forked))
+        settled = seq.params.n == 1 or state is None or state.forked  # n > 1 changes when it forks
+        ok = (self.decoder.num_lookahead_tokens == 0 and seq.params.logprobs is None
+              and self.decoder.samples_on_device(seq.params) and settled)
+        if settled:
+            self._async_verdicts[seq.seq_id] = ok
+        return ok
 
     def _can_overlap(self) -> bool:
         """Whether the next step may be scheduled before the pending step's tokens arrive:
@@ -374,7 +393,9 @@ class Engine:
     def _complete(self, step: _InFlight) -> list[RequestState]:
         """Wait for a launched step's tokens and absorb them as a synchronous step would."""
         if step.event is not None:
+            waited = time.perf_counter()
             step.event.synchronize()
+            self.stats.device_wait_seconds += time.perf_counter() - waited
         tokens = step.host.tolist()
         for slot, token in zip(step.batch.samples, tokens):
             seq = slot.seq
@@ -456,6 +477,8 @@ class Engine:
         allocated = self.cache.num_allocated_slots()
         stats.peak_kv_blocks = max(stats.peak_kv_blocks, -(-allocated // self.cache.layout.block_size))
         stats.peak_running = max(stats.peak_running, num_running)
+        if stats.steps % WASTE_SAMPLE_STEPS:
+            return
         used = self.cache.num_used_slots()
         if used is not None:
             stats.kv_allocated_slots += allocated
@@ -482,11 +505,10 @@ class Engine:
 
     def _append(self, seq: Sequence, token: int) -> bool:
         """Append a generated token; finish the sequence if a stop rule fires. True if it did."""
-        now = time.perf_counter()
         seq.token_ids.append(token)
         self.stats.generated_tokens += 1
         if seq.first_token_time is None:
-            seq.first_token_time = now
+            seq.first_token_time = time.perf_counter()
         params = seq.params
         reason = None
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
@@ -523,6 +545,7 @@ class Engine:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
+        self._async_verdicts.pop(seq.seq_id, None)
         self.scheduler.finish(seq)
         self.decoder.finish(seq)
 
