@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 4 in one command, for a device machine with no package registry:
-#   bench/gpu_checks.sh STAGE...   (stages: env tests sweep kernels e2e e2e-sync e2e-512 e2e-512-sync e2e-eager profile e2e-smoke;
+#   bench/gpu_checks.sh STAGE...   (stages: env tests sweep kernels e2e e2e-sync e2e-512 e2e-512-sync e2e-eager profile profile-async e2e-smoke;
 #   e2e runs the defaults, async scheduling included; the -sync stages turn it off)
 # Expects the wheels tessellm needs beyond the image (pydantic and its parts, and tessellm's
 # own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`) in .whl/. Logs and JSON
@@ -40,6 +40,9 @@ for stage in "$@"; do
              if [ -n "${PROFILE_EAGER:-}" ]; then
                limit python3 bench/step_profile.py --set cuda_graphs=false --out "$OUT/profile_eager.txt" > /dev/null 2>&1
                head -12 "$OUT/profile_eager.txt"; fi ;;
+    profile-async) limit python3 bench/step_profile.py --set async_scheduling=true --steps 20 \
+                     --trace "$OUT/trace_async.json" --out "$OUT/profile_async.txt" > /dev/null 2>"$OUT/profile_async.err"
+                   head -12 "$OUT/profile_async.txt"; tail -3 "$OUT/profile_async.err" ;;
     e2e-smoke) limit python3 bench/e2e_gpu.py --smoke --out "$OUT/e2e_smoke.json" 2>&1 | tail -30 ;;
     *) echo "unknown stage $stage" ;;
   esac

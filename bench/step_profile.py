@@ -7,6 +7,7 @@ engine with ``--seqs`` decoding sequences, then times ``--steps`` decode steps p
 it) and profiles as many more with cProfile.
 
     python bench/step_profile.py --out step_profile.txt            # on a GPU (~1 min)
+    python bench/step_profile.py --set async_scheduling=true --trace async.json   # the overlap, traced
     TRITON_INTERPRET=1 python bench/step_profile.py --smoke        # CPU: tiny model, code path only
 """
 
@@ -40,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--trace", default=None, metavar="FILE.json",
+                    help="also write a Chrome trace (torch.profiler, host and GPU) of --steps plain steps, "
+                         "e.g. with --set async_scheduling=true to see what the overlap leaves")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available()
@@ -57,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(0)
     for i in range(seqs):
         prompt = torch.randint(10, shapes["vocab_size"], (args.prompt_len if not args.smoke else 8,), generator=g)
-        engine.add_request(f"r{i}", prompt.tolist(), SamplingParams(max_tokens=3 * steps + 8, ignore_eos=True))
+        engine.add_request(f"r{i}", prompt.tolist(), SamplingParams(max_tokens=5 * steps + 8, ignore_eos=True))
     prefill_lines = []
     kernel_tables = []
     while any(s.num_computed_tokens < s.num_tokens - 1 for st in engine.requests.values() for s in st.seqs):
@@ -111,11 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     lines.append(f"  {'rest of step (bookkeeping)':32s} {(total - sum(phases.values())) / steps * 1e3:8.3f}")
     lines.append(f"  {'whole step':32s} {total / steps * 1e3:8.3f}")
     sync()
-    start = time.perf_counter()
+    start, waited = time.perf_counter(), engine.stats.device_wait_seconds
     for _ in range(steps):
         engine.step()
     sync()
     lines.append(f"  {'whole step, not instrumented':32s} {(time.perf_counter() - start) / steps * 1e3:8.3f}")
+    if engine.async_scheduling:  # the phases above serialise the overlap; this is the steady state's
+        lines.append(f"  {'  of which waiting for the GPU':32s} "
+                     f"{(engine.stats.device_wait_seconds - waited) / steps * 1e3:8.3f}")
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(steps):
@@ -130,6 +137,13 @@ def main(argv: list[str] | None = None) -> int:
             engine.step()
             sync()
         kernel_tables.append("decode step:\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=18))
+    if args.trace:  # plain steps, as the engine runs them (graphs, and the overlap if async)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                    + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])) as prof:
+            for _ in range(steps):
+                engine.step()
+            sync()
+        prof.export_chrome_trace(args.trace)
     report = "\n".join(lines) + "\n\n" + "\n".join(kernel_tables) + "\n\n" + text.getvalue()
     print(report)
     if args.out:
