@@ -109,8 +109,7 @@ class Pipeline:
                 torch.cuda.empty_cache()
                 logger.warning("CUDA graph capture ran out of memory (%s); decode steps run eagerly. Lower "
                                "cuda_graph_max_batch or cache.options.gpu_memory_fraction to keep them.", exc)
-        self.async_scheduling = (config.async_scheduling if config.async_scheduling is not None
-                                 else r.device.type == "cuda")
+        self.async_scheduling = r.async_scheduling
         self.engine = Engine(self.runner, self.cache, self.scheduler, self.decoder,
                              max_model_len=r.max_model_len, eos_token_ids=self._eos_ids(hf_config),
                              vocab_size=self.spec.vocab_size, seed=config.seed,

@@ -52,9 +52,15 @@ class ResolvedPipeline:
     choices: dict[str, Choice] = field(default_factory=dict)
     kv_layout: KVLayout | None = None
 
+    @property
+    def async_scheduling(self) -> bool:
+        """The config's ``async_scheduling``; unset (None), on where the device is CUDA."""
+        chosen = self.config.async_scheduling
+        return chosen if chosen is not None else self.device.type == "cuda"
+
     def summary(self) -> dict[str, Any]:
         return {"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
-                "max_model_len": self.max_model_len,
+                "max_model_len": self.max_model_len, "async_scheduling": self.async_scheduling,
                 **{k: {"name": c.entry.name, "options": c.options.model_dump()} for k, c in self.choices.items()}}
 
 

@@ -164,6 +164,7 @@ def test_default_config_resolves_on_cpu(registry, spec):
     summary = resolved.summary()
     assert summary["device"] == "cpu" and summary["dtype"] == "float32"
     assert summary["decoding"]["name"] == "sample" and summary["cache"]["options"] == {"max_seqs": 8}
+    assert summary["async_scheduling"] is False  # unset: on with CUDA only
 
 
 def test_embedded_default_config_resolves(registry, spec):
