@@ -13,26 +13,55 @@ of steps each time (bench/host_overhead.py --heap measures it).
 permanent generation (``gc.freeze``) and back when it ends (``gc.unfreeze``), so full passes
 during the run scan only what the run created. Nothing is lost: objects still die by
 reference counting as usual, and cyclic garbage among the frozen objects is collected after
-the run. vLLM's engine freezes its start-up heap the same way.
+the run. vLLM's engine freezes its start-up heap the same way. Passes that still take long
+meanwhile are logged (``SLOW_PASS_S``).
 """
 
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Iterator
 
+logger = logging.getLogger(__name__)
+
 _lock = threading.Lock()
 _depth = 0
 _owned = False  # whether the outermost frozen_heap froze the heap (and so unfreezes it)
 
+SLOW_PASS_S = 0.05
+"""A collector pass longer than this while the engine steps is logged as a warning: with the
+heap frozen a pass should take well under a millisecond, so a long one is a stall worth
+knowing of (how long, which generation, what it collected, how much was frozen)."""
+
+
+class _SlowPassLog:
+    """A ``gc.callbacks`` entry that warns of passes longer than ``SLOW_PASS_S``."""
+
+    def __init__(self) -> None:
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        took = time.perf_counter() - self._start
+        if took > SLOW_PASS_S:
+            logger.warning("the garbage collector paused the engine for %.0f ms (generation %d, %d objects "
+                           "collected, %d frozen)", took * 1e3, info["generation"], info["collected"],
+                           gc.get_freeze_count())
+
+
+_slow_pass_log = _SlowPassLog()
+
 
 @contextmanager
 def frozen_heap() -> Iterator[None]:
-    """Freeze the heap for the duration. Nestable and thread-safe: the outermost exit
-    unfreezes. A heap someone else already froze (a server that freezes before forking its
+    """Freeze the heap for the duration, and warn of any collector pass longer than
+    ``SLOW_PASS_S`` meanwhile. Nestable and thread-safe: the outermost exit unfreezes. A heap someone else already froze (a server that freezes before forking its
     workers) is left exactly as it is: their freeze already covers the start-up objects, and
     Python cannot unfreeze only ours."""
     global _depth, _owned
@@ -41,15 +70,18 @@ def frozen_heap() -> Iterator[None]:
             _owned = gc.get_freeze_count() == 0
             if _owned:
                 gc.freeze()
+            gc.callbacks.append(_slow_pass_log)
         _depth += 1
     try:
         yield
     finally:
         with _lock:
             _depth -= 1
-            if _depth == 0 and _owned:
-                gc.unfreeze()
-                _owned = False
+            if _depth == 0:
+                gc.callbacks.remove(_slow_pass_log)
+                if _owned:
+                    gc.unfreeze()
+                    _owned = False
 
 
 class CollectorClock:

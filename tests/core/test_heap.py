@@ -61,3 +61,22 @@ def test_generate_steps_with_the_heap_frozen_and_cycles_are_collected_after(tiny
     assert gc.get_freeze_count() == 0
     gc.collect()
     assert ref() is None and collected
+
+
+def test_a_long_collector_pass_while_stepping_is_logged(monkeypatch, caplog):
+    """A pass longer than SLOW_PASS_S inside frozen_heap is a warning naming its length,
+    generation and the frozen count; outside, the callback is gone."""
+    import logging
+
+    from tessellm.core import heap
+
+    monkeypatch.setattr(heap, "SLOW_PASS_S", -1.0)  # every pass counts as long
+    with caplog.at_level(logging.WARNING, logger="tessellm.core.heap"):
+        with frozen_heap():
+            gc.collect(2)
+        assert any("paused the engine" in r.getMessage() and "generation 2" in r.getMessage()
+                   for r in caplog.records)
+        caplog.clear()
+        gc.collect()
+        assert not caplog.records
+    assert heap._slow_pass_log not in gc.callbacks
