@@ -116,12 +116,16 @@ class BatchMetadata:
 
 def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torch.device,
                 drafts: dict[int, list[int]] | None = None,
-                forks: dict[int, list[Sequence]] | None = None, all_logits: bool = False) -> BatchMetadata:
+                forks: dict[int, list[Sequence]] | None = None, all_logits: bool = False,
+                decodes_only: bool = False) -> BatchMetadata:
     """Pack ``scheduled`` into a batch; the cache must already hold slots for every token.
 
     ``drafts`` (seq_id -> draft tokens) extends a decoding sequence's query with tokens to
     verify; ``forks`` (seq_id -> forked sequences) lets those sample from its logits too;
     ``all_logits`` asks for the logits of every query row (scoring), not only sampled ones.
+    ``decodes_only`` promises that every item is one query token that samples (the
+    sequence's last token, or one still on the device), with no drafts or forks: the same
+    batch, built by a shorter loop (async scheduling's steps, hundreds of sequences each).
     """
     drafts = drafts or {}
     forks = forks or {}
@@ -133,7 +137,18 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
     rows: list[int] = []
     samples: list[SampleSlot] = []
     block_table = cache.block_table
-    for item in scheduled:  # per sequence: a decode step of hundreds of sequences runs this on the host
+    if decodes_only:
+        for item in scheduled:
+            seq = item.seq
+            start = seq.num_computed_tokens
+            token_ids = seq.token_ids
+            ids.append(token_ids[start] if start < len(token_ids) else PENDING_TOKEN)
+            starts.append(start)
+            tables.append(block_table(seq))
+        qsl = list(range(len(scheduled) + 1))
+        rows = list(range(len(scheduled)))
+        samples = [SampleSlot(item.seq, i, 1) for i, item in enumerate(scheduled)]
+    for item in scheduled if not decodes_only else ():  # per sequence: hundreds in a decode step
         seq = item.seq
         start = seq.num_computed_tokens
         end = start + item.num_query_tokens

@@ -352,7 +352,7 @@ class Engine:
         """Run a decodes-only step up to its sampled tokens, which stay on the device (a copy
         to the host is queued). Nothing about the sequences changes unless it all succeeds."""
         device = self.runner.device
-        batch = build_batch(out.scheduled, self.cache, device)
+        batch = build_batch(out.scheduled, self.cache, device, decodes_only=True)  # _decodes_only held
         if previous is not None and batch.seqs == previous.batch.seqs and \
                 len(previous.batch.samples) == len(batch.seqs):
             # the steady state: the same sequences in the same order, each one pending token
