@@ -10,6 +10,7 @@ RES=/tmp/gpu_results
 [ $# -ge 2 ] || { echo "usage: bench/gpu_bg.sh start SECONDS STAGE... | collect SECONDS"; exit 2; }
 mode=$1; wait_s=$2; shift 2
 case $mode in start|collect) ;; *) echo "unknown mode $mode (start or collect)"; exit 2 ;; esac
+case $wait_s in ''|*[!0-9]*) echo "SECONDS must be a whole number of seconds, not '$wait_s'"; exit 2 ;; esac
 if [ "$mode" = start ]; then
   rm -rf "$RES" && mkdir -p "$RES"  # a second start on a warm machine must not see the last DONE
   setsid nohup bash -c "OUT=$RES bench/gpu_checks.sh $*; touch $RES/DONE" > "$RES/all.log" 2>&1 < /dev/null &

@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
                          "e.g. with --set async_scheduling=true to see what the overlap leaves")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args(argv)
+    for flag, path in (("--out", args.out), ("--trace", args.trace)):  # fail now, not after the run
+        if path and not Path(path).resolve().parent.is_dir():
+            ap.error(f"{flag}: the folder of {path!r} does not exist")
     cuda = torch.cuda.is_available()
     shapes, dtype = (LLAMA_32_1B, torch.bfloat16) if cuda and not args.smoke else (TINY, torch.float32)
     seqs, steps = (args.seqs, args.steps) if not args.smoke else (4, 3)
