@@ -74,6 +74,9 @@ def fused_launches():
     with recorded_launches() as launches:
         fused_ops.add_rmsnorm(x, r, w.to(torch.bfloat16), 1e-5)
         fused_ops.rotary_(qk[:, :32], cos, sin)
+        q, k, v = qk.split([32, 8, 8], dim=1)  # Llama-3.2-1B's heads, views of one QKV output
+        cache = torch.zeros(4096, 8, 64, dtype=torch.bfloat16)
+        fused_ops.rope_store(q, k, v, cos, sin, cache, cache.clone(), torch.arange(256))
         fused_ops.silu_mul_packed(torch.zeros(256, 2 * 8192, dtype=torch.bfloat16))
     return launches
 

@@ -13,9 +13,14 @@ paged cache and the continuous scheduler:
   real process's objects to walk; one full collection over them is timed, as it is and
   frozen;
 - the parts of a step one by one: scheduling, batch building, each attention backend's
-  plan, commit and the KV accounting.
+  plan, commit and the KV accounting;
+- ``--workload``: bench/e2e_gpu.py's whole workload (512 mixed requests, 256 new tokens
+  each, batch 256) through the stub engine, synchronous and async: how many steps, how many
+  of them overlapped, the host ms of each kind. The step sequence is the GPU run's (the GPU
+  runs' ``steps`` and ``overlapped_steps`` match it), so a scheduling change can be judged
+  here before it is timed there.
 
-    .venv/bin/python bench/host_overhead.py --seqs 256 512 --context 200 [--heap] [--json out.json]
+    .venv/bin/python bench/host_overhead.py --seqs 256 512 --context 200 [--heap] [--workload] [--json out.json]
 """
 
 from __future__ import annotations
@@ -125,6 +130,39 @@ def engine_steps(seqs: int, context: int, steps: int, async_scheduling: bool, fr
             "full_collections": clock.full}
 
 
+def workload_steps(async_scheduling: bool, num_requests: int = 512, output_len: int = 256,
+                   max_seqs: int = 256) -> dict:
+    """bench/e2e_gpu.py's workload through the stub engine: steps, overlapped steps, and the
+    mean host ms of overlapped and other steps."""
+    from tessellm.core.bench_workloads import make_workload
+
+    requests = make_workload("mixed", seed=0, num_requests=num_requests, tokenizer=range(VOCAB), max_model_len=4096,
+                             prompt_median=145, prompt_sigma=0.8, prompt_min=16, prompt_max=1024,
+                             output_median=output_len, output_min=output_len, output_max=output_len)
+    spec = CacheSpec(1, 1, 1, torch.float32, CPU, 4096)
+    blocks = sum(-(-(len(r.prompt_token_ids) + output_len) // 16) for r in requests) + 16
+    cache = PagedCache(PagedOptions(block_size=16, num_blocks=blocks), spec, KVLayout("kv", 16, torch.float32))
+    sched = ContinuousScheduler(ContinuousOptions(max_num_seqs=max_seqs, max_num_batched_tokens=8192), cache,
+                                SchedulerLimits(4096, 0))
+    decoder = GreedyDecoder(GreedyDecoder.Options(), STUB_MODEL, CPU)
+    runner = StubRunner(FlashAttention(FlashOptions(), STUB_MODEL, CPU, torch.float32), cache)
+    runner.logits = torch.zeros(8192, VOCAB)  # a prefill step samples up to a row per token budget
+    runner.logits[:, 7] = 1.0
+    engine = Engine(runner, cache, sched, decoder, max_model_len=4096, eos_token_ids={0}, vocab_size=VOCAB,
+                    async_scheduling=async_scheduling)
+    for r in requests:
+        engine.add_request(r.request_id, r.prompt_token_ids, r.sampling_params())
+    kinds = {"overlapped": [0, 0.0], "other": [0, 0.0]}
+    with frozen_heap():
+        while engine.has_unfinished() or engine._pending is not None:
+            before, start = engine.stats.overlapped_steps, time.perf_counter()
+            engine.step()
+            kind = kinds["overlapped" if engine.stats.overlapped_steps > before else "other"]
+            kind[0] += 1
+            kind[1] += time.perf_counter() - start
+    return {"steps": engine.stats.steps, "overlapped_steps": engine.stats.overlapped_steps,
+            **{f"{k}_host_ms": round(t / n * 1000, 3) if n else None for k, (n, t) in kinds.items()}}
+
 
 def step_parts(seqs: int, context: int, steps: int) -> dict[str, float]:
     """Mean ms per decode step of each part of a step, timed one by one."""
@@ -166,6 +204,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3, help="whole-step runs per point (their mean is reported)")
     ap.add_argument("--heap", action="store_true", help="load the default pipeline first (a real process's heap)")
+    ap.add_argument("--workload", action="store_true",
+                    help="also replay bench/e2e_gpu.py's workload (steps, overlapped steps)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
     if min(args.seqs) < 1 or args.context < 1 or args.steps < 1 or args.repeats < 1:
@@ -208,6 +248,10 @@ def main() -> None:
         results["points"].append(point)
         for name, ms in parts.items():
             print(f"  part: {name:22s} {ms:.3f}")
+    if args.workload:
+        for name, mode in (("sync", False), ("async", True)):
+            results[f"workload_{name}"] = replay = workload_steps(mode)
+            print(f"e2e workload, {name}: {replay}")
     results.pop("heap_pipeline", None)
     if args.json:
         with open(args.json, "w") as f:

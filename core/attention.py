@@ -29,6 +29,10 @@ class AttentionBackend(Plugin):
       head_dim] -> [T, num_heads, head_dim]. Query token i of a sequence with context length L
       and query length Q sits at position L - Q + i and sees keys 0..L-Q+i (and, with a
       sliding window W, only the last W of those).
+    - ``forward_rotary(layer, q, k, v, cos, sin, kv, plan)`` is ``forward`` for q and k not
+      yet rotated by RoPE (the model's fused path on CUDA calls it); by default it rotates
+      them with the fused RoPE kernel and calls ``forward``, a backend may fold the rotation
+      into its KV store.
     - ``supports_cuda_graphs`` backends also implement ``graph_plan``; their decode steps can
       then be captured and replayed as CUDA graphs (core/cuda_graphs.py).
     """
@@ -73,3 +77,12 @@ class AttentionBackend(Plugin):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: KVStorage, plan: Any) -> torch.Tensor:
         """Store k, v and attend q to the cached context; see the class contract."""
+
+    def forward_rotary(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, kv: KVStorage, plan: Any) -> torch.Tensor:
+        """``forward`` for q, k not yet rotated: cos, sin [T, head_dim] (the two halves of the
+        head dim pair up, as in Llama). q and k may be strided views (of the QKV GEMM's
+        output) and may be overwritten."""
+        from .fused_ops import rotary_  # late: Triton is needed only on this path
+
+        return self.forward(layer, rotary_(q, cos, sin), rotary_(k, cos, sin), v, kv, plan)

@@ -328,17 +328,19 @@ class Engine:
 
     def _can_overlap(self) -> bool:
         """Whether the next step may be scheduled before the pending step's tokens arrive:
-        nothing waits to be admitted and every live sequence is decoding."""
-        if self.scheduler.num_waiting:
+        the scheduler would admit no waiting sequence (none waits, or the batch is full:
+        admission then waits a step for the slots the pending step frees) and every running
+        sequence is decoding."""
+        if self.scheduler.admits_waiting():
             return False
         return all(s.num_tokens - s.num_computed_tokens == 1 and self._async_ok(s)
-                   for s in self.scheduler.unfinished())
+                   for s in self.scheduler.running_sequences())
 
     def _decodes_only(self, out: SchedulerOutput, sampling_checked: bool) -> bool:
         """Whether ``out`` is one decode token per sequence, all sampled on the device
         (``sampling_checked``: ``_can_overlap`` has just checked, before this schedule, that
-        every live sequence samples on the device with one token left to compute; nothing
-        was admitted since, so only the query lengths remain to check)."""
+        every running sequence samples on the device with one token left to compute, and the
+        scheduler promised to start no waiting one, so only the query lengths remain to check)."""
         if sampling_checked:
             return all(i.num_query_tokens == 1 for i in out.scheduled)
         return all(i.num_query_tokens == 1 and i.seq.num_computed_tokens == i.seq.num_tokens - 1

@@ -91,15 +91,13 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if fused:
-            from .fused_ops import rotary_
-
-            q, k = rotary_(q, cos, sin), rotary_(k, cos, sin)
+        if fused:  # the backend rotates q and k (with the KV store, where it can fuse them)
+            out = backend.forward_rotary(self.layer, q, k, v, cos, sin, cache.layer(self.layer), plan)
         else:
             cos, sin = cos[:, None, :], sin[:, None, :]
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-        out = backend.forward(self.layer, q, k, v, cache.layer(self.layer), plan)  # [T, Hq, D]
+            out = backend.forward(self.layer, q, k, v, cache.layer(self.layer), plan)  # [T, Hq, D]
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
 

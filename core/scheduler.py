@@ -10,7 +10,7 @@ from .batch import SchedulerOutput
 from .cache import CacheManager
 from .errors import RequestRejectedError
 from .plugin import Plugin, PluginOptions
-from .sequence import Sequence
+from .sequence import Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,8 @@ class Scheduler(Plugin):
       ``num_computed_tokens`` reset to 0; they are recomputed later.
     - ``adopt(seq)`` takes over a running sequence forked from a scheduled one (n > 1).
     - ``finish(seq)`` removes a finished or aborted sequence and frees its cache.
+    - ``admits_waiting()`` False promises that the next ``schedule()``, if no sequence
+      finishes first, starts no waiting sequence (async scheduling relies on it).
     """
 
     kind: ClassVar[str] = "scheduler"
@@ -92,6 +94,18 @@ class Scheduler(Plugin):
     def unfinished(self) -> list[Sequence]:
         """Every admitted sequence not yet finished (waiting or running)."""
 
+    def running_sequences(self) -> list[Sequence]:
+        """The unfinished sequences that are running (not waiting); read-only for callers."""
+        return [s for s in self.unfinished() if s.status is SequenceStatus.RUNNING]
+
+    def admits_waiting(self) -> bool:
+        """Whether the next ``schedule()`` may start a waiting sequence while every running
+        one stays. Under async scheduling the engine plans a decode step before the previous
+        step's tokens arrive only when this is False, so waiting requests that could not join
+        anyway (the batch is full) do not hold every step to the synchronous pace. Answering
+        True when unsure is always safe; the default says True whenever anything waits."""
+        return self.num_waiting > 0
+
     @property
     @abstractmethod
     def num_waiting(self) -> int: ...
@@ -117,6 +131,9 @@ class QueueScheduler(Scheduler):
 
     def unfinished(self) -> list[Sequence]:
         return [*self.running, *self.waiting]
+
+    def running_sequences(self) -> list[Sequence]:
+        return self.running
 
     @property
     def num_waiting(self) -> int:

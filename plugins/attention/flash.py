@@ -147,10 +147,22 @@ class FlashAttention(AttentionBackend):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: KVStorage, plan: FlashPlan) -> torch.Tensor:
+        kv.store(k, v, plan.slot_mapping)
+        return self._attend(q.contiguous(), k, v, kv, plan)
+
+    def forward_rotary(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, kv: KVStorage, plan: FlashPlan) -> torch.Tensor:
+        """RoPE and the KV store in one kernel (core/fused_ops.py ``rope_store``), which also
+        leaves q contiguous and k rotated in place for the packed prefill."""
+        from tessellm.core.fused_ops import rope_store
+
+        return self._attend(rope_store(q, k, v, cos, sin, kv.k, kv.v, plan.slot_mapping), k, v, kv, plan)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVStorage,
+                plan: FlashPlan) -> torch.Tensor:
+        """Attention over the cache, the step's k, v already stored; q contiguous."""
         from .flash_kernels import paged_decode_attention, paged_flash_attention  # late: TRITON_INTERPRET is read then
 
-        kv.store(k, v, plan.slot_mapping)
-        q = q.contiguous()
         out = torch.empty_like(q)
         o = self.options
         if plan.others is not None:

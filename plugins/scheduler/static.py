@@ -99,6 +99,10 @@ class StaticScheduler(QueueScheduler):
             return self.schedule()
         return out
 
+    def admits_waiting(self) -> bool:
+        """A new batch starts only once the running one has finished."""
+        return not self.running and bool(self.waiting)
+
     def adopt(self, seq: Sequence) -> None:
         if seq.num_computed_tokens == 0:  # no room to fork its cache: recompute in a later batch
             seq.status = SequenceStatus.WAITING

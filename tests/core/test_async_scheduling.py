@@ -21,11 +21,13 @@ def folder(tiny_model):
     return tiny_model("llama")
 
 
-def make(cpu_config, folder, async_scheduling: bool, *, blocks: int = 64, budget: int = 48, decoder: str = "greedy"):
+def make(cpu_config, folder, async_scheduling: bool, *, blocks: int = 64, budget: int = 48, decoder: str = "greedy",
+         max_seqs: int = 6, scheduler: str = "continuous"):
+    options = ({"max_num_seqs": max_seqs, "max_num_batched_tokens": budget} if scheduler == "continuous"
+               else {"max_batch_size": max_seqs})
     return LLM(cpu_config(folder, dtype="float64", decoding={"name": decoder}, async_scheduling=async_scheduling,
                           cache={"name": "paged", "options": {"block_size": 4, "num_blocks": blocks}},
-                          scheduler={"name": "continuous", "options": {"max_num_seqs": 6,
-                                                                       "max_num_batched_tokens": budget}}))
+                          scheduler={"name": scheduler, "options": options}))
 
 
 def clean(llm: LLM) -> bool:
@@ -37,11 +39,13 @@ def clean(llm: LLM) -> bool:
 @settings(max_examples=12)
 @given(st.lists(st.tuples(st.integers(0, 12), st.integers(1, 20), st.integers(1, 14), st.booleans()),
                 min_size=1, max_size=7),
-       st.sampled_from([("greedy", 64, 48), ("sample", 64, 48), ("greedy", 24, 16)]), st.integers(0, 2**16))
+       st.sampled_from([("greedy", 64, 48, 6), ("sample", 64, 48, 6), ("greedy", 24, 16, 6), ("greedy", 64, 48, 2),
+                        ("sample", 24, 16, 3)]), st.integers(0, 2**16))
 def test_async_outputs_equal_sync(folder, cpu_config, requests, setup, seed):
     """Random arrival steps, prompt and output lengths, stop tokens; roomy and tight caches
-    (preemption), small token budgets (chunked prefill mixed with decodes)."""
-    decoder, blocks, budget = setup
+    (preemption), small token budgets (chunked prefill mixed with decodes), batches too small
+    for every request (requests wait while steps overlap)."""
+    decoder, blocks, budget, max_seqs = setup
     g = torch.Generator().manual_seed(seed)
     vocab_stop = int(torch.randint(3, 500, (1,), generator=g))
     work = []
@@ -49,8 +53,8 @@ def test_async_outputs_equal_sync(folder, cpu_config, requests, setup, seed):
         prompt = torch.randint(3, 500, (prompt_len,), generator=g).tolist()
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop_token_ids=[vocab_stop] if stop else [])
         work.append((arrival, prompt, params))
-    sync, overlapped = (make(cpu_config, folder, flag, blocks=blocks, budget=budget, decoder=decoder)
-                        for flag in (False, True))
+    sync, overlapped = (make(cpu_config, folder, flag, blocks=blocks, budget=budget, decoder=decoder,
+                             max_seqs=max_seqs) for flag in (False, True))
     assert run_arrivals(overlapped.engine, work) == run_arrivals(sync.engine, work)
     assert clean(overlapped)
 
@@ -66,6 +70,29 @@ def test_decode_steps_overlap_and_match(folder, cpu_config):
     assert [o.finish_reason for o in got] == [o.finish_reason for o in expected]
     stats = overlapped.engine.stats
     assert stats.overlapped_steps >= 10 and stats.generated_tokens == sum(p["max_tokens"] for p in params)
+    assert clean(overlapped)
+
+
+@pytest.mark.parametrize("scheduler", ["continuous", "static"])
+def test_steps_overlap_while_requests_wait_for_a_full_batch(folder, cpu_config, scheduler):
+    """More requests than the batch holds: the running ones' decode steps still overlap (the
+    waiting could not join anyway), and each waiting request starts once a slot frees,
+    whether its holder stopped at max_tokens or at a stop token (learnt a step late)."""
+    sync, overlapped = (make(cpu_config, folder, flag, max_seqs=2, scheduler=scheduler) for flag in (False, True))
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 9, 3, 12, 7, 4)]
+    params = [{"max_tokens": m, "ignore_eos": True} for m in (12, 20, 9, 15, 11, 6)]
+    expected = sync.generate(prompts, params)
+    # a stop token the first request meets mid-way: its slot frees before max_tokens
+    params[0]["stop_token_ids"] = [expected[0].token_ids[4]]
+    expected = sync.generate(prompts, params)
+    assert len(expected[0].token_ids) < 12
+    got = overlapped.generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    assert [o.finish_reason for o in got] == [o.finish_reason for o in expected]
+    stats = overlapped.engine.stats
+    decode_steps = sum(len(o.token_ids) for o in expected) / 2  # two at a time, roughly
+    assert stats.overlapped_steps >= decode_steps / 2, (stats.overlapped_steps, decode_steps)
     assert clean(overlapped)
 
 

@@ -62,6 +62,55 @@ def test_rotary(tokens, heads, head_dim, dtype, seed):
     close(out, ref, dtype)
 
 
+@settings(max_examples=12)
+@given(st.integers(1, 7), st.sampled_from([(1, 1), (4, 2), (6, 1), (8, 8)]), st.sampled_from([16, 48, 64]),
+       st.sampled_from(DTYPES), st.booleans(), st.integers(0, 2**16))
+def test_rope_store(tokens, heads, head_dim, dtype, float32_cache, seed):
+    """RoPE on q and k and the cache write in one kernel, reading q, k, v as strided views of
+    one packed QKV output and writing scattered cache rows (a cache dtype of its own too):
+    close to the float64 reference, and bit-equal to the two-step path it replaces
+    (``rotary_`` on q and k, then the storage's index copies)."""
+    hq, hkv = heads
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * head_dim + 5, generator=g).to(DEVICE, dtype)  # padded rows: strided
+    q, k, v = (part.view(tokens, -1, head_dim) for part in
+               qkv[:, : (hq + 2 * hkv) * head_dim].split([hq * head_dim, hkv * head_dim, hkv * head_dim], dim=-1))
+    angles = torch.rand(tokens, head_dim // 2, generator=g) * 6.28
+    emb = torch.cat((angles, angles), dim=-1)
+    cos, sin = emb.cos().to(DEVICE, dtype), emb.sin().to(DEVICE, dtype)
+    num_slots = 3 * tokens + 4
+    slots = torch.randperm(num_slots, generator=g)[:tokens].to(DEVICE)
+    cache_dtype = torch.float32 if float32_cache else dtype
+    caches = [torch.zeros(num_slots, hkv, head_dim, dtype=cache_dtype, device=DEVICE) for _ in range(2)]
+
+    ref_k, ref_caches = k.double().clone(), [c.double() for c in caches]
+    ref_q = fused_ops.rope_store_reference(q.double(), ref_k, v.double(), cos.double(), sin.double(), *ref_caches,
+                                           slots)
+    two_step_caches = [c.clone() for c in caches]
+    two_step_q, two_step_k = fused_ops.rotary_(q.clone(), cos, sin), fused_ops.rotary_(k.clone(), cos, sin)
+    two_step_caches[0].index_copy_(0, slots, two_step_k.to(cache_dtype))
+    two_step_caches[1].index_copy_(0, slots, v.to(cache_dtype))
+
+    out = fused_ops.rope_store(q, k, v, cos, sin, *caches, slots)
+    assert out.is_contiguous() and out.shape == q.shape
+    close(out, ref_q, dtype)
+    close(k, ref_k, dtype)  # rotated in place
+    for ours, ref in zip(caches, ref_caches):
+        close(ours, ref, dtype)
+    assert torch.equal(out, two_step_q) and torch.equal(k, two_step_k)
+    assert all(torch.equal(a, b) for a, b in zip(caches, two_step_caches))
+    untouched = torch.ones(num_slots, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert not caches[0][untouched].any() and not caches[1][untouched].any()  # no other row written
+
+
+def test_rope_store_rejects_mismatched_caches():
+    q = torch.zeros(1, 1, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="one contiguous layout"):
+        fused_ops.rope_store(q, q, q, q[0], q[0], torch.zeros(4, 1, 16, device=DEVICE), torch.zeros(4, 2, 8, device=DEVICE),
+                             torch.zeros(1, dtype=torch.long, device=DEVICE))
+
+
 @settings(max_examples=8)
 @given(st.integers(1, 5), st.integers(1, 1500), st.sampled_from(DTYPES), st.integers(0, 2**16))
 def test_silu_mul_packed(rows, inter, dtype, seed):
@@ -80,17 +129,21 @@ def test_silu_mul(n, dtype, seed):
     close(fused_ops.silu_mul(gate, up), fused_ops.silu_mul_reference(gate, up), dtype)
 
 
-@pytest.mark.parametrize("arch", ["llama3", "qwen2"])
-@pytest.mark.parametrize("stack", [False, True])
-def test_model_with_fused_kernels_matches_eager(tiny_model, cpu_config, arch, stack):
+@pytest.mark.parametrize("arch,stack,attention", [("llama3", False, "sdpa"), ("llama3", True, "sdpa"),
+                                                   ("qwen2", False, "sdpa"), ("qwen2", True, "sdpa"),
+                                                   ("llama3", True, "flash")])
+def test_model_with_fused_kernels_matches_eager(tiny_model, cpu_config, arch, stack, attention):
     """The same tiny model and prompts, fused (kernels, and with ``stack`` the q/k/v and
     gate/up projections stacked into one GEMM each; qwen2 has q/k/v biases) and eager on the
     CPU: equal greedy tokens, logits within float32 rounding (reductions sum in another order).
-    On CUDA the fused side runs there, as ``build_model`` sets it up (always stacked)."""
+    With ``flash`` the fused side folds RoPE into its KV store (``forward_rotary``); sdpa
+    takes the default (RoPE kernel, then ``forward``). On CUDA the fused side runs there, as
+    ``build_model`` sets it up (always stacked)."""
     from tessellm import LLM
 
     def llm(fused):
         engine = LLM(cpu_config(tiny_model(arch), device=DEVICE.type if fused else "cpu", decoding={"name": "greedy"},
+                                attention={"name": attention if fused else "sdpa"},
                                 cache={"name": "paged", "options": {"block_size": 4, "num_blocks": 64}},
                                 scheduler={"name": "continuous"}, cuda_graphs=False))
         model = engine.pipeline.model
