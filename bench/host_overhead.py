@@ -68,7 +68,7 @@ class StubRunner:
         self.logits[:, 7] = 1.0
         self.device_s = 0.0
 
-    def forward(self, batch, layers=None):
+    def forward(self, batch, layers=None, native_logits=False):
         self.backend.plan(batch, self.cache)
         start = time.perf_counter()
         logits = self.logits[:batch.logits_indices.shape[0]]

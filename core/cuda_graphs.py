@@ -38,9 +38,9 @@ def capture_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     """Captured decode forwards, one per padded batch size, sharing one memory pool.
 
-    ``run(batch)`` returns the logits [B, vocab] of a qualifying decode batch (a view of the
-    one static buffer every size writes, valid until the next replay), or None when the batch
-    must run eagerly.
+    ``run(batch)`` returns the logits [B, vocab] of a qualifying decode batch, in the LM
+    head's dtype (a view of the one static buffer every size writes, valid until the next
+    replay), or None when the batch must run eagerly.
     """
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, cache: CacheManager, device: torch.device,
@@ -63,7 +63,9 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(m + 1, **i32)
         self.logits_indices = torch.arange(m, **i64)
         # one logits buffer for every size, allocated outside the graphs' pool: a graph's own
-        # output would stay alive in the pool, a (batch x vocabulary) float32 block per size
+        # output would stay alive in the pool, a (batch x vocabulary) block per size. It holds
+        # the LM head's own dtype (bfloat16 on a GPU): the head's GEMM writes it directly, and
+        # an argmax reads half the bytes; callers wanting float32 convert (ModelRunner.forward)
         self.logits: torch.Tensor | None = None
         self.graphs: dict[int, tuple[Any, Any]] = {}  # size -> (graph, plan)
         self.replays = 0
@@ -88,7 +90,7 @@ class DecodeGraphs:
     def _forward(self, size: int, plan: Any) -> torch.Tensor:
         out = None if self.logits is None else self.logits[:size]
         logits = self.model(self.input_ids[:size], self.positions[:size], self.logits_indices[:size],
-                            self.backend, self.cache, plan, logits_out=out)
+                            self.backend, self.cache, plan, logits_out=out, native_logits=True)
         if self.logits is None:  # the first forward: its logits' row shape and dtype serve all sizes
             self.logits = torch.empty((self.sizes[-1], *logits.shape[1:]), dtype=logits.dtype, device=logits.device)
             logits = self.logits[:size].copy_(logits)

@@ -39,11 +39,15 @@ class Decoder(Plugin):
     - Optional, for async scheduling: ``samples_on_device(params)`` says whether it can pick a
       request's tokens without the host, and ``device_tokens(logits, batch)`` then returns
       one token per sample slot as a device tensor (no host synchronisation), exactly the
-      tokens ``decode`` would return.
+      tokens ``decode`` would return. A decoder whose ``device_tokens`` only ranks each
+      row's logits (an argmax) sets ``device_tokens_any_dtype``: it may then be handed them
+      in the model's dtype (bfloat16 on a GPU), which spares a float32 copy of the batch's
+      logits every step and changes no token (the conversion is exact and keeps the order).
     """
 
     kind: ClassVar[str] = "decoding"
     num_lookahead_tokens: int = 0
+    device_tokens_any_dtype: ClassVar[bool] = False
 
     def __init__(self, options: PluginOptions, model: ModelSpec, device: torch.device):
         self.options = options

@@ -372,7 +372,7 @@ class Engine:
                 index = torch.tensor([rows, picks], dtype=torch.long)
                 index = (index.pin_memory() if device.type == "cuda" else index).to(device, non_blocking=True)
                 batch.input_ids[index[0]] = previous.tokens.index_select(0, index[1])
-        logits = self.runner.forward(batch)
+        logits = self.runner.forward(batch, native_logits=self.decoder.device_tokens_any_dtype)
         tokens = self.decoder.device_tokens(logits, batch)
         host, event = tokens, None
         if tokens.is_cuda:  # pinned, so the copy waits for this step only, not for the next

@@ -189,12 +189,15 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
                 backend: AttentionBackend, cache: CacheManager, plan: Any,
-                layers: Sequence[int] | None = None, logits_out: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions [T] -> logits [len(logits_indices), vocab].
+                layers: Sequence[int] | None = None, logits_out: torch.Tensor | None = None,
+                native_logits: bool = False) -> torch.Tensor:
+        """input_ids, positions [T] -> logits [len(logits_indices), vocab], float32 (float64
+        in a float64 model) or, with ``native_logits``, in the LM head's own dtype (bfloat16
+        in a bfloat16 model: no float32 copy, for callers that only rank them).
 
         ``layers`` runs a subset of the decoder layers (self-drafting by layer skipping);
-        ``logits_out`` (float32, or float64 in a float64 model) receives the logits, which
-        are then returned (a captured graph's static output)."""
+        ``logits_out`` receives the logits, which are then returned (a captured graph's
+        static output); in the LM head's dtype, the GEMM writes it directly."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = self.rotary(positions, x.dtype)
         order = range(len(self.model.layers)) if layers is None else layers
@@ -213,7 +216,13 @@ class LlamaForCausalLM(nn.Module):
             for i in order:
                 x = self.model.layers[i](x, cos, sin, backend, cache, plan)
             x = self.model.norm(x[logits_indices])  # norm is per row: select first, then normalise
-        logits = self.lm_head(x)
+        head = self.lm_head
+        if logits_out is not None and type(head) is nn.Linear and head.bias is None and \
+                logits_out.dtype == head.weight.dtype == x.dtype:
+            return torch.mm(x, head.weight.t(), out=logits_out)  # no [rows, vocab] temporary to copy
+        logits = head(x)
         if logits_out is not None:
             return logits_out.copy_(logits)
-        return logits if logits.dtype == torch.float64 else logits.float()  # float64 stays exact
+        if native_logits or logits.dtype == torch.float64:  # float64 stays exact
+            return logits
+        return logits.float()

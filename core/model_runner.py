@@ -109,15 +109,19 @@ class ModelRunner:
                                    max_model_len=max_model_len, capture=capture)
 
     @torch.inference_mode()
-    def forward(self, batch: BatchMetadata, layers: Layers[int] | None = None) -> torch.Tensor:
-        """Logits [len(batch.logits_indices), vocab]: float32 (float64 in a float64 pipeline)."""
+    def forward(self, batch: BatchMetadata, layers: Layers[int] | None = None, *,
+                native_logits: bool = False) -> torch.Tensor:
+        """Logits [len(batch.logits_indices), vocab]: float32 (float64 in a float64 pipeline),
+        or with ``native_logits`` possibly in the model's dtype (bfloat16 on a GPU), which
+        spares a float32 copy of a batch x vocabulary tensor where only their order matters
+        (``Decoder.device_tokens_any_dtype``)."""
         if self.graphs is not None and layers is None:
             logits = self.graphs.run(batch)
             if logits is not None:
-                return logits
+                return logits if native_logits or logits.dtype in (torch.float32, torch.float64) else logits.float()
         plan = self.backend.plan(batch, self.cache)
         return self.model(batch.input_ids, batch.positions, batch.logits_indices,
-                          self.backend, self.cache, plan, layers)
+                          self.backend, self.cache, plan, layers, native_logits=native_logits)
 
 
 class _ScratchTables:

@@ -19,6 +19,7 @@ class GreedyDecoder(Decoder):
     api_version = "1.0"
     description = "argmax decoding; refuses requests that ask for sampling"
     auto_priority = 5
+    device_tokens_any_dtype = True  # an argmax: bfloat16 logits give the same tokens
 
     def check(self, params: SamplingParams) -> None:
         if not params.greedy:

@@ -59,6 +59,7 @@ class SampleDecoder(Decoder):
     api_version = "1.0"
     description = "temperature / top-k / top-p sampling with per-request seeds (temperature 0: greedy)"
     auto_priority = 10
+    device_tokens_any_dtype = True  # device_tokens serves temperature 0 only: an argmax
 
     def decode(self, logits: torch.Tensor, batch: BatchMetadata) -> list[list[int]]:
         # logits: [R, vocab] float32

@@ -33,8 +33,8 @@ def test_capture_sizes_cover_every_batch_with_little_padding():
     assert capture_sizes(5) == [1, 2, 4, 5] and capture_sizes(1) == [1]
 
 
-def _llm(cpu_config, model, graphs: bool, async_scheduling: bool = False):
-    llm = LLM(cpu_config(model, device="cuda" if CUDA else "cpu", attention={"name": "flash"},
+def _llm(cpu_config, model, graphs: bool, async_scheduling: bool = False, dtype: str = "float32"):
+    llm = LLM(cpu_config(model, device="cuda" if CUDA else "cpu", attention={"name": "flash"}, dtype=dtype,
                          cache={"name": "paged", "options": {"block_size": 4, "num_blocks": 96}},
                          scheduler={"name": "continuous", "options": {"max_num_batched_tokens": 32}},
                          decoding={"name": "greedy"}, cuda_graphs=False, async_scheduling=async_scheduling))
@@ -149,3 +149,36 @@ def test_one_logits_buffer_serves_every_captured_size(tiny_model, cpu_config):
     assert graphs.logits.shape == (6, llm.pipeline.spec.vocab_size) and graphs.logits.dtype == torch.float32
     out = llm.generate([[5, 6, 7], [8, 9]], {"max_tokens": 4, "ignore_eos": True})
     assert all(len(o.token_ids) == 4 for o in out) and graphs.replays > 0
+
+
+def test_bfloat16_graphs_hand_native_logits_to_argmax_only(tiny_model, cpu_config):
+    """In a bfloat16 model the graphs' logits buffer is bfloat16, written by the LM head's
+    GEMM directly. ``forward`` still returns float32 (the same values); ``native_logits``
+    returns the buffer itself, which async steps hand to an argmax decoder
+    (``device_tokens_any_dtype``): the tokens equal the synchronous eager engine's."""
+    from tessellm.core.batch import ScheduledSeq, build_batch
+    from tessellm.core.sequence import SamplingParams, Sequence
+
+    model = tiny_model("llama")
+    eager = _llm(cpu_config, model, False, dtype="bfloat16")
+    graphed = _llm(cpu_config, model, True, async_scheduling=True, dtype="bfloat16")
+    graphs = graphed.pipeline.runner.graphs
+    assert graphs.logits.dtype == torch.bfloat16
+    prompts = [list(range(5, 5 + n)) for n in (3, 11, 6, 8)]
+    params = [{"max_tokens": m, "ignore_eos": True} for m in (9, 4, 12, 7)]
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == [o.token_ids for o in eager.generate(prompts, params)]
+    assert graphed.engine.stats.overlapped_steps > 0 and graphs.replays > 0
+
+    cache, runner = graphed.pipeline.cache, graphed.pipeline.runner
+    seqs = [Sequence(f"r{i}", list(range(7, 17 + i)), SamplingParams(max_tokens=1)) for i in range(3)]
+    for seq in seqs:  # prefill eagerly, then one decode step of 3 (padded to 4)
+        cache.reserve(seq, seq.num_tokens)
+        runner.forward(build_batch([ScheduledSeq(seq, seq.num_tokens - 1)], cache, runner.device))
+        seq.num_computed_tokens = seq.num_tokens - 1
+    batch = build_batch([ScheduledSeq(seq, 1) for seq in seqs], cache, runner.device)
+    native = runner.forward(batch, native_logits=True).clone()
+    as_float = runner.forward(batch)
+    assert native.dtype == torch.bfloat16 and as_float.dtype == torch.float32
+    assert torch.equal(native.float(), as_float) and not native.isnan().any()
+    for seq in seqs:
+        cache.free(seq)

@@ -120,11 +120,11 @@ def test_fault_in_a_step_leaves_no_request_and_no_block(make_llm, monkeypatch):
     calls = {"n": 0}
     forward = llm.engine.runner.forward
 
-    def flaky(batch, layers=None):
+    def flaky(batch, layers=None, **kwargs):
         calls["n"] += 1
         if calls["n"] in (3, 4):  # twice: async scheduling reruns a failed launch synchronously once
             raise RuntimeError("injected fault")
-        return forward(batch, layers)
+        return forward(batch, layers, **kwargs)
 
     monkeypatch.setattr(llm.engine.runner, "forward", flaky)
     with pytest.raises(RuntimeError, match="injected fault"):
