@@ -211,11 +211,8 @@ class Engine:
     def _step(self, start: float, finished: list[RequestState]) -> list[RequestState]:
         """``step`` without the hand-over of requests finished before a failure; appends
         the ones it finishes first to ``finished``."""
-        overlap_checked = False  # every live sequence was found able to sample on the device
-        if self._pending is not None:
-            overlap_checked = self._can_overlap()
-            if not overlap_checked:
-                finished += self._complete(self._take_pending())  # the next schedule needs its tokens
+        if self._pending is not None and not self._can_overlap():
+            finished += self._complete(self._take_pending())  # the next schedule needs its tokens
         out = self.scheduler.schedule()
         self.stats.preemptions += len(out.preempted)
         if out.is_empty:
@@ -225,7 +222,7 @@ class Engine:
                 raise RuntimeError("scheduler returned an empty batch while requests are waiting "
                                    f"({self.scheduler.num_waiting} waiting, {self.scheduler.num_running} running)")
             return []
-        if self.async_scheduling and self._decodes_only(out, overlap_checked):
+        if self.async_scheduling and self._launchable(out):
             previous = self._pending
             try:
                 self._pending = self._launch(out, previous, start)
@@ -328,34 +325,31 @@ class Engine:
 
     def _can_overlap(self) -> bool:
         """Whether the next step may be scheduled before the pending step's tokens arrive:
-        the scheduler would admit no waiting sequence (none waits, or the batch is full:
-        admission then waits a step for the slots the pending step frees) and every running
-        sequence is decoding."""
-        if self.scheduler.admits_waiting():
-            return False
-        return all(s.num_tokens - s.num_computed_tokens == 1 and self._async_ok(s)
-                   for s in self.scheduler.running_sequences())
+        every running sequence picks its tokens on the device. Scheduling needs token counts,
+        which the pending tokens already hold, not their values; so decodes, prefill chunks
+        and admissions may all be planned ahead. What the pending step finishes is learnt a
+        step late: a sequence ended by a stop token runs one wasted row, and its place is
+        offered to the queue one step later, as in vLLM."""
+        return all(self._async_ok(s) for s in self.scheduler.running_sequences())
 
-    def _decodes_only(self, out: SchedulerOutput, sampling_checked: bool) -> bool:
-        """Whether ``out`` is one decode token per sequence, all sampled on the device
-        (``sampling_checked``: ``_can_overlap`` has just checked, before this schedule, that
-        every running sequence samples on the device with one token left to compute, and the
-        scheduler promised to start no waiting one, so only the query lengths remain to check)."""
-        if sampling_checked:
-            return all(i.num_query_tokens == 1 for i in out.scheduled)
-        return all(i.num_query_tokens == 1 and i.seq.num_computed_tokens == i.seq.num_tokens - 1
-                   and self._async_ok(i.seq) for i in out.scheduled)
+    def _launchable(self, out: SchedulerOutput) -> bool:
+        """Whether ``out`` can run without the host waiting for its tokens: every scheduled
+        sequence (decoding, prefilling or just admitted) picks its tokens on the device, and
+        has a token to run (a scheduler may list one whose last token is still pending)."""
+        return all(i.num_query_tokens and self._async_ok(i.seq) for i in out.scheduled)
 
     def _take_pending(self) -> _InFlight:
         pending, self._pending = self._pending, None
         return pending
 
     def _launch(self, out: SchedulerOutput, previous: _InFlight | None, start: float) -> _InFlight:
-        """Run a decodes-only step up to its sampled tokens, which stay on the device (a copy
-        to the host is queued). Nothing about the sequences changes unless it all succeeds."""
+        """Run a step up to its sampled tokens, which stay on the device (a copy to the host
+        is queued). Nothing about the sequences changes unless it all succeeds."""
         device = self.runner.device
-        batch = build_batch(out.scheduled, self.cache, device, decodes_only=True)  # _decodes_only held
-        if previous is not None and batch.seqs == previous.batch.seqs and \
+        decodes = all(i.num_query_tokens == 1 and i.seq.num_computed_tokens + 1 == i.seq.num_tokens
+                      for i in out.scheduled)
+        batch = build_batch(out.scheduled, self.cache, device, decodes_only=decodes)
+        if previous is not None and decodes and batch.seqs == previous.batch.seqs and \
                 len(previous.batch.samples) == len(batch.seqs):
             # the steady state: the same sequences in the same order, each one pending token
             # behind (one query row and one sampled row each): the inputs are the tokens
@@ -364,8 +358,9 @@ class Engine:
             src = {slot.seq.seq_id: j for j, slot in enumerate(previous.batch.samples)}
             rows, picks, row = [], [], 0
             for seq, n in zip(batch.seqs, batch.query_lens_cpu):
-                if seq.num_pending:
-                    rows.append(row)
+                at = len(seq.token_ids) - seq.num_computed_tokens  # the pending token's row in this query
+                if seq.num_pending and at < n:  # (one at most: only the previous step is in flight)
+                    rows.append(row + at)
                     picks.append(src[seq.seq_id])
                 row += n
             if rows:
@@ -382,7 +377,7 @@ class Engine:
             event.record()
         self.stats.overlapped_steps += previous is not None
         for item in out.scheduled:
-            item.seq.num_computed_tokens += 1
+            item.seq.num_computed_tokens += item.num_query_tokens
         counted = set()
         for slot in batch.samples:  # the tokens to come count in the sequences' lengths ...
             seq = slot.seq

@@ -37,8 +37,6 @@ class Scheduler(Plugin):
       ``num_computed_tokens`` reset to 0; they are recomputed later.
     - ``adopt(seq)`` takes over a running sequence forked from a scheduled one (n > 1).
     - ``finish(seq)`` removes a finished or aborted sequence and frees its cache.
-    - ``admits_waiting()`` False promises that the next ``schedule()``, if no sequence
-      finishes first, starts no waiting sequence (async scheduling relies on it).
     """
 
     kind: ClassVar[str] = "scheduler"
@@ -97,14 +95,6 @@ class Scheduler(Plugin):
     def running_sequences(self) -> list[Sequence]:
         """The unfinished sequences that are running (not waiting); read-only for callers."""
         return [s for s in self.unfinished() if s.status is SequenceStatus.RUNNING]
-
-    def admits_waiting(self) -> bool:
-        """Whether the next ``schedule()`` may start a waiting sequence while every running
-        one stays. Under async scheduling the engine plans a decode step before the previous
-        step's tokens arrive only when this is False, so waiting requests that could not join
-        anyway (the batch is full) do not hold every step to the synchronous pace. Answering
-        True when unsure is always safe; the default says True whenever anything waits."""
-        return self.num_waiting > 0
 
     @property
     @abstractmethod

@@ -180,19 +180,6 @@ class ContinuousScheduler(QueueScheduler):
             budget -= n
             width += self._width(seq)
 
-    def admits_waiting(self) -> bool:
-        """No while the running sequences fill ``max_num_seqs`` (the head of the queue would
-        not fit, and ``_admit`` lets nobody overtake it) or the token budget."""
-        if not self.waiting:
-            return False
-        width = tokens = 0
-        for seq in self.running:
-            width += self._width(seq)
-            tokens += seq.num_tokens - seq.num_computed_tokens
-        if width and width + self._width(self.waiting[0]) > self.options.max_num_seqs:
-            return False
-        return tokens < self.options.max_num_batched_tokens
-
     def _outranks(self, seq: Sequence) -> bool:
         """Under the priority policy, whether waiting ``seq`` may preempt the least urgent
         running sequence (it is strictly more urgent by priority)."""

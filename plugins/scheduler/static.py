@@ -94,14 +94,11 @@ class StaticScheduler(QueueScheduler):
                 self._preempt(seq, out)
                 continue
             self.cache.reserve(seq, need)
-        out.scheduled = [ScheduledSeq(s, s.num_tokens - s.num_computed_tokens) for s in self.running]
-        if not out.scheduled and self.waiting:
+        # a sequence whose last token is still on the device (async scheduling) has nothing to run
+        out.scheduled = [ScheduledSeq(s, n) for s in self.running if (n := s.num_tokens - s.num_computed_tokens)]
+        if not self.running and self.waiting:  # every one was preempted: the next batch starts
             return self.schedule()
         return out
-
-    def admits_waiting(self) -> bool:
-        """A new batch starts only once the running one has finished."""
-        return not self.running and bool(self.waiting)
 
     def adopt(self, seq: Sequence) -> None:
         if seq.num_computed_tokens == 0:  # no room to fork its cache: recompute in a later batch

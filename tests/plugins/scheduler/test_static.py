@@ -35,10 +35,8 @@ def test_static_batches_finish_every_request(requests, max_seqs, batch, lookahea
     for _ in range(10_000):
         if not sched.unfinished():
             break
-        closed, waiting = not sched.admits_waiting(), {s.seq_id for s in sched.waiting}
         out = sched.schedule()
         assert out.scheduled, "empty batch while requests wait"
-        assert not (closed and any(i.seq.seq_id in waiting for i in out.scheduled)), "admits_waiting broke its promise"
         ids = {s.seq.seq_id for s in out.scheduled}
         assert len(ids) <= batch
         if current is None or not ids <= current:  # a new batch: the previous one must be done
