@@ -185,7 +185,8 @@ class Engine:
     def step(self) -> list[RequestState]:
         """Run one step; return the requests that finished in it.
 
-        With ``async_scheduling``, a step of decodes only is launched before the previous
+        With ``async_scheduling``, a step whose sequences all pick their tokens on the device
+        (decodes, prefill chunks, admissions) is scheduled and launched before the previous
         step's tokens reach the host (its inputs are taken from them on the device), and the
         previous step is then finished while the GPU runs this one: the call returns the
         requests the previous step finished. Any other step runs synchronously."""
