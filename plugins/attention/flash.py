@@ -59,9 +59,16 @@ class _Seqs:
     @classmethod
     def of(cls, batch: BatchMetadata, index: list[int], qsl: list[int]) -> "_Seqs":
         device = batch.input_ids.device
-        pick = torch.tensor(index, dtype=torch.long, device=device)
-        return cls(torch.tensor([qsl[i] for i in index], dtype=torch.int32, device=device),
-                   torch.tensor([batch.query_lens_cpu[i] for i in index], dtype=torch.int32, device=device),
+        # one upload from pinned memory, not blocking: a plain copy would wait for the GPU to
+        # finish the step in flight (async scheduling plans this one while it runs). Rows are
+        # padded to 16 bytes: Triton compiles another variant for a pointer that is not aligned
+        n = len(index)
+        host = torch.zeros(3, -(-n // 4) * 4, dtype=torch.int32)
+        host[0, :n] = torch.tensor([qsl[i] for i in index], dtype=torch.int32)
+        host[1, :n] = torch.tensor([batch.query_lens_cpu[i] for i in index], dtype=torch.int32)
+        host[2, :n] = torch.tensor(index, dtype=torch.int32)
+        starts, lens, pick = (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)[:, :n]
+        return cls(starts, lens,
                    batch.seq_lens.index_select(0, pick), batch.block_tables.index_select(0, pick).to(torch.int32),
                    max((batch.query_lens_cpu[i] for i in index), default=0),
                    max((batch.seq_lens_cpu[i] for i in index), default=0))
