@@ -60,6 +60,10 @@ LLAMA_32_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=1
                    rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
                                     "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                     "original_max_position_embeddings": 8192})
+MIXED_PROMPTS = dict(prompt_median=145, prompt_sigma=0.8, prompt_min=16, prompt_max=1024)
+"""The workload's prompt lengths (long-tailed, mean about 200 tokens, up to 1024); every
+request then generates exactly ``--output-len`` tokens. bench/host_overhead.py --workload
+replays the same requests."""
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=512, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=True,
             bos_token_id=0, eos_token_id=1)
@@ -214,8 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         device = llm.pipeline.resolved.device
         requests = make_workload("mixed", seed=0, num_requests=num, tokenizer=llm.tokenizer,
                                  max_model_len=llm.pipeline.resolved.max_model_len,
-                                 prompt_median=145, prompt_sigma=0.8, prompt_min=16, prompt_max=1024,
-                                 output_median=out_len, output_min=out_len, output_max=out_len)
+                                 **MIXED_PROMPTS, output_median=out_len, output_min=out_len, output_max=out_len)
         collector = CollectorClock()
         timeline = StepTimeline(llm, collector)
         with collector:  # the warm-up's two requests included

@@ -134,11 +134,12 @@ def workload_steps(async_scheduling: bool, num_requests: int = 512, output_len: 
                    max_seqs: int = 256) -> dict:
     """bench/e2e_gpu.py's workload through the stub engine: steps, overlapped steps, and the
     mean host ms of overlapped and other steps."""
+    from e2e_gpu import MIXED_PROMPTS  # bench/, this script's folder
+
     from tessellm.core.bench_workloads import make_workload
 
     requests = make_workload("mixed", seed=0, num_requests=num_requests, tokenizer=range(VOCAB), max_model_len=4096,
-                             prompt_median=145, prompt_sigma=0.8, prompt_min=16, prompt_max=1024,
-                             output_median=output_len, output_min=output_len, output_max=output_len)
+                             **MIXED_PROMPTS, output_median=output_len, output_min=output_len, output_max=output_len)
     spec = CacheSpec(1, 1, 1, torch.float32, CPU, 4096)
     blocks = sum(-(-(len(r.prompt_token_ids) + output_len) // 16) for r in requests) + 16
     cache = PagedCache(PagedOptions(block_size=16, num_blocks=blocks), spec, KVLayout("kv", 16, torch.float32))
