@@ -292,13 +292,14 @@ class Engine:
     def _absorbed(self, out: SchedulerOutput, batch: BatchMetadata, start: float) -> list[RequestState]:
         """After a step's tokens are appended: index newly full blocks, count the step, and
         return the requests it finished."""
+        finished, commit = SequenceStatus.FINISHED, self.cache.commit
         for item in out.scheduled:
-            if not item.seq.is_finished:
-                self.cache.commit(item.seq)
+            if item.seq.status is not finished:
+                commit(item.seq)
         done: dict[str, RequestState] = {}
         for slot in batch.samples:
             seq = slot.seq
-            if seq.is_finished and seq.request_id not in done:
+            if seq.status is finished and seq.request_id not in done:
                 state = self.requests.get(seq.request_id)
                 if state is not None and state.finished:
                     done[seq.request_id] = state
@@ -331,13 +332,15 @@ class Engine:
         and admissions may all be planned ahead. What the pending step finishes is learnt a
         step late: a sequence ended by a stop token runs one wasted row, and its place is
         offered to the queue one step later, as in vLLM."""
-        return all(self._async_ok(s) for s in self.scheduler.running_sequences())
+        verdicts, ok = self._async_verdicts, self._async_ok  # a kept verdict skips the call
+        return all(verdicts.get(s.seq_id) or ok(s) for s in self.scheduler.running_sequences())
 
     def _launchable(self, out: SchedulerOutput) -> bool:
         """Whether ``out`` can run without the host waiting for its tokens: every scheduled
         sequence (decoding, prefilling or just admitted) picks its tokens on the device, and
         has a token to run (a scheduler may list one whose last token is still pending)."""
-        return all(i.num_query_tokens and self._async_ok(i.seq) for i in out.scheduled)
+        verdicts, ok = self._async_verdicts, self._async_ok
+        return all(i.num_query_tokens and (verdicts.get(i.seq.seq_id) or ok(i.seq)) for i in out.scheduled)
 
     def _take_pending(self) -> _InFlight:
         pending, self._pending = self._pending, None
@@ -347,7 +350,9 @@ class Engine:
         """Run a step up to its sampled tokens, which stay on the device (a copy to the host
         is queued). Nothing about the sequences changes unless it all succeeds."""
         device = self.runner.device
-        decodes = all(i.num_query_tokens == 1 and i.seq.num_computed_tokens + 1 == i.seq.num_tokens
+        # (lengths spelled out in this method's per-sequence loops: hundreds of sequences a step)
+        decodes = all(i.num_query_tokens == 1 and
+                      i.seq.num_computed_tokens + 1 == len(i.seq.token_ids) + i.seq.num_pending
                       for i in out.scheduled)
         batch = build_batch(out.scheduled, self.cache, device, decodes_only=decodes)
         if previous is not None and decodes and batch.seqs == previous.batch.seqs and \
@@ -379,11 +384,12 @@ class Engine:
         self.stats.overlapped_steps += previous is not None
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_query_tokens
-        counted = set()
+        counted, max_model_len = set(), self.max_model_len
         for slot in batch.samples:  # the tokens to come count in the sequences' lengths ...
             seq = slot.seq
-            if seq.num_output_tokens + seq.num_pending + 1 < seq.params.max_tokens and \
-                    seq.num_tokens + 1 < self.max_model_len:  # ... unless this one is surely its last
+            length = len(seq.token_ids) + seq.num_pending + 1  # with this step's token
+            if length - seq.num_prompt_tokens < seq.params.max_tokens and \
+                    length < max_model_len:  # ... unless this one is surely its last
                 seq.num_pending += 1
                 counted.add(seq.seq_id)
         return _InFlight(out, batch, tokens, host, event, counted, start)
@@ -395,14 +401,16 @@ class Engine:
             step.event.synchronize()
             self.stats.device_wait_seconds += time.perf_counter() - waited
         tokens = step.host.tolist()
+        counted, finished, append, appended = step.counted, SequenceStatus.FINISHED, self._append, 0
         for slot, token in zip(step.batch.samples, tokens):
             seq = slot.seq
-            if seq.seq_id in step.counted:
+            if seq.seq_id in counted:
                 seq.num_pending -= 1
-            if seq.is_finished:  # aborted, or finished by the step before, while this one ran
+            if seq.status is finished:  # aborted, or finished by the step before, while this one ran
                 continue
-            self.stats.sample_slots += 1
-            self._append(seq, token)
+            appended += 1
+            append(seq, token)
+        self.stats.sample_slots += appended
         return self._absorbed(step.out, step.batch, step.start)
 
     def _run_batch(self, batch) -> tuple[torch.Tensor, list[list[int]]]:
@@ -513,7 +521,8 @@ class Engine:
             reason = FinishReason.STOP
         elif params.stop and self.decode_text is not None and self._hit_stop_string(seq):
             reason = FinishReason.STOP
-        elif seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
+        elif (length := len(seq.token_ids)) - seq.num_prompt_tokens >= params.max_tokens or \
+                length + seq.num_pending >= self.max_model_len:  # (properties spelled out: every token)
             reason = FinishReason.LENGTH
         if reason is not None:
             self._finish(seq, reason)

@@ -105,17 +105,19 @@ class ContinuousScheduler(QueueScheduler):
         if not self._running_sorted:  # a step of hundreds of sequences need not re-sort them all
             self.running.sort(key=self._urgency)
             self._running_sorted = True
-        for seq in list(self.running):
+        try_reserve = self.cache.try_reserve
+        for seq in list(self.running):  # per sequence, hundreds a step: lengths spelled out
             if out.preempted and seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted to make room for a more urgent one
             if budget == 0:
                 break
-            remaining = seq.num_tokens - seq.num_computed_tokens
+            computed = seq.num_computed_tokens
+            remaining = len(seq.token_ids) + seq.num_pending - computed
             if remaining == 0:
                 continue
-            n = min(remaining, budget)
-            need = seq.num_computed_tokens + n + (lookahead if n == remaining else 0)
-            if not self.cache.try_reserve(seq, need):
+            n = remaining if remaining <= budget else budget
+            need = computed + n + (lookahead if n == remaining else 0)
+            if not try_reserve(seq, need):
                 while not self.cache.can_reserve(seq, need):
                     victim = self.running[-1]
                     budget += self._preempt(victim, chosen, out)
