@@ -124,6 +124,10 @@ def roofline(shapes: dict, dtype: torch.dtype, batch: float, context: float, ban
     return batch / max(step_bytes / bandwidth, step_flops / flops)
 
 
+def median_ms(seconds: list[float]) -> float | None:
+    return round(sorted(seconds)[len(seconds) // 2] * 1e3, 2) if seconds else None
+
+
 class StepTimeline:
     """Wall time of every engine step, split into decode steps replayed from a CUDA graph and
     the rest (prefill, mixed and eager steps), so a run's time can be placed: the first steps
@@ -133,17 +137,20 @@ class StepTimeline:
         # per step: seconds, replayed from a graph, the collector's seconds within, requests
         # finished, objects in the collector's permanent generation (core/heap.py's freeze)
         self.records: list[tuple[float, bool, float, int, int]] = []
+        # per step: launched ahead (async scheduling), seconds the host waited for the GPU
+        self.overlap: list[tuple[bool, float]] = []
         engine, runner = llm.engine, llm.pipeline.runner
-        step = engine.step
+        step, stats = engine.step, engine.stats
 
         def timed_step():
             before = runner.graphs.replays if runner.graphs is not None else 0
-            gc_before = clock.seconds
+            gc_before, overlapped, waited = clock.seconds, stats.overlapped_steps, stats.device_wait_seconds
             start = time.perf_counter()
             out = step()
             replayed = runner.graphs is not None and runner.graphs.replays > before
             self.records.append((time.perf_counter() - start, replayed, clock.seconds - gc_before, len(out),
                                  gc.get_freeze_count()))
+            self.overlap.append((stats.overlapped_steps > overlapped, stats.device_wait_seconds - waited))
             return out
 
         engine.step = timed_step
@@ -156,12 +163,20 @@ class StepTimeline:
         first = [round(r[0] * 1e3, 1) for r in records[:8]]
         # the slowest steps by position, to place a stall: the collector's share, requests finished
         slowest = sorted(range(len(records)), key=lambda i: records[i][0], reverse=True)[:4]
+        # overlapped graph steps: the step's time against the host's wait for the GPU in it. A
+        # wait near zero: the host set the pace; the step less its wait: the host's own work
+        overlap = self.overlap[-steps:] if steps else []
+        both = [(r[0], o[1]) for r, o in zip(records, overlap) if r[1] and o[0]]
         return {"graph_steps": len(graph), "graph_s": round(sum(graph), 3),
-                "graph_step_ms_median": round(sorted(graph)[len(graph) // 2] * 1e3, 2) if graph else None,
+                "graph_step_ms_median": median_ms(graph),
                 "slowest_graph_ms": sorted((round(t * 1e3, 1) for t in graph), reverse=True)[:8],
                 "other_steps": len(other), "other_s": round(sum(other), 3),
                 "slowest_other_ms": sorted((round(t * 1e3, 1) for t in other), reverse=True)[:8],
                 "first_steps_ms": first,
+                "overlapped_graph_steps": len(both),
+                "overlapped_graph_step_ms_median": median_ms([t for t, _ in both]),
+                "overlapped_graph_wait_ms_median": median_ms([w for _, w in both]),
+                "overlapped_graph_host_ms_median": median_ms([t - w for t, w in both]),
                 "slowest_steps": [{"step": i, "ms": round(records[i][0] * 1e3, 1), "graph": records[i][1],
                                    "gc_ms": round(records[i][2] * 1e3, 1), "finished": records[i][3],
                                    "frozen_objects": records[i][4]}
