@@ -18,20 +18,25 @@ paged cache and the continuous scheduler:
   each, batch 256) through the stub engine, synchronous and async: how many steps, how many
   of them overlapped, the host ms of each kind. The step sequence is the GPU run's (the GPU
   runs' ``steps`` and ``overlapped_steps`` match it), so a scheduling change can be judged
-  here before it is timed there.
+  here before it is timed there;
+- ``--profile N``: the N functions with the most time of their own in async steps, under
+  cProfile, per call (where to cut next).
 
-    .venv/bin/python bench/host_overhead.py --seqs 256 512 --context 200 [--heap] [--workload] [--json out.json]
+    .venv/bin/python bench/host_overhead.py --seqs 256 512 --context 200 [--heap] [--workload] [--profile N] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import pstats
 import gc
 import json
 import platform
 import time
 from datetime import datetime, timezone
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -101,10 +106,11 @@ def prompts(seqs: int, context: int) -> list[list[int]]:
     return [[(i * 7 + j) % (VOCAB - 1) + 1 for j in range(context)] for i in range(seqs)]
 
 
-def engine_steps(seqs: int, context: int, steps: int, async_scheduling: bool, freeze: bool = True) -> dict:
+def engine_steps(seqs: int, context: int, steps: int, async_scheduling: bool, freeze: bool = True,
+                 profiler: cProfile.Profile | None = None) -> dict:
     """Host ms per decode step of a whole ``Engine.step`` after every prompt is prefilled,
     the device's share (``StubRunner.device_s``) left out, with the collector's share of it
-    and its full passes over the measured steps."""
+    and its full passes over the measured steps (``profiler``: enabled over those steps)."""
     cache, sched = paged_parts(seqs, context, steps)
     decoder = GreedyDecoder(GreedyDecoder.Options(), STUB_MODEL, CPU)
     runner = StubRunner(FlashAttention(FlashOptions(), STUB_MODEL, CPU, torch.float32), cache)
@@ -123,8 +129,12 @@ def engine_steps(seqs: int, context: int, steps: int, async_scheduling: bool, fr
     runner.device_s = 0.0
     with frozen_heap() if freeze else contextlib.nullcontext(), CollectorClock() as clock:
         start = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
         for _ in range(steps):
             engine.step()
+        if profiler is not None:
+            profiler.disable()
         elapsed = time.perf_counter() - start
     return {"host_ms": (elapsed - runner.device_s) / steps * 1000, "gc_ms": clock.seconds / steps * 1000,
             "full_collections": clock.full}
@@ -163,6 +173,21 @@ def workload_steps(async_scheduling: bool, num_requests: int = 512, output_len: 
             kind[1] += time.perf_counter() - start
     return {"steps": engine.stats.steps, "overlapped_steps": engine.stats.overlapped_steps,
             **{f"{k}_host_ms": round(t / n * 1000, 3) if n else None for k, (n, t) in kinds.items()}}
+
+
+def profile_async(seqs: int, context: int, steps: int, top: int) -> list[dict]:
+    """cProfile over async steady-state steps: the ``top`` functions by time of their own, with
+    calls per step and microseconds per call (profiled, so slower than unprofiled)."""
+    profiler = cProfile.Profile()
+    engine_steps(seqs, context, steps, True, profiler=profiler)
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, ncalls, tottime, cumtime, callers)
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    out = [{"function": f"{Path(file).name}:{line}({name})", "calls_per_step": round(n / steps, 1),
+            "us_per_call": round(tt / n * 1e6, 3)} for (file, line, name), (_, n, tt, _, _) in rows]
+    print(f"async steps at {seqs} sequences under cProfile; functions by time of their own:")
+    for row in out:
+        print(f"  {row['function']:60s} {row['calls_per_step']:8.1f} calls/step {row['us_per_call']:8.3f} us/call")
+    return out
 
 
 def step_parts(seqs: int, context: int, steps: int) -> dict[str, float]:
@@ -207,10 +232,15 @@ def main() -> None:
     ap.add_argument("--heap", action="store_true", help="load the default pipeline first (a real process's heap)")
     ap.add_argument("--workload", action="store_true",
                     help="also replay bench/e2e_gpu.py's workload (steps, overlapped steps)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also profile async steps at the first --seqs (cProfile) and report the N functions "
+                         "with the most time of their own, per call")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
     if min(args.seqs) < 1 or args.context < 1 or args.steps < 1 or args.repeats < 1:
         ap.error("--seqs, --context, --steps and --repeats must be at least 1")
+    if args.profile < 0:
+        ap.error(f"--profile takes a count of functions, 0 or more, not {args.profile}")
     torch.manual_seed(0)
     results = {"command": "bench/host_overhead.py", "args": vars(args), "cpu": platform.processor() or platform.machine(),
                "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "points": []}
@@ -253,6 +283,8 @@ def main() -> None:
         for name, mode in (("sync", False), ("async", True)):
             results[f"workload_{name}"] = replay = workload_steps(mode)
             print(f"e2e workload, {name}: {replay}")
+    if args.profile:
+        results["profile"] = profile_async(args.seqs[0], args.context, args.steps, args.profile)
     results.pop("heap_pipeline", None)
     if args.json:
         with open(args.json, "w") as f:
