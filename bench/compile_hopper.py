@@ -27,8 +27,8 @@ os.environ["TRITON_INTERPRET"] = "0"  # compiled kernels, before triton is impor
 import torch  # noqa: E402
 import triton  # noqa: E402
 
-from tessellm.core import fused_ops  # noqa: E402
-from tessellm.plugins.attention import flash_kernels as fk  # noqa: E402
+from tessellm.core.model import fused_ops  # noqa: E402
+from tessellm.plugins.attention.flash import common, decode, prefill, rope_store  # noqa: E402
 from tessellm.testing.triton_variants import compile_launch, recorded_launches, resources  # noqa: E402
 
 SMEM_LIMIT = 227 * 1024  # H100: shared memory a block can opt into
@@ -46,8 +46,8 @@ def prefill_launches(head_dim: int, shapes: list[tuple[int, int, int, int]], pac
     out = torch.empty(n, heads, head_dim, dtype=dt)
     with recorded_launches() as launches:
         for bm, bn, warps, stages in shapes:
-            fk.paged_flash_attention(q.contiguous(), cache_k, cache_v, out, tables, starts, lens, lens, n,
-                                     head_dim ** -0.5, 16, config=fk.KernelConfig(bm, bn, warps, stages),
+            prefill.paged_flash_attention(q.contiguous(), cache_k, cache_v, out, tables, starts, lens, lens, n,
+                                     head_dim ** -0.5, 16, config=common.KernelConfig(bm, bn, warps, stages),
                                      k_new=k if packed else None, v_new=v if packed else None)
     return launches
 
@@ -62,8 +62,8 @@ def decode_launches():
     out = torch.empty_like(q)
     with recorded_launches() as launches:
         for splits in (1, 4):
-            fk.paged_decode_attention(q, cache_k, cache_v, out, rows, tables, lens, 1024, d ** -0.5, 16,
-                                      num_splits=splits, config=fk.decode_config(d, torch.device("cuda")))
+            decode.paged_decode_attention(q, cache_k, cache_v, out, rows, tables, lens, 1024, d ** -0.5, 16,
+                                      num_splits=splits, config=decode.decode_config(d, torch.device("cuda")))
     return launches
 
 
@@ -76,7 +76,7 @@ def fused_launches():
         fused_ops.rotary_(qk[:, :32], cos, sin)
         q, k, v = qk.split([32, 8, 8], dim=1)  # Llama-3.2-1B's heads, views of one QKV output
         cache = torch.zeros(4096, 8, 64, dtype=torch.bfloat16)
-        fused_ops.rope_store(q, k, v, cos, sin, cache, cache.clone(), torch.arange(256))
+        rope_store.rope_store(q, k, v, cos, sin, cache, cache.clone(), torch.arange(256))
         fused_ops.silu_mul_packed(torch.zeros(256, 2 * 8192, dtype=torch.bfloat16))
     return launches
 
@@ -93,7 +93,7 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="a small set; exit 1 if any launch fails to compile")
     args = ap.parse_args()
     if args.check:
-        shapes = [fk.prefill_config(128, torch.device("cuda")).__dict__]
+        shapes = [prefill.prefill_config(128, torch.device("cuda")).__dict__]
         shapes = [(s["block_m"], s["block_n"], s["num_warps"], s["num_stages"]) for s in shapes]
         head_dims = [128]
     else:

@@ -46,13 +46,13 @@ from pathlib import Path
 import torch
 
 from tessellm import LLM
-from tessellm.core.bench import describe_device, run_offline
-from tessellm.core.bench_workloads import make_workload
+from tessellm.bench.offline import describe_device, run_offline
+from tessellm.bench.workloads import make_workload
 from tessellm.core.config import apply_overrides
 from tessellm.core.errors import ConfigError
-from tessellm.core.heap import CollectorClock
-from tessellm.core.kernel_builds import build_log
-from tessellm.core.hf_baseline import load_transformers, run_hf_baseline, run_hf_generate_batch
+from tessellm.core.engine.gc_freeze import CollectorClock
+from tessellm.core.model.kernel_builds import build_log
+from tessellm.bench.hf_baseline import load_transformers, run_hf_baseline, run_hf_generate_batch
 
 LLAMA_32_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                    num_key_value_heads=8, head_dim=64, vocab_size=128256, max_position_embeddings=131072,
@@ -135,7 +135,7 @@ class StepTimeline:
 
     def __init__(self, llm, clock: CollectorClock):
         # per step: seconds, replayed from a graph, the collector's seconds within, requests
-        # finished, objects in the collector's permanent generation (core/heap.py's freeze)
+        # finished, objects in the collector's permanent generation (core/engine/gc_freeze.py's freeze)
         self.records: list[tuple[float, bool, float, int, int]] = []
         # per step: launched ahead (async scheduling), seconds the host waited for the GPU
         self.overlap: list[tuple[bool, float]] = []

@@ -142,7 +142,7 @@ def tessellm_runner(llm, max_tokens: int) -> Callable[[list[list[int]]], list[li
 
 
 def transformers_runner(model, max_tokens: int, pad_id: int) -> Callable[[list[list[int]]], list[list[int]]]:
-    from tessellm.core.hf_baseline import greedy_kwargs, left_pad
+    from tessellm.bench.hf_baseline import greedy_kwargs, left_pad
 
     kwargs = greedy_kwargs(max_tokens, pad_id)  # every row runs to max_tokens, EOS never stops it
 
@@ -223,7 +223,7 @@ def machine_info() -> dict:
     import transformers
 
     import tessellm
-    from tessellm.core.bench import cpu_name
+    from tessellm.bench.offline import cpu_name
 
     return {"platform": platform.platform(), "cpu": cpu_name(), "cpu_count": os.cpu_count(),
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
@@ -293,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from transformers import AutoTokenizer
 
-    from tessellm.core.hf_baseline import load_transformers, pad_token_id
-    from tessellm.core.model_loader import model_folder, resolve_model
+    from tessellm.bench.hf_baseline import load_transformers, pad_token_id
+    from tessellm.core.model.loader import model_folder, resolve_model
 
     folder = model_folder(resolve_model(MODEL))
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -1,5 +1,5 @@
 """Host (Python) time of engine steps, without a model: what a GPU would wait for, or what
-async scheduling must hide behind the forward (issue 4).
+async scheduling must hide behind the forward.
 
 Two measurements of decode steps of ``--seqs`` sequences of ``--context`` tokens over the
 paged cache and the continuous scheduler:
@@ -8,7 +8,7 @@ paged cache and the continuous scheduler:
   forward (a constant logits tensor over a small vocabulary); what a GPU would run (the
   forward, the argmax) is timed apart and left out. Each is run with the heap frozen during
   the steps, as ``LLM.generate``, the benchmarks and the server loop do
-  (core/heap.py), and without: the garbage collector's time and its full passes are
+  (core/engine/gc_freeze.py), and without: the garbage collector's time and its full passes are
   counted. ``--heap`` first loads the default pipeline (SmolLM2), so the collector has a
   real process's objects to walk; one full collection over them is timed, as it is and
   frozen;
@@ -41,12 +41,15 @@ from types import SimpleNamespace
 
 import torch
 
-from tessellm.core.batch import build_batch
-from tessellm.core.cache import CacheSpec, KVLayout
-from tessellm.core.engine import Engine
-from tessellm.core.heap import CollectorClock, frozen_heap
-from tessellm.core.scheduler import SchedulerLimits
-from tessellm.core.sequence import SamplingParams, Sequence
+from tessellm.core.engine.batch_builder import build_batch
+from tessellm.core.interfaces.cache import CacheSpec
+from tessellm.core.interfaces.kv import KVLayout
+from tessellm.core.engine.engine import Engine
+from tessellm.core.engine.outputs import StopRule
+from tessellm.core.engine.overlap import OverlappedEngine
+from tessellm.core.engine.gc_freeze import CollectorClock, frozen_heap
+from tessellm.core.interfaces.scheduler import SchedulerLimits
+from tessellm.core.interfaces.sequence import SamplingParams, Sequence
 from tessellm.plugins.attention.cascade import CascadeAttention, CascadeOptions
 from tessellm.plugins.attention.flash import FlashAttention, FlashOptions
 from tessellm.plugins.attention.sdpa import SdpaAttention, SdpaOptions
@@ -102,6 +105,12 @@ def paged_parts(seqs: int, context: int, steps: int):
     return cache, sched
 
 
+def make_engine(runner, cache, sched, decoder, max_model_len: int, async_scheduling: bool) -> Engine:
+    """The engine a pipeline builds, around the stub runner (EOS: token 0)."""
+    engine = OverlappedEngine if async_scheduling else Engine
+    return engine(runner, cache, sched, decoder, stop=StopRule({0}, max_model_len), vocab_size=VOCAB)
+
+
 def prompts(seqs: int, context: int) -> list[list[int]]:
     return [[(i * 7 + j) % (VOCAB - 1) + 1 for j in range(context)] for i in range(seqs)]
 
@@ -118,8 +127,7 @@ def engine_steps(seqs: int, context: int, steps: int, async_scheduling: bool, fr
     decoder.device_tokens = on_device(runner, decoder.device_tokens)
     argmax = decoder.decode
     decoder.decode = on_device(runner, argmax)
-    engine = Engine(runner, cache, sched, decoder, max_model_len=8192, eos_token_ids={0}, vocab_size=VOCAB,
-                    async_scheduling=async_scheduling)
+    engine = make_engine(runner, cache, sched, decoder, 8192, async_scheduling)
     for i, prompt in enumerate(prompts(seqs, context)):
         engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=steps + 16, ignore_eos=True))
     while any(s.num_computed_tokens < s.num_prompt_tokens for s in sched.unfinished()):
@@ -146,7 +154,7 @@ def workload_steps(async_scheduling: bool, num_requests: int = 512, output_len: 
     mean host ms of overlapped and other steps."""
     from e2e_gpu import MIXED_PROMPTS  # bench/, this script's folder
 
-    from tessellm.core.bench_workloads import make_workload
+    from tessellm.bench.workloads import make_workload
 
     requests = make_workload("mixed", seed=0, num_requests=num_requests, tokenizer=range(VOCAB), max_model_len=4096,
                              **MIXED_PROMPTS, output_median=output_len, output_min=output_len, output_max=output_len)
@@ -159,13 +167,12 @@ def workload_steps(async_scheduling: bool, num_requests: int = 512, output_len: 
     runner = StubRunner(FlashAttention(FlashOptions(), STUB_MODEL, CPU, torch.float32), cache)
     runner.logits = torch.zeros(8192, VOCAB)  # a prefill step samples up to a row per token budget
     runner.logits[:, 7] = 1.0
-    engine = Engine(runner, cache, sched, decoder, max_model_len=4096, eos_token_ids={0}, vocab_size=VOCAB,
-                    async_scheduling=async_scheduling)
+    engine = make_engine(runner, cache, sched, decoder, 4096, async_scheduling)
     for r in requests:
         engine.add_request(r.request_id, r.prompt_token_ids, r.sampling_params())
     kinds = {"overlapped": [0, 0.0], "other": [0, 0.0]}
     with frozen_heap():
-        while engine.has_unfinished() or engine._pending is not None:
+        while engine.has_unfinished():
             before, start = engine.stats.overlapped_steps, time.perf_counter()
             engine.step()
             kind = kinds["overlapped" if engine.stats.overlapped_steps > before else "other"]

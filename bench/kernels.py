@@ -27,7 +27,7 @@ How to run
 ``--sweep`` times the flash kernels alone over tile sizes, warps, pipeline stages, the prefill's
 K/V source (block table or packed rows) and (decode)
 the number of programs split-K aims for, at a few representative points; its best shapes are
-what ``prefill_config``, ``decode_config`` and ``DECODE_PROGRAMS`` in flash_kernels.py hold.
+what ``prefill_config`` (flash/prefill.py), ``decode_config`` and ``DECODE_PROGRAMS`` (flash/decode.py) hold.
 
 Targets (issue 4, H100): prefill at or above SDPA-flash and FlexAttention everywhere and at
 least 0.8x cuDNN at 4k-16k, head dim 128; decode at least 80% of copy bandwidth for batch >=
@@ -46,8 +46,9 @@ from datetime import datetime, timezone
 import torch
 import torch.nn.functional as F
 
-from tessellm.plugins.attention.flash_kernels import (KernelConfig, default_num_splits, paged_decode_attention,
-                                                      paged_flash_attention)
+from tessellm.plugins.attention.flash.common import KernelConfig
+from tessellm.plugins.attention.flash.decode import default_num_splits, paged_decode_attention
+from tessellm.plugins.attention.flash.prefill import paged_flash_attention
 
 
 def timed(fn, device: torch.device, reps: int, warmup_ms: int = 25) -> float:

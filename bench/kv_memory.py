@@ -34,11 +34,11 @@ import sys
 from datetime import datetime, timezone
 
 from tessellm import LLM
-from tessellm.core.bench import describe_device, run_offline
-from tessellm.core.bench_workloads import BenchRequest, make_workload
+from tessellm.bench.offline import describe_device, run_offline
+from tessellm.bench.workloads import BenchRequest, make_workload
 from tessellm.core.config import config_from_dict
-from tessellm.core.model_loader import load_hf_config
-from tessellm.core.model_spec import ModelSpec
+from tessellm.core.model.loader import load_hf_config
+from tessellm.core.model.spec import ModelSpec
 from tessellm.core.resolve import DTYPES, model_dir_for
 from tessellm.plugins.cache.paged import bytes_per_block
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from tessellm import LLM
-from tessellm.core.model_loader import model_folder, resolve_model
+from tessellm.core.model.loader import model_folder, resolve_model
 
 
 def main() -> None:

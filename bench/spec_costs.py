@@ -17,9 +17,10 @@ import time
 import torch
 
 from tessellm import LLM
-from tessellm.core.batch import ScheduledSeq, build_batch
-from tessellm.core.bench import describe_device
-from tessellm.core.sequence import SamplingParams, Sequence
+from tessellm.core.interfaces.batch import ScheduledSeq
+from tessellm.core.engine.batch_builder import build_batch
+from tessellm.bench.offline import describe_device
+from tessellm.core.interfaces.sequence import SamplingParams, Sequence
 from tessellm.plugins.decoding.speculative.layer_skip import default_draft_layers
 
 

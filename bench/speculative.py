@@ -37,7 +37,7 @@ def case_name(workload: str, proposer: str, seqs: int, adaptive: bool) -> str:
 
 
 def run_case(workload: str, proposer: str, seqs: int, adaptive: bool, k: int, extra: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "tessellm.core.cli", "bench", "--workload", str(WORKLOADS[workload]), "--json",
+    cmd = [sys.executable, "-m", "tessellm", "bench", "--workload", str(WORKLOADS[workload]), "--json",
            "--baseline", "plain", "--no-progress",
            "--set", "decoding.name=speculative", "--set", f"decoding.options.proposer={proposer}",
            "--set", f"decoding.options.k={k}", "--set", f"decoding.options.adaptive_k={str(adaptive).lower()}",

@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from e2e_gpu import LLAMA_32_1B, TINY, build_model, pipeline_config  # noqa: E402
 
 from tessellm import LLM  # noqa: E402
-from tessellm.core import engine as engine_module  # noqa: E402
+from tessellm.core.engine import engine as engine_module  # noqa: E402
 from tessellm.core.errors import ConfigError  # noqa: E402
-from tessellm.core.sequence import SamplingParams  # noqa: E402
+from tessellm.core.interfaces.sequence import SamplingParams  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,8 +22,8 @@ from typing import Any, Literal, Optional
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from .errors import ConfigError
-from .model_loader import DEFAULT_MODEL
+from tessellm.core.errors import ConfigError
+from tessellm.core.model.loader import DEFAULT_MODEL
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -7,7 +7,7 @@ callback and calls it with plugin classes; it returns nothing, so the core owns 
 when the registry loads, in no guaranteed order.
 
     import tessellm
-    from tessellm.core.attention import AttentionBackend
+    from tessellm.core.interfaces.attention import AttentionBackend
 
     class MyAttention(AttentionBackend):
         name = "mine"
@@ -38,24 +38,24 @@ Register = Callable[[type], None]
 
 @hookspec
 def register_attention(register: Register) -> None:
-    """Register attention backends: subclasses of ``tessellm.core.attention.AttentionBackend``."""
+    """Register attention backends: subclasses of ``tessellm.AttentionBackend``."""
 
 
 @hookspec
 def register_cache(register: Register) -> None:
-    """Register KV-cache managers: subclasses of ``tessellm.core.cache.CacheManager``."""
+    """Register KV-cache managers: subclasses of ``tessellm.CacheManager``."""
 
 
 @hookspec
 def register_scheduler(register: Register) -> None:
-    """Register schedulers: subclasses of ``tessellm.core.scheduler.Scheduler``."""
+    """Register schedulers: subclasses of ``tessellm.Scheduler``."""
 
 
 @hookspec
 def register_decoding(register: Register) -> None:
-    """Register decoders: subclasses of ``tessellm.core.decoding.Decoder``."""
+    """Register decoders: subclasses of ``tessellm.Decoder``."""
 
 
 @hookspec
 def register_quant(register: Register) -> None:
-    """Register quantizers: subclasses of ``tessellm.core.quant.Quantizer``."""
+    """Register quantizers: subclasses of ``tessellm.Quantizer``."""

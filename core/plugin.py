@@ -3,17 +3,16 @@ can serve a config."""
 
 from __future__ import annotations
 
+import warnings
 from abc import ABC
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
 
 if TYPE_CHECKING:
-    from .cache import KVLayout
-    from .config import PipelineConfig
-    from .model_spec import ModelSpec
+    from tessellm.core.interfaces.kv import KVLayout
+    from tessellm.core.model.spec import ModelSpec
 
 KINDS = ("attention", "cache", "scheduler", "decoding", "quant")
 """The five kinds of part, named as their config sections and plugins/ folders."""
@@ -26,23 +25,48 @@ class PluginOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
 
 
-@dataclass
 class SelectionContext:
-    """What a plugin sees when asked whether it can serve a pipeline.
+    """What a plugin sees when asked whether it can serve a pipeline (``unsupported_reasons``).
 
-    ``chosen`` holds the plugins already selected for the other kinds (kind -> (class,
-    options)); selection goes quant, cache, attention, scheduler, decoding, so an attention
-    backend sees the cache's ``kv_layout``.
+    - ``device``, ``dtype``: the resolved torch device and compute dtype.
+    - ``model``: the ``ModelSpec`` (head counts and dims, vocabulary, window, RoPE, ...).
+    - ``options``: this plugin's validated options.
+    - ``max_model_len``: the resolved context length.
+    - ``kv_layout``: the chosen cache's ``KVLayout``; None while quant and cache resolve.
+    - ``chosen``: the plugins already selected for earlier kinds, kind -> (class, options);
+      selection goes quant, cache, attention, scheduler, decoding.
+    - ``auto``: whether the plugin is being considered because the config says ``auto``
+      (False: the config names it), e.g. to stay out of ``auto`` where it only runs slowly.
+
+    ``config``, the whole ``PipelineConfig``, was part of plugin API 1.0; reading it still
+    works and warns (DeprecationWarning): a plugin should need only the fields above.
     """
 
-    config: PipelineConfig
-    device: torch.device
-    dtype: torch.dtype
-    model: ModelSpec
-    options: PluginOptions
-    max_model_len: int
-    kv_layout: KVLayout | None = None
-    chosen: dict[str, tuple[type, PluginOptions]] = field(default_factory=dict)
+    def __init__(self, *, device: torch.device, dtype: torch.dtype, model: ModelSpec, options: PluginOptions,
+                 max_model_len: int, kv_layout: KVLayout | None = None,
+                 chosen: dict[str, tuple[type, PluginOptions]] | None = None, auto: bool = False,
+                 config: Any = None):
+        self.device = device
+        self.dtype = dtype
+        self.model = model
+        self.options = options
+        self.max_model_len = max_model_len
+        self.kv_layout = kv_layout
+        self.chosen = chosen if chosen is not None else {}
+        self.auto = auto
+        self._config = config
+
+    @property
+    def config(self) -> Any:
+        """Deprecated: the whole pipeline config (plugin API 1.0)."""
+        warnings.warn("SelectionContext.config is deprecated since plugin API 1.1: read ctx.auto, ctx.device, "
+                      "ctx.dtype, ctx.model, ctx.options, ctx.max_model_len, ctx.kv_layout or ctx.chosen",
+                      DeprecationWarning, stacklevel=2)
+        return self._config
+
+    def __repr__(self) -> str:
+        return (f"SelectionContext(device={self.device}, dtype={self.dtype}, options={self.options!r}, "
+                f"max_model_len={self.max_model_len}, kv_layout={self.kv_layout}, auto={self.auto})")
 
 
 class Plugin(ABC):

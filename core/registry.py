@@ -17,10 +17,10 @@ from typing import Any, Iterable
 
 import pluggy
 
-from . import hookspecs
-from .errors import PluginConflictError, PluginLoadError
-from .plugin import KINDS, Plugin
-from .version import api_version_problem
+from tessellm.core import hookspecs
+from tessellm.core.errors import PluginConflictError, PluginLoadError
+from tessellm.core.plugin import KINDS, Plugin
+from tessellm.core.version import api_version_problem
 
 ENTRY_POINT_GROUP = "tessellm"
 DISABLE_ENV = "TESSELLM_DISABLE_PLUGINS"
@@ -59,11 +59,11 @@ class LoadFailure:
 
 
 def _base_class(kind: str) -> type[Plugin]:
-    from .attention import AttentionBackend
-    from .cache import CacheManager
-    from .decoding import Decoder
-    from .quant import Quantizer
-    from .scheduler import Scheduler
+    from tessellm.core.interfaces.attention import AttentionBackend
+    from tessellm.core.interfaces.cache import CacheManager
+    from tessellm.core.interfaces.decoder import Decoder
+    from tessellm.core.interfaces.quantizer import Quantizer
+    from tessellm.core.interfaces.scheduler import Scheduler
 
     return {"attention": AttentionBackend, "cache": CacheManager, "scheduler": Scheduler,
             "decoding": Decoder, "quant": Quantizer}[kind]

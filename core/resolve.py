@@ -17,12 +17,12 @@ from typing import Any
 import torch
 from pydantic import ValidationError
 
-from .cache import KVLayout
-from .config import PipelineConfig
-from .errors import ConfigError
-from .model_spec import ModelSpec
-from .plugin import PluginOptions, SelectionContext
-from .registry import PluginEntry, PluginRegistry
+from tessellm.core.interfaces.kv import KVLayout
+from tessellm.core.config import PipelineConfig
+from tessellm.core.errors import ConfigError
+from tessellm.core.model.spec import ModelSpec
+from tessellm.core.plugin import PluginOptions, SelectionContext
+from tessellm.core.registry import PluginEntry, PluginRegistry
 
 ORDER = ("quant", "cache", "attention", "scheduler", "decoding")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -150,8 +150,10 @@ def _choose(depth: int, resolved: ResolvedPipeline, candidates: dict[str, list[P
         except ConfigError as exc:
             rejected.append(f"{entry.name}: {exc}")
             continue
-        ctx = SelectionContext(resolved.config, resolved.device, resolved.dtype, resolved.model, options,
-                               resolved.max_model_len, resolved.kv_layout, {k: (c.cls, c.options) for k, c in resolved.choices.items()})
+        ctx = SelectionContext(device=resolved.device, dtype=resolved.dtype, model=resolved.model, options=options,
+                               max_model_len=resolved.max_model_len, kv_layout=resolved.kv_layout,
+                               chosen={k: (c.cls, c.options) for k, c in resolved.choices.items()},
+                               auto=section.name == "auto", config=resolved.config)
         reasons = entry.cls.unsupported_reasons(ctx)
         if reasons:
             rejected.append(f"{entry.name}: {'; '.join(reasons)}")
@@ -178,7 +180,7 @@ def _choose(depth: int, resolved: ResolvedPipeline, candidates: dict[str, list[P
 
 def model_dir_for(config: PipelineConfig) -> Path:
     """The Hugging Face folder holding ``config.model`` (converting a GGUF once)."""
-    from .model_loader import model_folder, resolve_model
+    from tessellm.core.model.loader import model_folder, resolve_model
 
     cache_dir = Path(config.model_cache_dir).expanduser() if config.model_cache_dir else None
     return model_folder(resolve_model(config.model), cache_dir)

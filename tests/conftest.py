@@ -12,6 +12,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+if not torch.cuda.is_available():
+    # Triton kernels run interpreted on the CPU. Triton reads this when it is first imported
+    # (by any test module, or by a library such as transformers at collection): set it before.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 settings.register_profile("ci", deadline=None, derandomize=True, max_examples=30, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("dev", deadline=None, max_examples=200)
@@ -28,7 +33,7 @@ def _seed():
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct as a Hugging Face folder (converted once)."""
-    from tessellm.core.model_loader import model_folder, resolve_model
+    from tessellm.core.model.loader import model_folder, resolve_model
 
     return model_folder(resolve_model("smollm2-135m"))
 

@@ -62,13 +62,13 @@ def test_wheel_installs_into_clean_venv_and_imports(tmp_path):
                     str(wheel)], check=True, capture_output=True, text=True)
 
     probe = (
-        "import json, tessellm, tessellm.core.engine, tessellm.plugins.attention.sdpa, "
+        "import json, tessellm, tessellm.core.engine.engine, tessellm.plugins.attention.sdpa, "
         "tessellm.plugins.cache.contiguous, tessellm.plugins.scheduler.static, tessellm.plugins.decoding.sample, "
         "tessellm.plugins.quant.none, tessellm.testing.attention\n"
         "from tessellm.core.registry import PluginRegistry\n"
         "from tessellm.core.config import default_config_data\n"
         "r = PluginRegistry()\n"
-        "print(json.dumps({'file': tessellm.core.engine.__file__, 'failures': [str(f) for f in r.failures],"
+        "print(json.dumps({'file': tessellm.core.engine.engine.__file__, 'failures': [str(f) for f in r.failures],"
         " 'plugins': sorted(f'{e.kind}.{e.name}:{e.package}' for e in r.entries()),"
         " 'default_model': default_config_data()['model']}))"
     )

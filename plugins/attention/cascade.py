@@ -22,8 +22,8 @@ import torch
 from pydantic import Field
 
 import tessellm
-from tessellm.core.batch import BatchMetadata
-from tessellm.core.cache import KVStorage
+from tessellm.core.interfaces.batch import BatchMetadata
+from tessellm.core.interfaces.kv import KVStorage
 from tessellm.plugins.attention.sdpa import SdpaAttention, SdpaOptions
 
 
@@ -80,7 +80,7 @@ class CascadeAttention(SdpaAttention):
     """
 
     name = "cascade"
-    api_version = "1.0"
+    api_version = "1.1"
     description = "sdpa + shared-prefix (cascade) decode attention: a common prefix is read once per step"
     Options = CascadeOptions
     auto_priority = 20

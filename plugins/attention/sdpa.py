@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from pydantic import Field
 
 import tessellm
-from tessellm.core.attention import AttentionBackend
-from tessellm.core.batch import BatchMetadata
-from tessellm.core.cache import CacheManager, KVStorage
+from tessellm.core.interfaces.attention import AttentionBackend
+from tessellm.core.interfaces.batch import BatchMetadata
+from tessellm.core.interfaces.cache import CacheManager
+from tessellm.core.interfaces.kv import KVStorage
 from tessellm.core.plugin import PluginOptions
 
 
@@ -65,7 +66,7 @@ class SdpaAttention(AttentionBackend):
     """
 
     name = "sdpa"
-    api_version = "1.0"
+    api_version = "1.1"
     description = "torch scaled_dot_product_attention over the KV cache (reference, CPU and CUDA)"
     Options = SdpaOptions
     auto_priority = 10

@@ -13,10 +13,11 @@ import torch
 from pydantic import Field
 
 import tessellm
-from tessellm.core.cache import CacheManager, CacheSpec, KVLayout, KVStorage
-from tessellm.core.kv_storage import DenseKVStorage
+from tessellm.core.interfaces.cache import CacheManager, CacheSpec
+from tessellm.core.interfaces.kv import KVLayout, KVStorage
+from tessellm.core.interfaces.kv import DenseKVStorage
 from tessellm.core.plugin import PluginOptions, SelectionContext
-from tessellm.core.sequence import Sequence
+from tessellm.core.interfaces.sequence import Sequence
 
 
 class ContiguousOptions(PluginOptions):
@@ -37,7 +38,7 @@ class ContiguousCache(CacheManager):
     """One ``max_model_len`` region per sequence; regions are never shared, so a fork copies."""
 
     name = "contiguous"
-    api_version = "1.0"
+    api_version = "1.1"
     description = "one max_model_len region per sequence (reference; no sharing)"
     Options = ContiguousOptions
     auto_priority = 10

@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 import tessellm
-from tessellm.core.batch import BatchMetadata
-from tessellm.core.decoding import Decoder, slot_logits
+from tessellm.core.interfaces.batch import BatchMetadata
+from tessellm.core.interfaces.decoder import Decoder, slot_logits
 from tessellm.core.errors import InvalidRequestError
-from tessellm.core.sequence import SamplingParams
+from tessellm.core.interfaces.sequence import SamplingParams
 
 
 class GreedyDecoder(Decoder):
@@ -16,7 +16,7 @@ class GreedyDecoder(Decoder):
     (not silently decoded greedily): pick `sample` for those."""
 
     name = "greedy"
-    api_version = "1.0"
+    api_version = "1.1"
     description = "argmax decoding; refuses requests that ask for sampling"
     auto_priority = 5
     device_tokens_any_dtype = True  # an argmax: bfloat16 logits give the same tokens

@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 
 import tessellm
-from tessellm.core.batch import BatchMetadata
-from tessellm.core.decoding import Decoder, slot_logits
-from tessellm.core.sequence import SamplingParams
+from tessellm.core.interfaces.batch import BatchMetadata
+from tessellm.core.interfaces.decoder import Decoder, slot_logits
+from tessellm.core.interfaces.sequence import SamplingParams
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
@@ -56,7 +56,7 @@ class SampleDecoder(Decoder):
     (prompt, params, seed) gives the same tokens in any batch."""
 
     name = "sample"
-    api_version = "1.0"
+    api_version = "1.1"
     description = "temperature / top-k / top-p sampling with per-request seeds (temperature 0: greedy)"
     auto_priority = 10
     device_tokens_any_dtype = True  # device_tokens serves temperature 0 only: an argmax

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import tessellm
-from tessellm.core.quant import Quantizer
+from tessellm.core.interfaces.quantizer import Quantizer
 
 
 class NoQuantizer(Quantizer):
     """Leaves the model as loaded (the compute dtype given by the config)."""
 
     name = "none"
-    api_version = "1.0"
+    api_version = "1.1"
     description = "no quantization: weights in the compute dtype"
     auto_priority = 10
 

@@ -25,11 +25,11 @@ from typing import Literal
 from pydantic import Field
 
 import tessellm
-from tessellm.core.batch import ScheduledSeq, SchedulerOutput
+from tessellm.core.interfaces.batch import ScheduledSeq, SchedulerOutput
 from tessellm.core.errors import RequestRejectedError
 from tessellm.core.plugin import PluginOptions
-from tessellm.core.scheduler import QueueScheduler
-from tessellm.core.sequence import Sequence, SequenceStatus
+from tessellm.core.interfaces.scheduler import QueueScheduler
+from tessellm.core.interfaces.sequence import Sequence, SequenceStatus
 
 
 class ContinuousOptions(PluginOptions):
@@ -54,7 +54,7 @@ class ContinuousScheduler(QueueScheduler):
     """
 
     name = "continuous"
-    api_version = "1.0"
+    api_version = "1.1"
     description = "in-flight batching: token budget, chunked prefill, preemption, fcfs/priority"
     Options = ContinuousOptions
     auto_priority = 50

@@ -13,10 +13,10 @@ from collections import deque
 from pydantic import Field
 
 import tessellm
-from tessellm.core.batch import ScheduledSeq, SchedulerOutput
+from tessellm.core.interfaces.batch import ScheduledSeq, SchedulerOutput
 from tessellm.core.plugin import PluginOptions
-from tessellm.core.scheduler import QueueScheduler
-from tessellm.core.sequence import Sequence, SequenceStatus
+from tessellm.core.interfaces.scheduler import QueueScheduler
+from tessellm.core.interfaces.sequence import Sequence, SequenceStatus
 
 
 class StaticOptions(PluginOptions):
@@ -31,7 +31,7 @@ class StaticScheduler(QueueScheduler):
     admitted last is preempted (its cache freed, recomputed in a later batch)."""
 
     name = "static"
-    api_version = "1.0"
+    api_version = "1.1"
     description = "FCFS static batches: a new batch starts when the last one has finished"
     Options = StaticOptions
     auto_priority = 10

@@ -1,29 +1,100 @@
 """tessellm: a plugin-based LLM inference engine.
 
-Plugin authors need only ``tessellm.hookimpl``; scripts use ``tessellm.LLM`` and
-``tessellm.Pipeline`` (imported lazily, so loading a plugin module stays cheap).
+Everything a script or a plugin author needs is importable from here, lazily (importing
+``tessellm`` to reach ``hookimpl`` loads neither torch nor a model):
+
+    import tessellm
+
+    class MyAttention(tessellm.AttentionBackend):
+        name = "mine"
+        api_version = "1.1"
+        ...
+
+    @tessellm.hookimpl
+    def register_attention(register):
+        register(MyAttention)
+
+Scripts use ``tessellm.LLM`` (and ``Pipeline``, ``PipelineConfig``, ``SamplingParams``).
+These names are the plugin API, versioned as ``PLUGIN_API_VERSION``; the modules behind them
+may move between releases.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from tessellm.core import compat as _compat
 from tessellm.core.hookspecs import hookimpl
 from tessellm.core.version import PLUGIN_API_VERSION, __version__
 
-__all__ = ["LLM", "Pipeline", "PipelineConfig", "SamplingParams", "hookimpl", "PLUGIN_API_VERSION", "__version__"]
+_compat.install()  # the import paths of tessellm 0.1, for plugins written against them
 
+_INTERFACES = "tessellm.core.interfaces"
 _LAZY = {
-    "LLM": "tessellm.core.llm",
-    "Pipeline": "tessellm.core.llm",
+    # scripts
+    "LLM": "tessellm.core.engine.llm",
+    "RequestOutput": "tessellm.core.engine.llm",
+    "CompletionOutput": "tessellm.core.engine.llm",
+    "Pipeline": "tessellm.core.engine.pipeline",
     "PipelineConfig": "tessellm.core.config",
-    "SamplingParams": "tessellm.core.sequence",
+    "load_config": "tessellm.core.config",
+    # the plugin base, options and selection
+    "Plugin": "tessellm.core.plugin",
+    "PluginOptions": "tessellm.core.plugin",
+    "SelectionContext": "tessellm.core.plugin",
+    "KINDS": "tessellm.core.plugin",
+    "PluginRegistry": "tessellm.core.registry",
+    "get_registry": "tessellm.core.registry",
+    "resolve": "tessellm.core.resolve",
+    "ModelSpec": "tessellm.core.model.spec",
+    # the five interfaces
+    "AttentionBackend": f"{_INTERFACES}.attention",
+    "CacheManager": f"{_INTERFACES}.cache",
+    "CacheSpec": f"{_INTERFACES}.cache",
+    "PrefixCacheStats": f"{_INTERFACES}.cache",
+    "Scheduler": f"{_INTERFACES}.scheduler",
+    "QueueScheduler": f"{_INTERFACES}.scheduler",
+    "SchedulerLimits": f"{_INTERFACES}.scheduler",
+    "Decoder": f"{_INTERFACES}.decoder",
+    "DecoderContext": f"{_INTERFACES}.decoder",
+    "slot_logits": f"{_INTERFACES}.decoder",
+    "Quantizer": f"{_INTERFACES}.quantizer",
+    # the data they exchange
+    "BatchMetadata": f"{_INTERFACES}.batch",
+    "SampleSlot": f"{_INTERFACES}.batch",
+    "ScheduledSeq": f"{_INTERFACES}.batch",
+    "SchedulerOutput": f"{_INTERFACES}.batch",
+    "KVLayout": f"{_INTERFACES}.kv",
+    "KVStorage": f"{_INTERFACES}.kv",
+    "DenseKVStorage": f"{_INTERFACES}.kv",
+    "Sequence": f"{_INTERFACES}.sequence",
+    "SequenceStatus": f"{_INTERFACES}.sequence",
+    "SamplingParams": f"{_INTERFACES}.sequence",
+    "FinishReason": f"{_INTERFACES}.sequence",
+    "TokenLogprob": f"{_INTERFACES}.sequence",
+    # errors
+    "TessellmError": "tessellm.core.errors",
+    "ConfigError": "tessellm.core.errors",
+    "PluginError": "tessellm.core.errors",
+    "PluginLoadError": "tessellm.core.errors",
+    "PluginConflictError": "tessellm.core.errors",
+    "ModelLoadError": "tessellm.core.errors",
+    "InvalidRequestError": "tessellm.core.errors",
+    "RequestRejectedError": "tessellm.core.errors",
 }
+
+__all__ = ["hookimpl", "PLUGIN_API_VERSION", "__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
     raise AttributeError(f"module 'tessellm' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)

@@ -20,7 +20,7 @@ import pytest
 
 import tessellm
 from tessellm.core import registry as registry_module
-from tessellm.core.attention import AttentionBackend
+from tessellm.core.interfaces.attention import AttentionBackend
 from tessellm.core.errors import PluginConflictError
 from tessellm.core.plugin import KINDS
 from tessellm.core.registry import DISABLE_ENV, ENTRY_POINT_GROUP, PluginRegistry
@@ -43,11 +43,11 @@ MODULE_PREFIX = "tessellm_testplug_"  # every module this file writes to disk st
 def plugin_source(name: str, *, kind: str = "attention", api_version: str | None = "1.0",
                   hook: str | None = None, extra: str = "") -> str:
     """Source of a plugin module registering one trivial plugin class of ``kind``."""
-    base = {"attention": ("tessellm.core.attention", "AttentionBackend"),
-            "cache": ("tessellm.core.cache", "CacheManager"),
-            "scheduler": ("tessellm.core.scheduler", "Scheduler"),
-            "decoding": ("tessellm.core.decoding", "Decoder"),
-            "quant": ("tessellm.core.quant", "Quantizer")}[kind]
+    base = {"attention": ("tessellm", "AttentionBackend"),
+            "cache": ("tessellm", "CacheManager"),
+            "scheduler": ("tessellm", "Scheduler"),
+            "decoding": ("tessellm", "Decoder"),
+            "quant": ("tessellm", "Quantizer")}[kind]
     version_line = "" if api_version is None else f"api_version = {api_version!r}"
     return textwrap.dedent(f"""\
         import tessellm
@@ -274,7 +274,7 @@ def test_add_module_conflict_names_both_packages():
 
 
 def test_same_name_in_different_kinds_is_no_conflict():
-    from tessellm.core.quant import Quantizer
+    from tessellm.core.interfaces.quantizer import Quantizer
 
     registry = PluginRegistry()
     quant = type("SdpaQuant", (Quantizer,), {"name": "sdpa", "api_version": "1.0"})
@@ -395,7 +395,7 @@ def test_registering_a_non_plugin_is_a_load_failure(thing):
 
 
 def test_registering_a_plugin_of_another_kind_is_a_load_failure():
-    from tessellm.core.quant import Quantizer
+    from tessellm.core.interfaces.quantizer import Quantizer
 
     quant = type("Q", (Quantizer,), {"name": "q", "api_version": "1.0"})
     registry = empty_registry()
@@ -508,7 +508,7 @@ def test_cli_plugins_json_subprocess(fake_dist, tmp_path):
     root = fake_dist("fakepkg", {"attention.fake": (MODULE_PREFIX + "fake", plugin_source("fake"))})
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     env.pop(DISABLE_ENV, None)
-    proc = subprocess.run([sys.executable, "-m", "tessellm.core.cli", "plugins", "--json"], cwd=tmp_path,
+    proc = subprocess.run([sys.executable, "-m", "tessellm", "plugins", "--json"], cwd=tmp_path,
                           env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
@@ -521,7 +521,7 @@ def test_cli_plugins_json_subprocess(fake_dist, tmp_path):
 
 
 def test_cli_plugins_json_in_process_reports_failures_on_stderr(fake_dist, monkeypatch, capsys):
-    from tessellm.core import cli
+    from tessellm import cli
 
     fake_dist("brokenpkg", {"attention.broken": (MODULE_PREFIX + "broken", "raise RuntimeError('boom')\n")})
     monkeypatch.setattr(registry_module, "_default", None)  # a fresh process-wide registry
@@ -534,7 +534,7 @@ def test_cli_plugins_json_in_process_reports_failures_on_stderr(fake_dist, monke
 
 
 def test_cli_plugins_table(monkeypatch, capsys):
-    from tessellm.core import cli
+    from tessellm import cli
 
     monkeypatch.setattr(registry_module, "_default", None)
     assert cli.main(["plugins"]) == 0
@@ -545,7 +545,7 @@ def test_cli_plugins_table(monkeypatch, capsys):
 
 
 def test_cli_plugins_conflict_is_a_one_line_error(fake_dist, monkeypatch, capsys):
-    from tessellm.core import cli
+    from tessellm import cli
 
     fake_dist("fakepkg", {"attention.mysdpa": (MODULE_PREFIX + "shadow", plugin_source("sdpa"))})
     monkeypatch.setattr(registry_module, "_default", None)

@@ -16,11 +16,11 @@ import torch
 import transformers
 
 import tessellm
-from tessellm.core.cache import KVLayout
+from tessellm.core.interfaces.kv import KVLayout
 from tessellm.core.config import PipelineConfig
 from tessellm.core.errors import ConfigError
-from tessellm.core.model_spec import ModelSpec
-from tessellm.core.quant import Quantizer
+from tessellm.core.model.spec import ModelSpec
+from tessellm.core.interfaces.quantizer import Quantizer
 from tessellm.core.registry import LoadFailure, PluginRegistry
 from tessellm.core.resolve import ORDER, ResolvedPipeline, resolve
 from tessellm.plugins.attention.sdpa import SdpaAttention

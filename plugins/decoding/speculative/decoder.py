@@ -11,15 +11,15 @@ exactly the target's distribution.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
 
-from tessellm.core.batch import BatchMetadata, SchedulerOutput
-from tessellm.core.decoding import Decoder
+from tessellm.core.interfaces.batch import BatchMetadata, SchedulerOutput
+from tessellm.core.interfaces.decoder import Decoder, DecoderContext
 from tessellm.core.plugin import PluginOptions
-from tessellm.core.sequence import Sequence
+from tessellm.core.interfaces.sequence import Sequence
 from tessellm.plugins.decoding.sample import filter_logits, sampling_tensors
 
 from .adaptive import AdaptiveK
@@ -28,9 +28,6 @@ from .layer_skip import LayerSkipProposer
 from .ngram import NgramProposer
 from .proposer import Proposer
 from .rejection import accept_greedy, accept_sampled
-
-if TYPE_CHECKING:
-    from tessellm.core.llm import Pipeline
 
 
 class SpeculativeOptions(PluginOptions):
@@ -88,7 +85,7 @@ class SpeculativeDecoder(Decoder):
     """
 
     name = "speculative"
-    api_version = "1.0"
+    api_version = "1.1"
     description = "speculative decoding (n-gram lookup, draft model or layer-skip) with exact rejection sampling"
     Options = SpeculativeOptions
     auto_priority = None  # trades work for latency: chosen by name only
@@ -98,11 +95,11 @@ class SpeculativeDecoder(Decoder):
         self.num_lookahead_tokens = options.k
         self.proposer = make_proposer(options)
         self._probs: dict[int, torch.Tensor] = {}  # seq_id -> this step's draft distributions
-        self.max_model_len = model.max_position_embeddings
+        self.tokens_left = None
 
-    def bind(self, pipeline: Pipeline) -> None:
-        self.max_model_len = pipeline.resolved.max_model_len
-        self.proposer.bind(pipeline)
+    def attach(self, ctx: DecoderContext) -> None:
+        self.tokens_left = ctx.tokens_left
+        self.proposer.attach(ctx)
         cost = self.options.draft_cost if self.options.draft_cost is not None else self.proposer.cost
         self.adaptive = AdaptiveK(self.options.k, cost, self.options.verify_cost)
 
@@ -114,7 +111,7 @@ class SpeculativeDecoder(Decoder):
         decoding = [item.seq for item in out.scheduled if item.num_query_tokens == 1
                     and item.seq.num_computed_tokens + 1 == item.seq.num_tokens and item.seq.num_output_tokens > 0]
         for seq in decoding:
-            room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+            room = self.tokens_left(seq) - 1  # the last token is the target's own
             k = self.adaptive.k_for(seq.seq_id, len(decoding)) if self.options.adaptive_k else self.options.k
             budget = min(k, room)
             if budget > 0:

@@ -11,16 +11,11 @@ whole prompt the first time), then drafts one token per round.
 
 from __future__ import annotations
 
-import json
-from typing import TYPE_CHECKING
-
 from tessellm.core.errors import ConfigError
-from tessellm.core.sequence import Sequence
+from tessellm.core.interfaces.decoder import DecoderContext
+from tessellm.core.interfaces.sequence import Sequence
 
 from .proposer import Draft, Proposer, draft_rounds
-
-if TYPE_CHECKING:
-    from tessellm.core.llm import Pipeline
 
 
 def _common_prefix(a: list[int], b: list[int], start: int) -> int:
@@ -43,24 +38,21 @@ class DraftModelProposer(Proposer):
         self._shadows: dict[int, Sequence] = {}
         self._synced: dict[int, int] = {}  # seq_id -> target tokens known equal to the shadow's
 
-    def bind(self, pipeline: Pipeline) -> None:
-        from tessellm.core.llm import Pipeline
-
+    def attach(self, ctx: DecoderContext) -> None:
         if not self.model_name:
             raise ConfigError("decoding.options.draft_model: proposer 'draft' needs a draft model (a name, "
                               "Hugging Face folder or .gguf sharing the target's tokenizer)")
-        config = json.loads(pipeline.config.model_dump_json())
-        config.update(model=self.model_name, decoding={"name": "sample", "options": {}})
-        self.draft = Pipeline.from_config(config, self.overrides, pipeline.registry)
-        ours, theirs = pipeline.spec.vocab_size, self.draft.spec.vocab_size
-        if ours != theirs or len(pipeline.tokenizer) != len(self.draft.tokenizer):
+        config = dict(ctx.config, model=self.model_name, decoding={"name": "sample", "options": {}})
+        self.draft = ctx.build_pipeline(config, self.overrides)
+        ours, theirs = ctx.model.vocab_size, self.draft.model.vocab_size
+        if ours != theirs or ctx.vocab_size != self.draft.vocab_size:
             raise ConfigError(f"decoding.options.draft_model: {self.model_name!r} has a vocabulary of {theirs} "
-                              f"({len(self.draft.tokenizer)} tokenizer entries), the target {ours} "
-                              f"({len(pipeline.tokenizer)}); a draft model must share the target's tokenizer")
-        if self.draft.resolved.device != pipeline.resolved.device:
-            raise ConfigError(f"the draft model resolved to {self.draft.resolved.device}, the target to "
-                              f"{pipeline.resolved.device}; they must share a device")
-        self._cost = _parameters(self.draft.model) / _parameters(pipeline.model)
+                              f"({self.draft.vocab_size} tokenizer entries), the target {ours} "
+                              f"({ctx.vocab_size}); a draft model must share the target's tokenizer")
+        if self.draft.device != ctx.device:
+            raise ConfigError(f"the draft model resolved to {self.draft.device}, the target to "
+                              f"{ctx.device}; they must share a device")
+        self._cost = self.draft.num_parameters / ctx.num_parameters
 
     @property
     def cost(self) -> float:
@@ -79,7 +71,7 @@ class DraftModelProposer(Proposer):
             views.append(shadow)
         live = [i for i, v in enumerate(views) if v is not None]
         drafts = draft_rounds([views[i] for i in live], [seqs[i] for i in live], [budgets[i] for i in live],
-                              cache, self.draft.runner.device, self.draft.runner.forward)
+                              self.draft.run)
         out = [Draft([]) for _ in seqs]
         for i, draft in zip(live, drafts):
             out[i] = draft
@@ -110,6 +102,3 @@ class DraftModelProposer(Proposer):
         if shadow is not None:
             self.draft.cache.free(shadow)
 
-
-def _parameters(model) -> int:
-    return sum(p.numel() for p in model.parameters())

@@ -10,15 +10,11 @@ layer over those same positions and overwrites them, so nothing the draft wrote 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from tessellm.core.errors import ConfigError
-from tessellm.core.sequence import Sequence
+from tessellm.core.interfaces.decoder import DecoderContext
+from tessellm.core.interfaces.sequence import Sequence
 
 from .proposer import Draft, DraftView, Proposer, draft_rounds
-
-if TYPE_CHECKING:
-    from tessellm.core.llm import Pipeline
 
 
 def default_draft_layers(num_layers: int) -> list[int]:
@@ -40,15 +36,15 @@ class LayerSkipProposer(Proposer):
         self.requested = layers
         self.layers: list[int] = []
 
-    def bind(self, pipeline: Pipeline) -> None:
-        total = pipeline.spec.num_layers
+    def attach(self, ctx: DecoderContext) -> None:
+        total = ctx.model.num_layers
         layers = default_draft_layers(total) if self.requested is None else sorted(set(self.requested))
         bad = [i for i in layers if not 0 <= i < total]
         if bad or not layers:
             raise ConfigError(f"decoding.options.draft_layers: {self.requested} must name layers in [0, {total}) "
                               f"of this model, at least one")
         self.layers, self.total = layers, total
-        self.runner, self.cache = pipeline.runner, pipeline.cache
+        self.run = ctx.run
 
     @property
     def cost(self) -> float:
@@ -56,5 +52,4 @@ class LayerSkipProposer(Proposer):
 
     def propose(self, seqs: list[Sequence], budgets: list[int]) -> list[Draft]:
         views = [DraftView(seq) for seq in seqs]
-        return draft_rounds(views, seqs, budgets, self.cache, self.runner.device,
-                            lambda batch: self.runner.forward(batch, self.layers))
+        return draft_rounds(views, seqs, budgets, lambda items: self.run(items, self.layers))

@@ -11,7 +11,7 @@ tokens each step (O(new tokens x ngram_max)), so a lookup never rescans the cont
 
 from __future__ import annotations
 
-from tessellm.core.sequence import Sequence
+from tessellm.core.interfaces.sequence import Sequence
 
 from .proposer import Draft, Proposer
 

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import torch
 
-from tessellm.core.batch import BatchMetadata, ScheduledSeq, build_batch
-from tessellm.core.cache import CacheManager
-from tessellm.core.sequence import Sequence
+from tessellm.core.interfaces.batch import ScheduledSeq
+from tessellm.core.interfaces.decoder import DecoderContext
+from tessellm.core.interfaces.sequence import Sequence
 from tessellm.plugins.decoding.sample import filter_logits, sampling_tensors
-
-if TYPE_CHECKING:
-    from tessellm.core.llm import Pipeline
 
 
 @dataclass
@@ -35,7 +32,7 @@ class Draft:
 class Proposer(ABC):
     """Drafts tokens for decoding sequences.
 
-    Contract: ``bind(pipeline)`` once before use; ``propose(seqs, budgets)`` returns one
+    Contract: ``attach(ctx)`` once before use, with the target's ``DecoderContext``; ``propose(seqs, budgets)`` returns one
     Draft per sequence with at most ``budgets[i]`` tokens (fewer, or none, is fine) and
     must not change the sequences or their target-cache contents that verification relies
     on (positions below ``seq.num_computed_tokens``); ``finish(seq)`` drops its state for a
@@ -45,8 +42,8 @@ class Proposer(ABC):
 
     name: str = ""
 
-    def bind(self, pipeline: Pipeline) -> None:
-        """Take what the proposer needs from the assembled target pipeline."""
+    def attach(self, ctx: DecoderContext) -> None:
+        """Take what the proposer needs of the target pipeline."""
 
     @property
     def cost(self) -> float:
@@ -61,8 +58,8 @@ class Proposer(ABC):
 
 
 class DraftView:
-    """What ``build_batch`` reads of a sequence, for a draft forward over the target's own
-    cache: the target sequence's id (so its block table), its tokens plus the drafts so
+    """What a forward reads of a sequence (``DecoderContext.run``), for a draft forward over
+    the target's own cache: the target sequence's id (so its block table), its tokens plus the drafts so
     far, and how many of them have KV in the layers the draft runs."""
 
     def __init__(self, seq: Sequence):
@@ -76,9 +73,9 @@ class DraftView:
         return len(self.token_ids)
 
 
-def draft_rounds(views: list[Any], seqs: list[Sequence], budgets: list[int], cache: CacheManager,
-                 device: torch.device, forward: Callable[[BatchMetadata], torch.Tensor]) -> list[Draft]:
-    """Autoregressive drafting, batched over sequences: each round runs ``forward`` once over
+def draft_rounds(views: list[Any], seqs: list[Sequence], budgets: list[int],
+                 run: Callable[[list[ScheduledSeq]], torch.Tensor]) -> list[Draft]:
+    """Autoregressive drafting, batched over sequences: each round runs ``run`` once over
     every view still drafting (its uncomputed tokens as the query: a catch-up on the first
     round, then the previous draft token), picks the next token per sequence and appends it.
 
@@ -92,7 +89,7 @@ def draft_rounds(views: list[Any], seqs: list[Sequence], budgets: list[int], cac
     active = [i for i, b in enumerate(budgets) if b > 0]
     while active:
         items = [ScheduledSeq(views[i], views[i].num_tokens - views[i].num_computed_tokens) for i in active]
-        logits = forward(build_batch(items, cache, device))  # [len(active), V]
+        logits = run(items)  # [len(active), V]
         tokens = logits.argmax(dim=-1).tolist()
         sampled = [j for j, i in enumerate(active) if not seqs[i].params.greedy]
         if sampled:

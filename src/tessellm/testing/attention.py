@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import torch
 
-from tessellm.core.batch import BatchMetadata
-from tessellm.core.cache import KVLayout
-from tessellm.core.kv_storage import DenseKVStorage
+from tessellm.core.interfaces.batch import BatchMetadata
+from tessellm.core.interfaces.kv import KVLayout
+from tessellm.core.interfaces.kv import DenseKVStorage
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,

@@ -7,8 +7,8 @@ middle of serving stalls that step for the compile. ``VariantRecorder`` computes
 launch, the key Triton's own binder would build for a CUDA GPU, so a test can check on a
 machine without one that start-up warm-up launches every variant a run does::
 
-    with VariantRecorder(triton_kernels(flash_kernels)) as rec:
-        runner.warm_up(...)
+    with VariantRecorder(triton_kernels(prefill, decode)) as rec:  # modules holding kernels
+        warm_up(runner, ...)                                        # tessellm.core.engine.warm_up
         warm = set(rec.seen)
         llm.generate(...)
     assert rec.seen <= warm

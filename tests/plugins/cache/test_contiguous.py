@@ -9,8 +9,9 @@ import torch
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from tessellm.core.cache import CacheSpec, KVLayout
-from tessellm.core.sequence import SamplingParams, Sequence
+from tessellm.core.interfaces.cache import CacheSpec
+from tessellm.core.interfaces.kv import KVLayout
+from tessellm.core.interfaces.sequence import SamplingParams, Sequence
 from tessellm.plugins.cache.contiguous import ContiguousCache, ContiguousOptions
 
 MAX_LEN = 12

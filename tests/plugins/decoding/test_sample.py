@@ -8,9 +8,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tessellm.core.batch import BatchMetadata, SampleSlot
+from tessellm.core.interfaces.batch import BatchMetadata, SampleSlot
 from tessellm.core.errors import InvalidRequestError
-from tessellm.core.sequence import SamplingParams, Sequence
+from tessellm.core.interfaces.sequence import SamplingParams, Sequence
 from tessellm.plugins.decoding.greedy import GreedyDecoder
 from tessellm.plugins.decoding.sample import SampleDecoder, filter_logits
 

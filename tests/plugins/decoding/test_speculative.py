@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tessellm import LLM
 from tessellm.core.errors import ConfigError
-from tessellm.core.sequence import SamplingParams
+from tessellm.core.interfaces.sequence import SamplingParams
 from tessellm.testing.engine import run_arrivals as run
 from tessellm.testing.stats import chi_square
 

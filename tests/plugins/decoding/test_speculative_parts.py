@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tessellm.core.sequence import SamplingParams, Sequence
+from tessellm.core.interfaces.sequence import SamplingParams, Sequence
 from tessellm.plugins.decoding.speculative import rejection
 from tessellm.plugins.decoding.speculative.adaptive import AdaptiveK, best_k, expected_tokens, verify_share
 from tessellm.plugins.decoding.speculative.ngram import NgramProposer

@@ -13,10 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tessellm import LLM
-from tessellm.core.engine import Engine
-from tessellm.core.model_runner import ModelRunner
-from tessellm.core.scheduler import SchedulerLimits
-from tessellm.core.sequence import SamplingParams
+from tessellm.core.engine.engine import Engine
+from tessellm.core.engine.outputs import StopRule
+from tessellm.core.model.runner import ModelRunner
+from tessellm.core.interfaces.scheduler import SchedulerLimits
+from tessellm.core.interfaces.sequence import SamplingParams
 from tessellm.plugins.cache.paged import PagedCache, PagedOptions
 from tessellm.plugins.scheduler.continuous import ContinuousOptions, ContinuousScheduler
 from tessellm.testing.engine import run_arrivals as run
@@ -45,8 +46,8 @@ def paged_engine(reference: LLM, block_size: int, num_blocks: int, prefix_cachin
     limits = SchedulerLimits(p.resolved.max_model_len, p.decoder.num_lookahead_tokens)
     scheduler = ContinuousScheduler(ContinuousOptions(**sched_options), cache, limits)
     runner = ModelRunner(p.model, p.spec, p.attention, cache, p.runner.device)
-    return Engine(runner, cache, scheduler, p.decoder, max_model_len=p.resolved.max_model_len,
-                  eos_token_ids=set(), vocab_size=p.spec.vocab_size)
+    return Engine(runner, cache, scheduler, p.decoder, stop=StopRule(set(), p.resolved.max_model_len),
+                  vocab_size=p.spec.vocab_size)
 
 
 _alone: dict[tuple, list[list[int]]] = {}

@@ -9,10 +9,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tessellm.core.cache import CacheSpec, KVLayout
+from tessellm.core.interfaces.cache import CacheSpec
+from tessellm.core.interfaces.kv import KVLayout
 from tessellm.core.errors import RequestRejectedError
-from tessellm.core.scheduler import SchedulerLimits
-from tessellm.core.sequence import SamplingParams, Sequence
+from tessellm.core.interfaces.scheduler import SchedulerLimits
+from tessellm.core.interfaces.sequence import SamplingParams, Sequence
 from tessellm.plugins.cache.contiguous import ContiguousCache, ContiguousOptions
 from tessellm.plugins.scheduler.static import StaticOptions, StaticScheduler
 

@@ -1,0 +1,364 @@
+"""The engine: requests in, one step at a time, finished requests out.
+
+One step (``Engine.step``) reads top to bottom:
+
+1. schedule: the scheduler picks the step's sequences and reserves their cache slots;
+2. run: the decoder proposes drafts, the batch is packed, the model runs and the decoder
+   turns the logits into tokens (a request whose own run raises fails alone);
+3. process outputs: tokens are appended and the stop rule checked, rejected drafts rolled
+   back, newly full blocks committed, finished requests handed out.
+
+``OverlappedEngine`` (overlap.py) launches steps ahead of their tokens (async scheduling) and
+reuses these same pieces.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tessellm.core.engine.batch_builder import build_batch
+from tessellm.core.engine.faults import find_culprits
+from tessellm.core.engine.outputs import StopRule, token_logprobs
+from tessellm.core.engine.request import RequestState
+from tessellm.core.engine.stats import WASTE_SAMPLE_STEPS, EngineStats
+from tessellm.core.errors import InvalidRequestError, RequestRejectedError
+from tessellm.core.interfaces.batch import BatchMetadata, ScheduledSeq, SchedulerOutput
+from tessellm.core.interfaces.cache import CacheManager
+from tessellm.core.interfaces.decoder import Decoder
+from tessellm.core.interfaces.scheduler import Scheduler
+from tessellm.core.interfaces.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from tessellm.core.model.kernel_builds import build_log
+from tessellm.core.model.runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepPlan:
+    """One synchronous step, packed: the scheduler's choice, the decoder's drafts
+    (seq_id -> tokens), the children forking from a sequence whose prompt completes
+    (seq_id -> sequences; n > 1), and the batch built from all three."""
+
+    out: SchedulerOutput
+    drafts: dict[int, list[int]]
+    forks: dict[int, list[Sequence]]
+    batch: BatchMetadata
+
+
+class Engine:
+    """Owns the live requests and advances them one step at a time.
+
+    ``add_request`` validates and admits (raising ``InvalidRequestError`` or
+    ``RequestRejectedError``); ``step`` runs one step and returns the requests that finished;
+    ``abort`` stops a request and frees its cache; ``failures`` holds the requests aborted
+    because their own run raised, until the caller that waits for them pops the entry.
+    """
+
+    async_scheduling = False
+    """Whether steps are launched ahead of their tokens (``OverlappedEngine``)."""
+
+    def __init__(self, runner: ModelRunner, cache: CacheManager, scheduler: Scheduler, decoder: Decoder,
+                 *, stop: StopRule, vocab_size: int, seed: int = 0):
+        self.runner = runner
+        self.cache = cache
+        self.scheduler = scheduler
+        self.decoder = decoder
+        self.stop = stop
+        self.max_model_len = stop.max_model_len
+        self.vocab_size = vocab_size
+        self.seed = seed
+        self.requests: dict[str, RequestState] = {}
+        self.failures: dict[str, BaseException] = {}
+        self.stats = EngineStats()
+        self._seeded = 0  # generators seeded from ``seed`` so far
+        self._finished: dict[str, RequestState] = {}  # finished, not yet handed out by ``step``
+        self._min_tokens_live = 0  # live sequences with a min_tokens bar (rare: skip the mask without)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    *, priority: int = 0, cache_salt: str | None = None) -> RequestState:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty; give at least one token")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(f"prompt has {len(prompt_token_ids)} tokens; the context window "
+                                      f"(max_model_len) is {self.max_model_len}, leaving no room to generate")
+        self.decoder.check(params)
+        seq = Sequence(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
+        seq.generator = self._generator(params, 0)
+        self.scheduler.add([seq])  # raises RequestRejectedError if it can never fit
+        state = RequestState(request_id, params, [seq])
+        self.requests[request_id] = state
+        self.stats.prompt_tokens += len(prompt_token_ids)
+        self._min_tokens_live += params.min_tokens > 0
+        return state
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator:
+        if params.seed is not None:
+            # sample 0 keeps the seed; others derive from it, so seeds s and s + 1 never share a stream
+            seed = params.seed if index == 0 else (params.seed * 1_000_003 + index) % 2**63
+        else:
+            self._seeded += 1
+            seed = self.seed * 1_000_003 + self._seeded
+        return torch.Generator().manual_seed(seed)
+
+    def abort(self, request_id: str) -> None:
+        """Stop the request and free everything it holds; a no-op for an unknown id."""
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return
+        self._finished.pop(request_id, None)
+        for seq in state.seqs:
+            if not seq.is_finished:
+                self._finish(seq, FinishReason.ABORT)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.unfinished())
+
+    def pop_finished(self, request_id: str) -> RequestState:
+        return self.requests.pop(request_id)
+
+    def snapshot(self) -> dict[str, Any]:
+        return {"running": self.scheduler.num_running, "waiting": self.scheduler.num_waiting,
+                "free_blocks": self.cache.num_free_blocks, "total_blocks": self.cache.num_blocks}
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> list[RequestState]:
+        """Run one step; return the requests that finished (in it, or in a step that then
+        raised: those are handed out by the next call)."""
+        builds = build_log.total
+        try:
+            self._step()
+        finally:
+            if build_log.total != builds:
+                self._note_kernel_builds(build_log.total - builds)
+        finished, self._finished = list(self._finished.values()), {}
+        return finished
+
+    def _step(self) -> None:
+        out = self._schedule()
+        if out.is_empty:
+            self._check_idle()
+        else:
+            self._run_step(out)
+
+    def _schedule(self) -> SchedulerOutput:
+        out = self.scheduler.schedule()
+        self.stats.preemptions += len(out.preempted)
+        return out
+
+    def _check_idle(self) -> None:
+        if self.has_unfinished():
+            raise RuntimeError("scheduler returned an empty batch while requests are waiting "
+                               f"({self.scheduler.num_waiting} waiting, {self.scheduler.num_running} running)")
+
+    def _run_step(self, out: SchedulerOutput) -> None:
+        """Run ``out`` synchronously: pack, run, then append its tokens."""
+        start = time.perf_counter()
+        drafts = self.decoder.propose(out)
+        if any(len(d) > self.decoder.num_lookahead_tokens for d in drafts.values()):
+            raise RuntimeError(f"decoding plugin {self.decoder.name!r} proposed more drafts than its "
+                               f"num_lookahead_tokens ({self.decoder.num_lookahead_tokens}), the slots reserved")
+        plan = self._pack(out, drafts, self._plan_forks(out))
+        result = self._run_isolating_faults(plan)
+        if result is None:  # every request of the step failed alone
+            self.stats.steps += 1
+            return
+        plan, logits, tokens = result
+        self._advance(plan)
+        self._append_tokens(plan.batch, logits, tokens)
+        self._end_step(out, plan.batch, start)
+
+    def _pack(self, out: SchedulerOutput, drafts: dict[int, list[int]],
+              forks: dict[int, list[Sequence]]) -> StepPlan:
+        return StepPlan(out, drafts, forks, build_batch(out.scheduled, self.cache, self.runner.device, drafts, forks))
+
+    def _run_isolating_faults(self, plan: StepPlan) -> tuple[StepPlan, torch.Tensor, list[list[int]]] | None:
+        """Forward and decode ``plan``. If that raises, run each request alone, abort the ones
+        whose own run raises (``failures``) and run the rest again; re-raise when no single
+        request reproduces the error. None: no request is left to run."""
+        try:
+            return (plan, *self._forward_and_decode(plan.batch))
+        except Exception:
+            culprits = self._find_culprits(plan)
+            if not culprits:
+                raise
+        for request_id, exc in culprits.items():
+            self.failures[request_id] = exc
+            self.abort(request_id)
+        out = plan.out
+        out.scheduled = [i for i in out.scheduled if i.seq.request_id not in culprits]
+        if not out.scheduled:
+            return None
+        kept = {i.seq.seq_id for i in out.scheduled}
+        plan = self._pack(out, {k: v for k, v in plan.drafts.items() if k in kept},
+                          {k: v for k, v in plan.forks.items() if k in kept})
+        return (plan, *self._forward_and_decode(plan.batch))
+
+    def _find_culprits(self, plan: StepPlan) -> dict[str, BaseException]:
+        def run_alone(item: ScheduledSeq) -> None:
+            sid = item.seq.seq_id
+            drafts = {sid: plan.drafts[sid]} if sid in plan.drafts else {}
+            forks = {sid: plan.forks[sid]} if sid in plan.forks else {}
+            self._forward_and_decode(build_batch([item], self.cache, self.runner.device, drafts, forks))
+
+        children = [c for cs in plan.forks.values() for c in cs]
+        return find_culprits(plan.out.scheduled, children, run_alone)
+
+    def _forward_and_decode(self, batch: BatchMetadata) -> tuple[torch.Tensor, list[list[int]]]:
+        """The batch's logits (as the model gave them: logprobs read these) and each sample
+        slot's accepted tokens (the decoder's side of the contract checked)."""
+        logits = self.runner.forward(batch)
+        barred = self.stop.bar_early_stops(logits, batch) if self._min_tokens_live else logits
+        # a step of prefill chunks only (none reaching its prompt's end) samples nothing
+        tokens = self.decoder.decode(barred, batch) if batch.samples else []
+        if len(tokens) != len(batch.samples) or any(not 1 <= len(t) <= len(s.draft_tokens) + 1
+                                                    for s, t in zip(batch.samples, tokens)):
+            raise RuntimeError(f"decoding plugin {self.decoder.name!r} broke its contract: it must return 1 to "
+                               f"drafts + 1 tokens for each of the {len(batch.samples)} sample slots, got "
+                               f"{[len(t) for t in tokens]}")
+        return logits, tokens
+
+    def _advance(self, plan: StepPlan) -> None:
+        """Every query token (chunk, last token, drafts) now has KV in the cache; children of
+        a completed prompt take over its cache (or recompute it where it cannot be shared)."""
+        for item in plan.out.scheduled:
+            item.seq.num_computed_tokens += item.num_query_tokens + len(plan.drafts.get(item.seq.seq_id, ()))
+        for parent_id, children in plan.forks.items():
+            parent = next(i.seq for i in plan.out.scheduled if i.seq.seq_id == parent_id)
+            for child in children:
+                if self.cache.can_fork(parent):
+                    child.num_computed_tokens = parent.num_computed_tokens
+                    self.cache.fork(parent, child)
+                else:
+                    child.num_computed_tokens = 0
+                self.scheduler.adopt(child)
+            self.requests[parent.request_id].forked = True
+
+    def _append_tokens(self, batch: BatchMetadata, logits: torch.Tensor, tokens: list[list[int]]) -> None:
+        """Append each slot's accepted tokens (with their logprobs) until the stop rule fires,
+        rolling back the KV of drafts the decoder rejected."""
+        stats = self.stats
+        for slot, accepted, lps in zip(batch.samples, tokens, token_logprobs(logits, batch, tokens)):
+            seq = slot.seq
+            stats.sample_slots += 1
+            stats.draft_tokens += len(slot.draft_tokens)
+            stats.accepted_draft_tokens += len(accepted) - 1
+            rejected = len(slot.draft_tokens) - (len(accepted) - 1)
+            if rejected > 0:
+                seq.num_computed_tokens -= rejected
+                self.cache.truncate(seq, seq.num_computed_tokens)
+            for i, token in enumerate(accepted):
+                if lps is not None:
+                    seq.logprobs.append(lps[i])
+                if self._append(seq, token):
+                    break
+
+    def _append(self, seq: Sequence, token: int) -> bool:
+        """Append a generated token; finish the sequence if the stop rule fires. True if it did."""
+        seq.token_ids.append(token)
+        self.stats.generated_tokens += 1
+        if seq.first_token_time is None:
+            seq.first_token_time = time.perf_counter()
+        reason = self.stop.check(seq, token)
+        if reason is None:
+            return False
+        self._finish(seq, reason)
+        return True
+
+    def _end_step(self, out: SchedulerOutput, batch: BatchMetadata, start: float) -> None:
+        """After a step's tokens are appended: index newly full blocks, count the step, and
+        hold the requests it finished for ``step`` to hand out."""
+        finished, commit = SequenceStatus.FINISHED, self.cache.commit
+        for item in out.scheduled:
+            if item.seq.status is not finished:
+                commit(item.seq)
+        for slot in batch.samples:
+            seq = slot.seq
+            if seq.status is finished and seq.request_id not in self._finished:
+                state = self.requests.get(seq.request_id)
+                if state is not None and state.finished:
+                    self._finished[seq.request_id] = state
+        self._sample_memory(len(out.scheduled))
+        self.stats.steps += 1
+        self.stats.step_seconds.append(time.perf_counter() - start)
+
+    def _plan_forks(self, out: SchedulerOutput) -> dict[int, list[Sequence]]:
+        """Sequences of n > 1 requests whose prompt completes this step fork now, sampling
+        from the parent's logits; their cache is forked after the forward."""
+        forks: dict[int, list[Sequence]] = {}
+        for item in out.scheduled:
+            seq = item.seq
+            state = self.requests.get(seq.request_id)
+            if state is None or state.forked or state.params.n == 1:
+                continue
+            if seq.num_computed_tokens + item.num_query_tokens == seq.num_tokens:
+                children = []
+                for i in range(1, state.params.n):
+                    child = seq.fork(i)
+                    child.generator = self._generator(state.params, i)
+                    children.append(child)
+                state.seqs.extend(children)
+                forks[seq.seq_id] = children
+                self._min_tokens_live += (state.params.min_tokens > 0) * len(children)
+        return forks
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = time.perf_counter()
+        self._min_tokens_live -= seq.params.min_tokens > 0
+        self.scheduler.finish(seq)
+        self.decoder.finish(seq)
+
+    def _sample_memory(self, num_running: int) -> None:
+        stats = self.stats
+        allocated = self.cache.num_allocated_slots()
+        stats.peak_kv_blocks = max(stats.peak_kv_blocks, -(-allocated // self.cache.layout.block_size))
+        stats.peak_running = max(stats.peak_running, num_running)
+        if stats.steps % WASTE_SAMPLE_STEPS:
+            return
+        used = self.cache.num_used_slots()
+        if used is not None:
+            stats.kv_allocated_slots += allocated
+            stats.kv_used_slots += used
+
+    def _note_kernel_builds(self, count: int) -> None:
+        self.stats.kernel_builds += count
+        logger.info("step %d built %d new Triton kernel variant(s) and stalled for the compile (kernels built so "
+                    "far: %s); start-up warm-up did not cover this step's shapes", self.stats.steps, count,
+                    ", ".join(f"{k} x{n}" for k, n in build_log.by_kernel.items()))
+
+    # ------------------------------------------------------------------ scoring
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits [len(token_ids), vocab] (float32; float64 in a float64 pipeline) at every
+        position of ``token_ids``, run as one prefill of its own (teacher forcing): for
+        equivalence checks, KL and perplexity."""
+        if not token_ids:
+            raise InvalidRequestError("nothing to score: token_ids is empty")
+        if len(token_ids) > self.max_model_len:
+            raise InvalidRequestError(f"{len(token_ids)} tokens exceed the context window "
+                                      f"(max_model_len {self.max_model_len})")
+        seq = Sequence("score", token_ids, SamplingParams(max_tokens=1))
+        if not self.cache.can_reserve(seq, len(token_ids)):
+            raise RequestRejectedError(f"no cache room to score {len(token_ids)} tokens now")
+        self.cache.reserve(seq, len(token_ids))
+        try:
+            batch = build_batch([ScheduledSeq(seq, len(token_ids))], self.cache, self.runner.device,
+                                all_logits=True)
+            return self.runner.forward(batch)
+        finally:
+            self.cache.free(seq)

@@ -1,0 +1,179 @@
+"""The Python API: ``LLM`` generates from prompts with a ``Pipeline``; ``RequestOutput`` is
+what each prompt gets back."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence as Seq
+
+from pydantic import ValidationError
+from tqdm.auto import tqdm
+
+from tessellm.core.config import PipelineConfig
+from tessellm.core.engine.gc_freeze import frozen_heap
+from tessellm.core.engine.pipeline import Pipeline
+from tessellm.core.engine.request import RequestState
+from tessellm.core.errors import InvalidRequestError
+from tessellm.core.interfaces.sequence import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sample."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[Any] | None = None
+    """With ``SamplingParams.logprobs``: a ``TokenLogprob`` (logprob, top alternatives) per token."""
+
+
+@dataclass
+class RequestOutput:
+    """A finished request: its prompt, its samples and its timings (seconds)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    ttft_s: float | None
+    e2e_s: float
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+
+def to_sampling_params(value: Any) -> SamplingParams:
+    """A ``SamplingParams`` from one, a mapping or None (the defaults); InvalidRequestError
+    naming each bad field otherwise."""
+    if value is None:
+        return SamplingParams()
+    if isinstance(value, SamplingParams):
+        return value
+    try:
+        return SamplingParams.model_validate(value)
+    except ValidationError as exc:
+        problems = [f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']} (got {err.get('input')!r})"
+                    for err in exc.errors()]
+        raise InvalidRequestError("; ".join(problems)) from None
+
+
+def _per_prompt(value: Any, n: int, name: str, kind: type | tuple[type, ...]) -> list[Any]:
+    """One value per prompt from a single value or a list of ``n``."""
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * n
+    if len(values) != n:
+        raise InvalidRequestError(f"{len(values)} {name} values for {n} prompts")
+    bad = [v for v in values if not isinstance(v, kind) or isinstance(v, bool)]
+    if bad:
+        raise InvalidRequestError(f"{name} must be {'an int' if kind is int else 'a string or None'}, not {bad[0]!r}")
+    return values
+
+
+class LLM:
+    """Generate text from prompts with a pipeline: ``LLM().generate(["Hello"])``."""
+
+    def __init__(self, config: PipelineConfig | dict | str | Path | None = None, *,
+                 overrides: list[str] | None = None, pipeline: Pipeline | None = None):
+        self.pipeline = pipeline or Pipeline.from_config(config, overrides)
+        self.tokenizer = self.pipeline.tokenizer
+        self.engine = self.pipeline.engine
+
+    def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
+        if not isinstance(prompt, str):
+            raise InvalidRequestError(f"prompt must be a string or a list of token ids, not {type(prompt).__name__}")
+        if not prompt:
+            raise InvalidRequestError("prompt is empty; give at least one character")
+        if chat:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise InvalidRequestError("this model's tokenizer has no chat template; run without --chat")
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                      tokenize=False, add_generation_prompt=True)
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return self.tokenizer(prompt)["input_ids"]
+
+    def generate(self, prompts: str | Seq[str] | Seq[list[int]], params: Any = None, *, chat: bool = False,
+                 progress: bool | None = None, priority: int | Seq[int] = 0,
+                 cache_salt: str | None | Seq[str | None] = None) -> list[RequestOutput]:
+        """Run every prompt as one batch; outputs come back in prompt order.
+
+        ``params`` is one SamplingParams (or dict) for all prompts or a list of them;
+        ``priority`` (lower runs first under the `priority` scheduling policy) and
+        ``cache_salt`` (a tenant key: prefix-cache blocks are shared only within one salt)
+        are one value for all prompts or one per prompt."""
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)
+        if not prompts:
+            raise InvalidRequestError("no prompts given")
+        per = [to_sampling_params(p) for p in params] if isinstance(params, list) else [to_sampling_params(params)] * len(prompts)
+        if len(per) != len(prompts):
+            raise InvalidRequestError(f"{len(per)} sampling params for {len(prompts)} prompts")
+        priorities = _per_prompt(priority, len(prompts), "priority", int)
+        salts = _per_prompt(cache_salt, len(prompts), "cache_salt", (str, type(None)))
+        encoded = [list(p) if isinstance(p, (list, tuple)) else self.encode(p, chat=chat) for p in prompts]
+        ids = []
+        try:
+            for tokens, p, prio, salt in zip(encoded, per, priorities, salts):
+                request_id = uuid.uuid4().hex
+                self.engine.add_request(request_id, tokens, p, priority=prio, cache_salt=salt)
+                ids.append(request_id)
+            done = self._run(ids, per, progress)
+        except BaseException:
+            for request_id in ids:  # never leave a request (or its blocks) behind
+                self.engine.abort(request_id)
+            raise
+        return [self._output(done[i], prompt, tokens) for i, prompt, tokens in zip(ids, prompts, encoded)]
+
+    def _run(self, ids: list[str], params: list[Any], progress: bool | None) -> dict[str, RequestState]:
+        if progress is None:
+            progress = sys.stderr.isatty()
+        total = sum(p.max_tokens * p.n for p in params)
+        bar = tqdm(total=total, desc="generating", unit="tok", disable=not progress, leave=False)
+        wanted = set(ids)
+        done: dict[str, RequestState] = {}
+        before = self.engine.stats.generated_tokens
+        with frozen_heap():  # the collector's full passes skip the pipeline's objects meanwhile
+            while wanted - done.keys():
+                for state in self.engine.step():
+                    if state.request_id in wanted:
+                        done[state.request_id] = self.engine.pop_finished(state.request_id)
+                failed = [r for r in ids if r in self.engine.failures]
+                if failed:  # the engine aborted a request whose own forward raised
+                    errors = [self.engine.failures.pop(r) for r in failed]
+                    raise errors[0]
+                bar.update(self.engine.stats.generated_tokens - before - bar.n)
+        bar.close()
+        return done
+
+    def _output(self, state: RequestState, prompt: Any, tokens: list[int]) -> RequestOutput:
+        outs = []
+        for seq in sorted(state.seqs, key=lambda s: s.sample_index):
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+            if seq.stop_text_len is not None:
+                text = text[: seq.stop_text_len]
+            outs.append(CompletionOutput(seq.sample_index, text, list(seq.output_token_ids),
+                                         seq.finish_reason.value if seq.finish_reason else None,
+                                         list(seq.logprobs) if seq.params.logprobs is not None else None))
+        first = state.seqs[0]
+        ends = [s.finish_time for s in state.seqs if s.finish_time is not None]
+        return RequestOutput(state.request_id, prompt if isinstance(prompt, str) else None, tokens, outs,
+                             None if first.first_token_time is None else first.first_token_time - first.arrival_time,
+                             (max(ends) if ends else time.perf_counter()) - first.arrival_time)
+

@@ -1,0 +1,143 @@
+"""What happens to a step's tokens: the stop rule, the log-probabilities a request asks for,
+and the ``min_tokens`` bar on stopping early. Every stop condition lives in ``StopRule``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+from tessellm.core.interfaces.batch import BatchMetadata, SampleSlot
+from tessellm.core.interfaces.sequence import FinishReason, Sequence, TokenLogprob
+
+
+class StopRule:
+    """When a sequence stops generating.
+
+    After each appended token, in order: the tokenizer's EOS (unless ``ignore_eos``) or one
+    of the request's ``stop_token_ids``; a stop string in the output text (``stop_text_len``
+    is set where the first begins); ``max_tokens`` generated, or the context window
+    (``max_model_len``) full. EOS, stop ids and stop strings count only once ``min_tokens``
+    tokens are out; until then the engine also bars the decoder from picking EOS or a stop id
+    (``bar_early_stops``), so the output never holds one early.
+
+    Lengths count tokens still on the device (async scheduling: ``Sequence.num_pending``), so
+    the same rule tells whether a token about to be launched will surely be the last.
+    """
+
+    def __init__(self, eos_token_ids: Iterable[int], max_model_len: int,
+                 decode_text: Callable[[list[int]], str] | None = None):
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.decode_text = decode_text
+
+    def tokens_left(self, seq: Sequence) -> int:
+        """Tokens ``seq`` may still generate before ``max_tokens`` or the context window
+        stops it (pending tokens counted)."""
+        length = len(seq.token_ids) + seq.num_pending
+        return min(seq.params.max_tokens - (length - seq.num_prompt_tokens), self.max_model_len - length)
+
+    def continuing(self, seqs: Iterable[Sequence]) -> list[Sequence]:
+        """The sequences among ``seqs`` that one more token leaves running by length: those
+        whose coming token is not surely their last (one pass: hundreds of sequences a step)."""
+        limit = self.max_model_len - 1
+        out = []
+        for seq in seqs:
+            length = len(seq.token_ids) + seq.num_pending + 1  # with the coming token
+            if length - seq.num_prompt_tokens < seq.params.max_tokens and length <= limit:
+                out.append(seq)
+        return out
+
+    def check(self, seq: Sequence, token: int) -> FinishReason | None:
+        """Why ``seq`` stops now that ``token`` was appended to it, or None."""
+        params = seq.params
+        length = len(seq.token_ids)
+        if length - seq.num_prompt_tokens >= params.min_tokens:
+            if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+                return FinishReason.STOP
+            if params.stop and self.decode_text is not None and self._hit_stop_string(seq):
+                return FinishReason.STOP
+        length += seq.num_pending
+        if length - seq.num_prompt_tokens >= params.max_tokens or length >= self.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        """Whether the output now contains a stop string (``stop_text_len``: where the first
+        begins). Checked after every token, so only an occurrence ending in the newest
+        token's text is new: it lies within the last few tokens, and only those are decoded
+        (a token is at least a quarter of a character; 8 tokens of margin keep the window's
+        own start, where decoding a suffix may differ, out of play). The whole output is
+        decoded only to place a hit."""
+        stops = [s for s in seq.params.stop if s]
+        output = seq.output_token_ids
+        window = 4 * max((len(s) for s in stops), default=0) + 8
+        if len(output) > window and not any(s in self.decode_text(output[-window:]) for s in stops):
+            return False
+        text = self.decode_text(output)
+        hits = [text.find(s) for s in stops if s in text]
+        if hits:
+            seq.stop_text_len = min(hits)
+            return True
+        return False
+
+    def bar_early_stops(self, logits: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
+        """``logits`` with EOS and each request's stop ids at -inf on the rows of sequences
+        that have fewer than ``min_tokens`` tokens out at that row (a draft's rows count their
+        position); a copy when any row changes, ``logits`` itself otherwise."""
+        rows: list[int] = []
+        cols: list[int] = []
+        vocab = logits.shape[-1]
+        for slot in batch.samples:
+            params = slot.seq.params
+            if not params.min_tokens:
+                continue
+            banned = [t for t in self._stop_ids(slot) if t < vocab]
+            out = slot.seq.num_output_tokens
+            for j in range(min(slot.num_rows, params.min_tokens - out)):
+                rows.extend([slot.first_row + j] * len(banned))
+                cols.extend(banned)
+        if not rows:
+            return logits
+        logits = logits.clone()
+        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+        return logits
+
+    def _stop_ids(self, slot: SampleSlot) -> list[int]:
+        params = slot.seq.params
+        ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            ids |= self.eos_token_ids
+        return sorted(ids)
+
+
+def token_logprobs(logits: torch.Tensor, batch: BatchMetadata,
+                   tokens: list[list[int]]) -> list[list[TokenLogprob] | None]:
+    """For each sample slot whose request asks for logprobs, each accepted token's
+    log-probability under the row that produced it and the top alternatives (one batched
+    log-softmax over the model's own distribution); None for the other slots."""
+    want = [i for i, s in enumerate(batch.samples) if s.seq.params.logprobs is not None]
+    out: list[list[TokenLogprob] | None] = [None] * len(batch.samples)
+    if not want:
+        return out
+    rows = [batch.samples[i].first_row + j for i in want for j in range(len(tokens[i]))]
+    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
+    picked_rows = logits.index_select(0, index)
+    lp = torch.log_softmax(picked_rows if picked_rows.dtype == torch.float64 else picked_rows.float(), dim=-1)
+    top_n = max(batch.samples[i].seq.params.logprobs for i in want)
+    top = lp.topk(max(top_n, 1), dim=-1) if top_n else None
+    chosen = torch.tensor([t for i in want for t in tokens[i]], dtype=torch.long, device=logits.device)
+    picked = lp.gather(1, chosen[:, None])[:, 0].tolist()
+    top_values = top.values.tolist() if top is not None else None
+    top_ids = top.indices.tolist() if top is not None else None
+    r = 0
+    for i in want:
+        n = batch.samples[i].seq.params.logprobs
+        entries = []
+        for _ in tokens[i]:
+            alts = list(zip(top_ids[r][:n], top_values[r][:n])) if top is not None and n else []
+            entries.append(TokenLogprob(picked[r], alts))
+            r += 1
+        out[i] = entries
+    return out

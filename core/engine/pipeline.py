@@ -1,0 +1,146 @@
+"""``Pipeline``: a config resolved against the plugin registry, the model loaded, every part
+built and wired to the engine, kernels warmed up and decode graphs captured."""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from pathlib import Path
+from typing import Any, Sequence as Layers
+
+import torch
+
+from tessellm.core.config import PipelineConfig, apply_overrides, config_from_dict, load_config
+from tessellm.core.engine.batch_builder import build_batch
+from tessellm.core.engine.engine import Engine
+from tessellm.core.engine.outputs import StopRule
+from tessellm.core.engine.overlap import OverlappedEngine
+from tessellm.core.engine.warm_up import warm_up
+from tessellm.core.errors import ConfigError
+from tessellm.core.interfaces.batch import ScheduledSeq
+from tessellm.core.interfaces.cache import CacheSpec
+from tessellm.core.interfaces.decoder import Decoder, DecoderContext
+from tessellm.core.interfaces.scheduler import SchedulerLimits
+from tessellm.core.model.kernel_builds import build_log
+from tessellm.core.model.loader import build_model, load_hf_config, load_state_dict, load_tokenizer
+from tessellm.core.model.runner import ModelRunner
+from tessellm.core.model.spec import ModelSpec
+from tessellm.core.registry import PluginRegistry, get_registry
+from tessellm.core.resolve import ResolvedPipeline, model_dir_for, precheck, resolve
+
+logger = logging.getLogger(__name__)
+
+
+class Pipeline:
+    """A config resolved against the registry, with the model loaded and every part built.
+
+    Parts: ``model`` (the module), ``cache``, ``attention``, ``scheduler``, ``decoder``, the
+    ``runner`` that runs the model, and the ``engine`` that steps requests (an
+    ``OverlappedEngine`` when async scheduling is on). ``resolved`` says which plugin serves
+    each kind and why (``resolved.summary()``).
+    """
+
+    def __init__(self, config: PipelineConfig, registry: PluginRegistry | None = None):
+        self.config = config
+        self.registry = registry or get_registry()
+        precheck(config, self.registry)  # fail on a config typo before converting or loading a model
+        self.model_dir = model_dir_for(config)
+        hf_config = load_hf_config(self.model_dir)
+        self.spec = ModelSpec.from_hf_config(hf_config)
+        self.resolved: ResolvedPipeline = resolve(config, self.registry, self.spec)
+        r, c = self.resolved, self.resolved.choices
+        self.tokenizer = load_tokenizer(self.model_dir)
+        quantizer = c["quant"].cls(c["quant"].options, r.device, r.dtype)
+        self.model = build_model(self.spec, load_state_dict(self.model_dir), r.device, r.dtype, quantizer)
+        cache_spec = CacheSpec(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, r.dtype,
+                               r.device, r.max_model_len)
+        self.cache = c["cache"].cls(c["cache"].options, cache_spec, r.kv_layout)
+        self.attention = c["attention"].cls(c["attention"].options, self.spec, r.device, r.dtype)
+        self.decoder = c["decoding"].cls(c["decoding"].options, self.spec, r.device)
+        limits = SchedulerLimits(r.max_model_len, self.decoder.num_lookahead_tokens)
+        self.scheduler = c["scheduler"].cls(c["scheduler"].options, self.cache, limits)
+        self.runner = ModelRunner(self.model, self.spec, self.attention, self.cache, r.device)
+        if self.runner.compiles_kernels():
+            self._warm_up()
+        if config.cuda_graphs and self.runner.graphs_unsupported() is None:
+            self._capture_graphs()
+        self.async_scheduling = r.async_scheduling
+        self.stop = StopRule(self._eos_ids(hf_config), r.max_model_len,
+                             decode_text=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+        engine = OverlappedEngine if self.async_scheduling else Engine
+        self.engine = engine(self.runner, self.cache, self.scheduler, self.decoder, stop=self.stop,
+                             vocab_size=self.spec.vocab_size, seed=config.seed)
+        self._attach_decoder()
+
+    def _warm_up(self) -> None:
+        """Compile every kernel variant now, not inside a request's step."""
+        build_log.install()
+        tokens = self.scheduler.max_step_tokens or self.resolved.max_model_len
+        try:
+            warm_up(self.runner, tokens, self.resolved.max_model_len)
+        except torch.cuda.OutOfMemoryError as exc:  # a real step that size would fail too: say so now
+            raise ConfigError(
+                f"start-up warm-up ran out of GPU memory running one step of {tokens} tokens (the "
+                f"scheduler's token budget) beside the KV cache; lower scheduler.options."
+                f"max_num_batched_tokens or cache.options.gpu_memory_fraction ({exc})") from exc
+
+    def _capture_graphs(self) -> None:
+        limit = self.config.cuda_graph_max_batch
+        try:
+            # no decode batch outgrows the scheduler's limit: capturing larger ones wastes memory
+            self.runner.capture_graphs(min(limit, self.scheduler.max_step_seqs or limit), self.resolved.max_model_len)
+        except torch.cuda.OutOfMemoryError as exc:  # a slower engine beats none: say so, run eagerly
+            self.runner.graphs = None
+            torch.cuda.empty_cache()
+            logger.warning("CUDA graph capture ran out of memory (%s); decode steps run eagerly. Lower "
+                           "cuda_graph_max_batch or cache.options.gpu_memory_fraction to keep them.", exc)
+
+    def _attach_decoder(self) -> None:
+        self.decoder.attach(self.decoder_context())
+        if type(self.decoder).bind is not Decoder.bind:
+            warnings.warn(f"decoding plugin {self.decoder.name!r} overrides Decoder.bind(pipeline), which plugin "
+                          f"API 1.1 deprecates; override attach(ctx) and use the DecoderContext instead",
+                          DeprecationWarning, stacklevel=2)
+            self.decoder.bind(self)
+
+    def decoder_context(self) -> DecoderContext:
+        """What a decoder may use of this pipeline (``Decoder.attach``)."""
+
+        def run(items: list[ScheduledSeq], layers: Layers[int] | None = None) -> torch.Tensor:
+            return self.runner.forward(build_batch(items, self.cache, self.runner.device), layers)
+
+        def build_pipeline(config: dict[str, Any], overrides: list[str]) -> DecoderContext:
+            return Pipeline.from_config(config, overrides, self.registry).decoder_context()
+
+        return DecoderContext(
+            model=self.spec, device=self.resolved.device, max_model_len=self.resolved.max_model_len,
+            cache=self.cache, run=run, tokens_left=self.stop.tokens_left, vocab_size=len(self.tokenizer),
+            num_parameters=sum(p.numel() for p in self.model.parameters()),
+            config=json.loads(self.config.model_dump_json()), build_pipeline=build_pipeline)
+
+    def _eos_ids(self, hf_config: Any) -> set[int]:
+        ids: set[int] = set()
+        for value in (getattr(hf_config, "eos_token_id", None), self.tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        gen = self.model_dir / "generation_config.json"
+        if gen.is_file():
+            value = json.loads(gen.read_text()).get("eos_token_id")
+            ids.update([value] if isinstance(value, int) else value or [])
+        return ids
+
+    @classmethod
+    def from_config(cls, config: PipelineConfig | dict | str | Path | None = None,
+                    overrides: list[str] | None = None, registry: PluginRegistry | None = None) -> "Pipeline":
+        """Build from a config object, a mapping, a file path, or the default config (None)."""
+        if isinstance(config, PipelineConfig):
+            if overrides:
+                config = config_from_dict(apply_overrides(config.model_dump(), overrides))
+        elif isinstance(config, dict):
+            config = config_from_dict(apply_overrides(config, overrides or []))
+        else:
+            config = load_config(config, overrides)
+        return cls(config, registry)

@@ -1,0 +1,100 @@
+"""The attention backend interface: plan once per step, run once per layer."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from typing import Any, ClassVar
+
+import torch
+
+from tessellm.core.interfaces.batch import BatchMetadata
+from tessellm.core.interfaces.cache import CacheManager
+from tessellm.core.interfaces.kv import KVStorage
+from tessellm.core.model.spec import ModelSpec
+from tessellm.core.plugin import Plugin, PluginOptions, SelectionContext
+
+
+class AttentionBackend(Plugin):
+    """Computes causal attention for a packed batch against the KV cache.
+
+    Contract:
+    - ``cache_formats`` / ``cache_dtypes`` name the ``KVLayout`` formats and storage dtypes
+      it can read (checked by the default ``unsupported_reasons``); ``head_dims`` the head
+      sizes it supports (None: any).
+    - ``plan(batch, cache)`` runs once per engine step and returns whatever per-step state
+      every layer shares (gather indices, split-K partitions, page selections); it must not
+      depend on layer weights.
+    - ``forward(layer, q, k, v, kv, plan)`` stores the step's new k, v into ``kv`` (through
+      ``kv.store`` or a fused kernel) and returns softmax(q K^T * scale + causal mask) V over
+      each sequence's whole context: q [T, num_heads, head_dim], k, v [T, num_kv_heads,
+      head_dim] -> [T, num_heads, head_dim]. Query token i of a sequence with context length L
+      and query length Q sits at position L - Q + i and sees keys 0..L-Q+i (and, with a
+      sliding window W, only the last W of those).
+    - ``forward_rotary(layer, q, k, v, cos, sin, kv, plan)`` is ``forward`` for q and k not
+      yet rotated by RoPE (the model's fused path on CUDA calls it); by default it rotates
+      them with the fused RoPE kernel and calls ``forward``, a backend may fold the rotation
+      into its KV store.
+    - ``supports_cuda_graphs`` backends also implement ``graph_plan``; their decode steps can
+      then be captured and replayed as CUDA graphs (core/model/cuda_graphs.py).
+    - ``warm_up_shapes(max_step_tokens, max_model_len)`` names the step shapes, beyond a full
+      prefill step and a one-token decode, that the runner must run at start-up on a GPU so
+      every kernel variant the backend launches is built then, not inside a request's step.
+    - A KV storage is read through ``gather`` or, for a kernel that reads it in place, its
+      ``kv_tensors()``; nothing else of a storage is part of the contract.
+    """
+
+    kind: ClassVar[str] = "attention"
+    cache_formats: ClassVar[frozenset[str]] = frozenset({"kv"})
+    cache_dtypes: ClassVar[frozenset[torch.dtype] | None] = None
+    head_dims: ClassVar[frozenset[int] | None] = None
+    supports_cuda_graphs: ClassVar[bool] = False
+
+    def __init__(self, options: PluginOptions, model: ModelSpec, device: torch.device, dtype: torch.dtype):
+        self.options = options
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.scale = model.attention_scale
+        self.sliding_window = model.sliding_window
+
+    @classmethod
+    def unsupported_reasons(cls, ctx: SelectionContext) -> list[str]:
+        reasons = super().unsupported_reasons(ctx)
+        layout = ctx.kv_layout
+        if layout is not None and layout.format not in cls.cache_formats:
+            reasons.append(f"reads cache formats {sorted(cls.cache_formats)}, but the cache stores {layout.format!r}")
+        if layout is not None and cls.cache_dtypes is not None and layout.dtype not in cls.cache_dtypes:
+            reasons.append(f"reads cache dtypes {sorted(str(d) for d in cls.cache_dtypes)}, not {layout.dtype}")
+        if cls.head_dims is not None and ctx.model.head_dim not in cls.head_dims:
+            reasons.append(f"supports head dims {sorted(cls.head_dims)}, the model has {ctx.model.head_dim}")
+        return reasons
+
+    def plan(self, batch: BatchMetadata, cache: CacheManager) -> Any:
+        """Per-step planning shared by all layers; the default plan is the batch itself."""
+        return batch
+
+    def graph_plan(self, batch: BatchMetadata, cache: CacheManager, max_seq_len: int) -> Any:
+        """A plan for decode batches (one query token per sequence) whose device tensors are
+        fixed buffers refilled before each CUDA-graph replay: it must read only ``batch``'s
+        tensors, never its host lists, and hold for any context lengths up to ``max_seq_len``."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not support CUDA graphs")
+
+    @abstractmethod
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv: KVStorage, plan: Any) -> torch.Tensor:
+        """Store k, v and attend q to the cached context; see the class contract."""
+
+    def warm_up_shapes(self, max_step_tokens: int, max_model_len: int) -> list[list[tuple[int, int]]]:
+        """Dummy batches the start-up warm-up runs besides the runner's own (a full prefill
+        step, a one-token decode): each a list of (query tokens, context length after the
+        step) per sequence, every context at most ``max_model_len``. None by default."""
+        return []
+
+    def forward_rotary(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, kv: KVStorage, plan: Any) -> torch.Tensor:
+        """``forward`` for q, k not yet rotated: cos, sin [T, head_dim] (the two halves of the
+        head dim pair up, as in Llama). q and k may be strided views (of the QKV GEMM's
+        output) and may be overwritten."""
+        from tessellm.core.model.fused_ops import rotary_  # late: Triton is needed only on this path
+
+        return self.forward(layer, rotary_(q, cos, sin), rotary_(k, cos, sin), v, kv, plan)

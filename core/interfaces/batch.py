@@ -1,0 +1,108 @@
+"""Per-step batch metadata: planned once per engine step, read by every layer.
+
+The batch is packed ("varlen"): the query tokens of all scheduled sequences are laid end to
+end in one tensor, with no padding, and per-sequence offsets say where each begins. A
+prefill chunk, a single decode token and a speculative verification of k+1 tokens are the
+same thing with different query lengths.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tessellm.core.interfaces.sequence import Sequence
+
+
+PENDING_TOKEN = 0
+"""Stand-in id for a token not yet on the host (async scheduling); the engine overwrites it
+on the device before the forward reads it."""
+
+
+@dataclass
+class ScheduledSeq:
+    """A sequence chosen for this step and how many of its uncomputed tokens to process."""
+
+    seq: Sequence
+    num_query_tokens: int
+
+
+@dataclass
+class SchedulerOutput:
+    """What one ``Scheduler.schedule()`` call decided."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    """Sequences whose cache was freed to make room; they are recomputed later."""
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class SampleSlot:
+    """Where one sequence's logits sit in the step's logits tensor.
+
+    ``num_rows`` is 1 for plain decoding and 1 + len(draft_tokens) for speculative
+    verification; the rows are consecutive. Parallel sampling (n > 1) gives each forked
+    sequence its own slot pointing at the same rows.
+    """
+
+    seq: Sequence
+    first_row: int
+    num_rows: int
+    draft_tokens: tuple[int, ...] = ()
+
+    @property
+    def last_row(self) -> int:
+        return self.first_row + self.num_rows - 1
+
+
+@dataclass
+class BatchMetadata:
+    """Everything a forward needs about the packed batch; built once per step.
+
+    Example with block size 16: sequence A has 20 tokens cached and decodes 1, sequence B
+    prefills a 3-token chunk at positions 0..2. Then ``input_ids`` has 4 rows,
+    ``query_start_loc = [0, 1, 4]``, ``seq_lens = [21, 3]``, ``positions = [20, 0, 1, 2]``;
+    if A's block table is [7, 2] and B's is [5], ``slot_mapping = [2*16+4, 80, 81, 82]``.
+    """
+
+    input_ids: torch.Tensor  # [T] int64, packed query tokens
+    positions: torch.Tensor  # [T] int64, absolute position of each query token
+    query_start_loc: torch.Tensor  # [B+1] int32, sequence i's queries are rows [q[i], q[i+1])
+    seq_lens: torch.Tensor  # [B] int32, KV length of each sequence after this step
+    slot_mapping: torch.Tensor  # [T] int64, cache slot (block * block_size + offset) per query token
+    block_tables: torch.Tensor  # [B, max_blocks] int32, physical blocks per sequence, -1 padded
+    logits_indices: torch.Tensor  # [R] int64, packed rows whose logits the decoder needs
+    query_lens_cpu: list[int]  # host copies, so planning never waits on the device
+    seq_lens_cpu: list[int]
+    block_tables_cpu: list[list[int]]
+    block_size: int
+    seqs: list[Sequence]  # the scheduled sequences, in batch order
+    samples: list[SampleSlot]  # which sequences sample this step, in logits-row order
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens_cpu)
+
+    @property
+    def max_query_len(self) -> int:
+        return max(self.query_lens_cpu, default=0)
+
+    @property
+    def max_seq_len(self) -> int:
+        return max(self.seq_lens_cpu, default=0)
+
+    def padded_tables(self, members: list[int], num_blocks: int) -> torch.Tensor:
+        """Block tables of sequences ``members`` cut or padded (with block 0) to ``num_blocks``
+        columns, [len(members), num_blocks] int64 on the CPU. A table may hold more blocks
+        than its tokens fill: slots reserved for a speculative decoder's drafts."""
+        return torch.tensor([t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks]))
+                             for t in (self.block_tables_cpu[i] for i in members)], dtype=torch.long)

@@ -1,0 +1,152 @@
+"""The KV-cache manager interface: physical storage per layer (``KVStorage``, core/interfaces/kv.py)
+and the logical-to-physical map of every sequence (its block table)."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from tessellm.core.interfaces.kv import KVLayout, KVStorage
+from tessellm.core.interfaces.sequence import Sequence
+from tessellm.core.plugin import Plugin, PluginOptions, SelectionContext
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """The model-side facts a cache needs to allocate storage."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype  # the model's compute dtype
+    device: torch.device
+    max_model_len: int
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache lookups so far: prompt tokens looked up and tokens found cached."""
+
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+
+
+class CacheManager(Plugin):
+    """Owns KV storage and every sequence's block table.
+
+    Contract:
+    - ``kv_layout(options, ctx)`` declares the layout before construction.
+    - ``reserve(seq, n)`` makes slots exist for tokens [0, n) of ``seq``, allocating blocks as
+      needed; ``can_reserve`` answers first whether that fits. A shared (copy-on-write) block
+      about to be written is copied here.
+    - ``truncate(seq, n)`` drops slots past token n (speculative rollback); ``free(seq)``
+      releases everything; ``fork(parent, child)`` gives the child the parent's tokens
+      (sharing blocks where the layout allows); ``can_fork`` answers first whether it fits
+      (if not, the engine lets the child recompute its prompt later instead).
+    - ``match_prefix(seq)`` attaches cached blocks holding a prefix of the sequence's tokens
+      (its prompt; also its output so far when it resumes after preemption) and returns how
+      many tokens they cover (at most ``seq.num_tokens - 1``); ``commit(seq)`` is called after
+      each step with ``seq.num_computed_tokens`` valid, so full blocks can be indexed.
+    - ``max_seq_tokens`` is the most tokens one sequence can ever hold; the scheduler rejects
+      requests above it at admission.
+    """
+
+    kind: ClassVar[str] = "cache"
+
+    def __init__(self, options: PluginOptions, spec: CacheSpec, layout: KVLayout):
+        self.options = options
+        self.spec = spec
+        self.layout = layout
+
+    @classmethod
+    @abstractmethod
+    def kv_layout(cls, options: PluginOptions, ctx: SelectionContext) -> KVLayout:
+        """The layout this cache will allocate for the pipeline in ``ctx``."""
+
+    @abstractmethod
+    def layer(self, index: int) -> KVStorage:
+        """Storage of layer ``index``."""
+
+    @property
+    @abstractmethod
+    def num_blocks(self) -> int:
+        """Total blocks."""
+
+    @property
+    @abstractmethod
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (including evictable cached ones)."""
+
+    @property
+    @abstractmethod
+    def max_seq_tokens(self) -> int:
+        """The most tokens a single sequence can ever occupy."""
+
+    @abstractmethod
+    def can_reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether ``reserve(seq, num_tokens)`` would succeed now."""
+
+    @abstractmethod
+    def reserve(self, seq: Sequence, num_tokens: int) -> None:
+        """Ensure slots for tokens [0, num_tokens) of ``seq``; raises RuntimeError if full."""
+
+    def try_reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """``reserve`` if it fits now, answering whether it did: one call for the common case
+        of a scheduler's step (caches may override it to plan the reservation once)."""
+        if not self.can_reserve(seq, num_tokens):
+            return False
+        self.reserve(seq, num_tokens)
+        return True
+
+    @abstractmethod
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Release slots of tokens at positions >= num_tokens."""
+
+    @abstractmethod
+    def free(self, seq: Sequence) -> None:
+        """Release every slot of ``seq``; a no-op for a sequence holding none."""
+
+    @abstractmethod
+    def can_fork(self, parent: Sequence) -> bool:
+        """Whether ``fork(parent, child)`` would succeed now."""
+
+    @abstractmethod
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Give ``child`` the parent's cached tokens (its first ``parent.num_computed_tokens``)."""
+
+    @abstractmethod
+    def block_table(self, seq: Sequence) -> list[int]:
+        """Physical block ids of ``seq``, in order."""
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Attach cached blocks holding a prefix of ``seq``'s tokens; return tokens covered."""
+        return 0
+
+    def commit(self, seq: Sequence) -> None:
+        """Note that ``seq.num_computed_tokens`` tokens of ``seq`` now hold valid KV."""
+
+    def num_allocated_slots(self) -> int:
+        """Slots held by live sequences (for KV-waste figures)."""
+        return (self.num_blocks - self.num_free_blocks) * self.layout.block_size
+
+    def num_used_slots(self) -> int | None:
+        """Distinct slots holding valid KV of live sequences (a shared block counts once);
+        None if the cache does not track it. Waste = 1 - used / allocated."""
+        return None
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Lookups and hits of the prefix cache (all zero for a cache without one)."""
+        return PrefixCacheStats()
+
+    @property
+    def scratch_block(self) -> int | None:
+        """A block of storage that no sequence ever holds, where padded rows of a replayed
+        CUDA graph write and read (None: the cache has none, so decode graphs are off)."""
+        return None

@@ -1,0 +1,131 @@
+"""The decoder interface: logits in, accepted tokens out; and ``DecoderContext``, what a
+decoder may use of its pipeline (a speculative decoder runs draft forwards through it)."""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Sequence as Layers
+
+import torch
+
+from tessellm.core.interfaces.batch import BatchMetadata, ScheduledSeq, SchedulerOutput
+from tessellm.core.interfaces.cache import CacheManager
+from tessellm.core.interfaces.sequence import SamplingParams, Sequence
+from tessellm.core.model.spec import ModelSpec
+from tessellm.core.plugin import Plugin, PluginOptions
+
+
+@dataclass(frozen=True)
+class DecoderContext:
+    """What a decoder may use of the assembled pipeline, handed to ``Decoder.attach`` once.
+
+    - ``model``, ``device``, ``max_model_len``: the pipeline's model shapes, device and
+      context window.
+    - ``cache``: the pipeline's cache manager (a self-drafting decoder reserves, forks and
+      truncates its draft slots through it).
+    - ``run(items, layers=None)``: one forward over ``items`` (``ScheduledSeq``s whose slots
+      the cache holds; any object with ``seq_id``, ``token_ids``, ``num_computed_tokens`` and
+      ``num_pending`` serves as a sequence), returning the logits of each item's last query
+      row, [len(items), vocab]; ``layers`` runs a subset of the decoder layers.
+    - ``tokens_left(seq)``: tokens ``seq`` may still generate before ``max_tokens`` or the
+      context window stops it (the engine's stop rule).
+    - ``vocab_size``: the tokenizer's length (a draft model must match it); ``num_parameters``:
+      the model's parameter count (what a draft costs relative to its target).
+    - ``config``: the pipeline config as plain data (JSON types).
+    - ``build_pipeline(config, overrides)``: assembles another pipeline from plain config data
+      (a draft model's) and returns its context; it lives as long as the context does.
+    """
+
+    model: ModelSpec
+    device: torch.device
+    max_model_len: int
+    cache: CacheManager
+    run: Callable[[list[ScheduledSeq], Layers[int] | None], torch.Tensor]
+    tokens_left: Callable[[Sequence], int]
+    vocab_size: int
+    num_parameters: int
+    config: dict[str, Any]
+    build_pipeline: Callable[[dict[str, Any], list[str]], "DecoderContext"]
+
+
+class Decoder(Plugin):
+    """Turns a step's logits into tokens, proposing draft tokens first if it speculates.
+
+    Contract:
+    - ``num_lookahead_tokens``: the most draft tokens it proposes per sequence and step; the
+      scheduler reserves that many extra slots.
+    - ``attach(ctx)`` is called once, after every part is built, with the ``DecoderContext``:
+      a speculative decoder runs draft forwards through ``ctx.run`` (layer-skip drafting) or
+      builds a draft pipeline of its own (``ctx.build_pipeline``). (``bind(pipeline)``, which
+      plugin API 1.0 called with the whole pipeline, still is for a decoder that overrides
+      it; it is deprecated.)
+    - ``check(params)`` raises ``InvalidRequestError`` for sampling parameters it cannot honor.
+    - ``propose(out)`` returns seq_id -> draft tokens for the scheduled decoding sequences;
+      the engine appends them to the sequence's query (plain decoders return {}). At most
+      ``num_lookahead_tokens`` per sequence, and none for a sequence whose query is not its
+      last uncomputed tokens or that has no output yet (the step that may fork it, n > 1).
+    - ``decode(logits, batch)`` gets logits [R, vocab] (float32, or float64 in a float64 pipeline) for ``batch.logits_indices``
+      and returns, for each ``batch.samples`` slot in order, the accepted tokens: exactly one
+      for plain decoding, 1 to k+1 when verifying k drafts (accepted drafts, then one token
+      sampled from the target). The engine keeps the KV of accepted drafts and rolls the rest
+      back.
+    - ``finish(seq)`` is called once when a sequence finishes or is aborted: release any
+      per-sequence state (a draft model's cache, an n-gram index).
+    - Optional, for async scheduling: ``samples_on_device(params)`` says whether it can pick a
+      request's tokens without the host, and ``device_tokens(logits, batch)`` then returns
+      one token per sample slot as a device tensor (no host synchronisation), exactly the
+      tokens ``decode`` would return. A decoder whose ``device_tokens`` only ranks each
+      row's logits (an argmax) sets ``device_tokens_any_dtype``: it may then be handed them
+      in the model's dtype (bfloat16 on a GPU), which spares a float32 copy of the batch's
+      logits every step and changes no token (the conversion is exact and keeps the order).
+    """
+
+    kind: ClassVar[str] = "decoding"
+    num_lookahead_tokens: int = 0
+    device_tokens_any_dtype: ClassVar[bool] = False
+
+    def __init__(self, options: PluginOptions, model: ModelSpec, device: torch.device):
+        self.options = options
+        self.model = model
+        self.device = device
+
+    def attach(self, ctx: DecoderContext) -> None:
+        """Take what the decoder needs of the assembled pipeline; nothing by default."""
+
+    def bind(self, pipeline: Any) -> None:
+        """Deprecated (plugin API 1.0): take what the decoder needs from the whole pipeline.
+        Override ``attach`` instead; the pipeline still calls an overriding ``bind``."""
+
+    def check(self, params: SamplingParams) -> None:
+        """Raise InvalidRequestError if ``params`` ask for what this decoder cannot do."""
+
+    def propose(self, out: SchedulerOutput) -> dict[int, list[int]]:
+        """Draft tokens per decoding sequence; none by default."""
+        return {}
+
+    def finish(self, seq: Sequence) -> None:
+        """Forget ``seq``'s per-sequence state; nothing by default."""
+
+    def samples_on_device(self, params: SamplingParams) -> bool:
+        """Whether ``device_tokens`` serves requests with ``params``; no by default."""
+        return False
+
+    def device_tokens(self, logits: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
+        """[len(batch.samples)] tokens on the logits' device, for requests that
+        ``samples_on_device`` accepted."""
+        raise NotImplementedError(f"decoding plugin {self.name!r} does not sample on the device")
+
+    @abstractmethod
+    def decode(self, logits: torch.Tensor, batch: BatchMetadata) -> list[list[int]]:
+        """Accepted tokens for each sample slot of ``batch``."""
+
+
+def slot_logits(logits: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
+    """The logits row of each sample slot's first row, [len(batch.samples), vocab]. In a
+    plain decode step that is every row in order, returned as is (no gather, no host-to-device
+    index copy)."""
+    first = [s.first_row for s in batch.samples]
+    if len(first) == logits.shape[0] and first == list(range(len(first))):
+        return logits
+    return logits[torch.tensor(first, dtype=torch.long, device=logits.device)]

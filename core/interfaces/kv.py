@@ -1,0 +1,132 @@
+"""What a KV cache stores and how a backend reads it: the layout a cache declares before it
+allocates anything, one layer's storage, and the dense storage of plain K and V.
+
+Slots are numbered per layer; with block size ``bs``, slot ``s`` is token ``s % bs`` of block
+``s // bs``, and token ``p`` of a sequence with block table ``table`` lives in slot
+``table[p // bs] * bs + p % bs``. A contiguous cache is the special case of one block of
+``max_model_len`` slots per sequence, so one metadata format serves every layout.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a cache stores, declared before anything is allocated, so attention backends can
+    say which layouts they read.
+
+    - ``format``: what one slot holds: "kv" (a key and a value per KV head), "latent" (one
+      compressed vector per token, MLA). Quantized storage keeps its format and sets ``dtype``.
+    - ``block_size``: tokens per block (a contiguous cache: max_model_len).
+    - ``dtype``: the storage dtype; torch.int8 means values plus per-token scales.
+    - ``extras``: side data the cache keeps current on every store, e.g. "key_bounds"
+      (per-block key min/max, for QUEST).
+    """
+
+    format: str
+    block_size: int
+    dtype: torch.dtype
+    extras: frozenset[str] = frozenset()
+
+
+class KVStorage(ABC):
+    """One layer's cache storage.
+
+    Contract:
+    - ``store(k, v, slot_mapping)`` writes the step's new tokens; ``gather(slots)`` reads
+      any slots back in the compute dtype (dequantized if stored quantized): the reference
+      path every backend can use.
+    - ``kv_tensors()`` hands a fast kernel the raw tensors it reads in place, K and V as
+      [num_slots, num_kv_heads, head_dim] in the storage dtype (``layout.dtype``); storage
+      that has no such tensors (quantized, latent) raises TypeError naming itself, so a
+      backend that needs them declares the layouts it reads (``cache_formats``,
+      ``cache_dtypes``) and is never selected for one without them.
+    - A slot that was never written may hold anything, NaN included: backends must not read
+      it, not even under a mask (a zero weight times NaN is NaN).
+
+    For the "latent" format (MLA) ``k`` is the compressed latent [T, 1, latent_dim] and
+    ``v`` is None: one vector per token serves as both key and value.
+    """
+
+    layout: KVLayout
+
+    @abstractmethod
+    def store(self, k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
+        """Write new tokens: k, v [T, num_kv_heads, head_dim] into slots [T] (int64)."""
+
+    @abstractmethod
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """K and V at ``slots`` (any shape S, int64): [*S, num_kv_heads, head_dim] each, in the
+        compute dtype (dequantized if stored quantized)."""
+
+    def kv_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as [num_slots, num_kv_heads, head_dim] tensors that kernels read and write
+        in place (see the class contract)."""
+        raise TypeError(f"{type(self).__name__} keeps no plain K/V tensors (layout {self.layout}); "
+                        f"read it through gather()")
+
+    def read(self, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """K and V of one sequence's first ``length`` tokens, [length, num_kv_heads, head_dim]."""
+        bs = self.layout.block_size
+        pos = torch.arange(length)
+        table = torch.tensor(block_table, dtype=torch.long)
+        return self.gather((table[pos // bs] * bs + pos % bs).to(self.device))
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """Where the storage lives."""
+
+
+class DenseKVStorage(KVStorage):
+    """One layer's K and V as two [num_slots, num_kv_heads, head_dim] tensors: the "kv"
+    format in a floating-point dtype, one slot per token.
+
+    Any cache whose layout is plain K and V (contiguous, paged, radix) can hold its layers in
+    this class; caches differ only in how they hand slots out. Kernels may view the tensors
+    as [num_blocks, block_size, num_kv_heads, head_dim] (``blocks()``).
+    """
+
+    def __init__(self, layout: KVLayout, num_slots: int, num_kv_heads: int, head_dim: int,
+                 device: torch.device):
+        if layout.format != "kv" or not layout.dtype.is_floating_point:
+            raise ValueError(f"DenseKVStorage holds floating-point 'kv' layouts, not {layout}")
+        self.layout = layout
+        # torch.empty: the OS commits pages only as tokens are written, so a large reservation
+        # on the CPU costs address space, not memory
+        self.k = torch.empty(num_slots, num_kv_heads, head_dim, dtype=layout.dtype, device=device)
+        self.v = torch.empty(num_slots, num_kv_heads, head_dim, dtype=layout.dtype, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
+    def kv_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k, self.v
+
+    def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V viewed as [num_blocks, block_size, num_kv_heads, head_dim]."""
+        bs = self.layout.block_size
+        return self.k.view(-1, bs, *self.k.shape[1:]), self.v.view(-1, bs, *self.v.shape[1:])
+
+    def store(self, k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
+        # k, v: [T, Hkv, D]; slot_mapping: [T] int64
+        assert v is not None and k.shape == v.shape and k.shape[0] == slot_mapping.shape[0], (k.shape, slot_mapping.shape)
+        self.k.index_copy_(0, slot_mapping, k.to(self.k.dtype))
+        self.v.index_copy_(0, slot_mapping, v.to(self.v.dtype))
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # index_select on flat indices is faster than advanced indexing on the CPU
+        flat = slots.reshape(-1)
+        shape = (*slots.shape, *self.k.shape[1:])
+        return self.k.index_select(0, flat).view(shape), self.v.index_select(0, flat).view(shape)
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the tokens in slots ``src`` to slots ``dst`` (fork, copy-on-write)."""
+        self.k[dst] = self.k[src]
+        self.v[dst] = self.v[src]

@@ -1,0 +1,7 @@
+"""The model side: shapes (spec.py), finding, reading and building models (loader.py), the
+Llama-family decoder (llama.py), the runner (runner.py), CUDA graphs (cuda_graphs.py), the
+fused kernels the model uses (fused_ops.py) and the Triton build counter (kernel_builds.py)."""
+
+from tessellm.core.compat import package_getattr
+
+__getattr__ = package_getattr(__name__)  # names of the module this package replaced (deprecated)

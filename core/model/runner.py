@@ -1,0 +1,69 @@
+"""Runs the model once per engine step: plans attention for the batch, then every layer, or
+replays a captured CUDA graph for a decode batch."""
+
+from __future__ import annotations
+
+from typing import Sequence as Layers
+
+import torch
+from torch import nn
+
+from tessellm.core.interfaces.attention import AttentionBackend
+from tessellm.core.interfaces.batch import BatchMetadata
+from tessellm.core.interfaces.cache import CacheManager
+from tessellm.core.model.cuda_graphs import DecodeGraphs
+from tessellm.core.model.spec import ModelSpec
+
+
+class ModelRunner:
+    """Runs the model over a packed batch: plans attention once, then every layer.
+
+    ``forward(batch, layers)`` returns the logits of ``batch.logits_indices``; ``layers`` runs
+    a subset of the decoder layers (self-drafting). After ``capture_graphs`` a qualifying
+    decode batch replays a captured graph instead (``DecodeGraphs``).
+    """
+
+    def __init__(self, model: nn.Module, spec: ModelSpec, backend: AttentionBackend, cache: CacheManager,
+                 device: torch.device):
+        self.model = model
+        self.device = device
+        self.spec = spec
+        self.backend = backend
+        self.cache = cache
+        self.graphs: DecodeGraphs | None = None
+
+    def graphs_unsupported(self) -> str | None:
+        """Why decode steps cannot be replayed from CUDA graphs here (None: they can)."""
+        if self.device.type != "cuda":
+            return f"the device is {self.device.type}, not cuda"
+        if not self.backend.supports_cuda_graphs:
+            return f"attention backend {self.backend.name!r} does not support CUDA graphs"
+        if self.cache.scratch_block is None:
+            return f"cache {self.cache.name!r} has no scratch block for padded rows"
+        return None
+
+    def compiles_kernels(self) -> bool:
+        """Whether kernels are compiled (and autotuned) on first use here, so a start-up
+        warm-up pays: on CUDA; a CPU runs plain torch, or Triton interpreted."""
+        return self.device.type == "cuda"
+
+    def capture_graphs(self, max_batch: int, max_model_len: int, capture: bool = True) -> None:
+        """Capture decode forwards for batches up to ``max_batch`` (``capture=False``: the same
+        padded static-buffer path, run eagerly, for testing without a GPU)."""
+        self.graphs = DecodeGraphs(self.model, self.backend, self.cache, self.device, max_batch=max_batch,
+                                   max_model_len=max_model_len, capture=capture)
+
+    @torch.inference_mode()
+    def forward(self, batch: BatchMetadata, layers: Layers[int] | None = None, *,
+                native_logits: bool = False) -> torch.Tensor:
+        """Logits [len(batch.logits_indices), vocab]: float32 (float64 in a float64 pipeline),
+        or with ``native_logits`` possibly in the model's dtype (bfloat16 on a GPU), which
+        spares a float32 copy of a batch x vocabulary tensor where only their order matters
+        (``Decoder.device_tokens_any_dtype``)."""
+        if self.graphs is not None and layers is None:
+            logits = self.graphs.run(batch)
+            if logits is not None:
+                return logits if native_logits or logits.dtype in (torch.float32, torch.float64) else logits.float()
+        plan = self.backend.plan(batch, self.cache)
+        return self.model(batch.input_ids, batch.positions, batch.logits_indices,
+                          self.backend, self.cache, plan, layers, native_logits=native_logits)

@@ -1,0 +1,176 @@
+"""The `flash` decode kernel: split-K flash-decoding for one query row per sequence over its
+paged context. Each program attends one KV head's query heads over one split of the context;
+a merge kernel combines the splits by their log-sum-exps (one split writes its result in place).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tessellm.plugins.attention.flash.common import LOG2E, KernelConfig, _dot, _fold, interpreting
+
+
+def decode_config(head_dim: int, device: torch.device, block_n: int | None = None) -> KernelConfig:
+    """The split-K decode kernel's launch shape (block_m is unused: a program holds one KV
+    head's query heads)."""
+    if device.type != "cuda":
+        return KernelConfig(16, block_n or 32, 4, 1)
+    # the best worst case over batch 16 at 4k and batch 64 at 16k of `python bench/kernels.py
+    # --sweep` (head dim 64, GQA 4, bf16; docs/benchmarks.md, "Decode")
+    return KernelConfig(16, block_n or 64, 2, 4)
+
+
+@triton.jit(do_not_specialize=["stride_bt"])
+def _paged_decode_split(
+    Q, K, V, OutPart, LsePart, Out, BlockTables, Rows, SeqLens,
+    scale_log2,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_bt, stride_pb, stride_ph, stride_ps, stride_ot, stride_oh,
+    GROUP: tl.constexpr, WINDOW: tl.constexpr, KV_BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    FP32_DOT: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
+):
+    """One program: one decoding sequence, one KV head (all GROUP query heads that read it,
+    so each K/V block is loaded once per KV head), one split of the context. ``DIRECT`` (a
+    single split) writes the final output, with no partials to merge."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+    row = tl.load(Rows + seq)
+    kv_len = tl.load(SeqLens + seq)
+    lo = 0
+    if WINDOW > 0:
+        lo = tl.maximum(kv_len - WINDOW, 0)
+    per_split = tl.cdiv(tl.cdiv(kv_len - lo, num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
+    end = tl.minimum(start + per_split, kv_len)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    g_ok = offs_g < GROUP
+    d_ok = offs_d < HEAD_DIM
+    heads = kv_head * GROUP + offs_g
+    q = tl.load(Q + row * stride_qt + heads[:, None] * stride_qh + offs_d[None, :],
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        key_ok = offs_n < end
+        block = tl.load(BlockTables + seq * stride_bt + offs_n // KV_BLOCK, mask=key_ok, other=0)
+        slot = block.to(tl.int64) * KV_BLOCK + offs_n % KV_BLOCK
+        kv_ptr = slot[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
+        k = tl.load(K + kv_ptr, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(V + kv_ptr, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.where(key_ok[None, :], _dot(q, tl.trans(k), FP32_DOT) * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        acc, l_i = _fold(acc, l_i, m_i, s, tl.where(m_new == float("-inf"), 0.0, m_new), v, FP32_DOT)
+        m_i = m_new
+    empty = l_i == 0.0  # a split past the end of a short context
+    out = acc / tl.where(empty, 1.0, l_i)[:, None]
+    if DIRECT:
+        tl.store(Out + row * stride_ot + heads[:, None] * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
+                 mask=g_ok[:, None] & d_ok[None, :])
+    else:
+        lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))  # base 2
+        base = seq * stride_pb + heads * stride_ph + split * stride_ps
+        tl.store(OutPart + base[:, None] + offs_d[None, :], out, mask=g_ok[:, None] & d_ok[None, :])
+        tl.store(LsePart + (seq * stride_pb + heads * stride_ph) // BLOCK_D + split, lse, mask=g_ok)
+
+
+# the split count changes from step to step (batch size, longest context): one compiled
+# variant serves every count up to BLOCK_S (masked lanes load nothing)
+@triton.jit(do_not_specialize=["num_splits"])
+def _paged_decode_merge(
+    OutPart, LsePart, Out, Rows,
+    stride_pb, stride_ph, stride_ps, stride_ot, stride_oh, num_splits,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Combine one (sequence, head)'s split results by their (base-2) log-sum-exps."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_splits
+    d_ok = offs_d < HEAD_DIM
+    lse = tl.load(LsePart + (seq * stride_pb + head * stride_ph) // BLOCK_D + offs_s, mask=s_ok,
+                  other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(s_ok & (lse > float("-inf")), tl.math.exp2(lse - m), 0.0)
+    parts = tl.load(OutPart + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
+                    mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+    row = tl.load(Rows + seq)
+    tl.store(Out + row * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_ok)
+
+
+DECODE_PROGRAMS = 512
+"""Programs the split-K decode aims for: a few per SM on a 132-SM H100, so enough loads are in
+flight to approach memory bandwidth (bench/kernels.py --sweep picks it)."""
+
+
+MAX_AUTO_SPLITS = 32
+"""The most splits ``default_num_splits`` chooses; the merge kernel is compiled for this many
+(or for 64, the most ``FlashOptions.decode_splits`` allows), whatever the step's count."""
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_kv_len: int, block_n: int,
+                       target_programs: int = DECODE_PROGRAMS) -> int:
+    """Split the context only when the batch alone leaves the GPU idle; each split keeps at
+    least a few key tiles of work."""
+    want = max(1, -(-target_programs // max(num_seqs * num_kv_heads, 1)))
+    return max(1, min(want, MAX_AUTO_SPLITS, -(-max_kv_len // (4 * block_n))))
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
+                           rows: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                           max_kv_len: int, scale: float, kv_block_size: int, window: int | None = None,
+                           num_splits: int | None = None, block_n: int | None = None,
+                           config: KernelConfig | None = None) -> None:
+    """Flash-decoding: attention of one query row per sequence (packed rows ``rows`` [B] of
+    ``q``) over its paged context, the context split ``num_splits`` ways and merged; the
+    result is written into ``out`` at the same rows.
+
+    The launch depends on the batch only through ``num_splits`` and the shapes, so a caller
+    that fixes both (a CUDA graph) can replay it for any lengths up to ``max_kv_len``."""
+    num_seqs = rows.shape[0]
+    if num_seqs == 0:
+        return
+    _, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    cfg = config or decode_config(head_dim, q.device, block_n)
+    splits = num_splits or default_num_splits(num_seqs, num_kv_heads, max_kv_len, cfg.block_n)
+    block_d = triton.next_power_of_2(head_dim)
+    upcast = q.dtype == torch.bfloat16 and interpreting()
+    target = out if not upcast else torch.empty_like(out, dtype=torch.float32)
+    direct = splits == 1  # one split: its result is final, written in place (no merge launch)
+    # partial outputs [B, Hq, S, BLOCK_D] and their lse [B, Hq, S] share strides / BLOCK_D
+    part = target if direct else torch.empty(num_seqs, num_heads, splits, block_d, dtype=torch.float32, device=q.device)
+    lse = target if direct else torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
+    part_strides = (0, 0, 0) if direct else (part.stride(0), part.stride(1), part.stride(2))
+    _paged_decode_split[(num_seqs, num_kv_heads, splits)](
+        q, k_cache, v_cache, part, lse, target, block_tables, rows, seq_lens, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        *part_strides, target.stride(0), target.stride(1),
+        GROUP=group, WINDOW=window or 0, KV_BLOCK=kv_block_size, HEAD_DIM=head_dim,
+        BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
+        FP32_DOT=q.dtype == torch.float32 or upcast, UPCAST=upcast, DIRECT=direct,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if not direct:
+        _paged_decode_merge[(num_seqs, num_heads)](
+            part, lse, target, rows, part.stride(0), part.stride(1), part.stride(2), target.stride(0),
+            target.stride(1), splits, BLOCK_S=max(MAX_AUTO_SPLITS, triton.next_power_of_2(splits)),
+            HEAD_DIM=head_dim, BLOCK_D=block_d,
+        )
+    if upcast:
+        out[rows] = target[rows].to(out.dtype)

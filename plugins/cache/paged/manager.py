@@ -1,0 +1,266 @@
+"""The `paged` cache manager: fixed-size blocks handed out on demand, shared by reference
+count, with optional prefix caching.
+
+PagedAttention's memory manager (vLLM): a sequence holds ceil(tokens / block_size) blocks
+wherever they are, so the only waste is the unfilled tail of its last block. A fork (n > 1)
+shares every block and copies the shared partly filled block when one side first writes to
+it (copy-on-write). With ``prefix_caching`` every full block is indexed by content
+(prefix_cache.py), so a later request whose prompt starts the same way reuses the blocks
+instead of recomputing them; released cached blocks stay until an allocation needs the
+space, least recently released first (block_pool.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field, model_validator
+
+from tessellm.core.interfaces.cache import CacheManager, CacheSpec, PrefixCacheStats
+from tessellm.core.interfaces.kv import DenseKVStorage, KVLayout, KVStorage
+from tessellm.core.interfaces.sequence import Sequence
+from tessellm.core.plugin import PluginOptions, SelectionContext
+from tessellm.plugins.cache.paged.block_pool import BlockPool
+from tessellm.plugins.cache.paged.prefix_cache import PrefixCache
+
+
+class PagedOptions(PluginOptions):
+    """Options of the `paged` cache. Capacity: ``num_blocks`` if set, else a memory budget
+    (``gpu_memory_fraction`` of the free GPU memory on CUDA, ``cpu_memory_bytes`` on CPU)."""
+
+    block_size: int = Field(16, ge=1, le=1024)
+    """Tokens per block."""
+    num_blocks: int | None = Field(None, ge=1)
+    """Blocks to allocate (overrides the memory budget)."""
+    gpu_memory_fraction: float = Field(0.8, gt=0.0, le=0.98)
+    """On CUDA: share of the GPU memory free after loading the model that the cache takes."""
+    cpu_memory_bytes: int = Field(2 * 2**30, ge=2**20)
+    """On CPU: bytes the cache takes (allocated lazily by the OS as blocks are written)."""
+    prefix_caching: bool = True
+    """Reuse full blocks across requests whose prompts share a prefix (same cache_salt)."""
+
+    @model_validator(mode="after")
+    def _power_of_two(self):
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two (kernels tile by it), not {self.block_size}")
+        return self
+
+
+def bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+    """K and V bytes of one block across all layers (``model``: a ModelSpec or CacheSpec)."""
+    m = model
+    return 2 * block_size * m.num_layers * m.num_kv_heads * m.head_dim * dtype.itemsize
+
+
+def _budget_blocks(options: PagedOptions, model, device: torch.device, dtype: torch.dtype) -> int:
+    if options.num_blocks is not None:
+        return options.num_blocks
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(free * options.gpu_memory_fraction)
+    else:
+        budget = options.cpu_memory_bytes
+    # one block of the budget is the scratch block (see PagedCache.scratch_block)
+    return budget // bytes_per_block(model, options.block_size, dtype) - 1
+
+
+class PagedCache(CacheManager):
+    """Block tables over a shared block pool; copy-on-write forks; optional prefix caching.
+
+    Invariants (property-tested): a block is free, in use or cached, never two of these;
+    reference counts equal the number of tables holding a block and never go negative; a
+    block indexed by content is never written again (a write to it copies it first).
+    """
+
+    name = "paged"
+    api_version = "1.1"
+    description = "fixed-size blocks with reference counts, copy-on-write forks and prefix caching"
+    Options = PagedOptions
+    auto_priority = 50
+
+    @classmethod
+    def kv_layout(cls, options: PagedOptions, ctx: SelectionContext) -> KVLayout:
+        return KVLayout("kv", options.block_size, ctx.dtype)
+
+    @classmethod
+    def unsupported_reasons(cls, ctx: SelectionContext) -> list[str]:
+        reasons = super().unsupported_reasons(ctx)
+        if ctx.device.type == "cuda" and not torch.cuda.is_available():
+            return reasons
+        if ctx.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            reasons.append(f"stores K/V in a floating-point compute dtype, not {ctx.dtype}")
+        blocks = _budget_blocks(ctx.options, ctx.model, ctx.device, ctx.dtype)
+        if blocks < 1:
+            per = bytes_per_block(ctx.model, ctx.options.block_size, ctx.dtype)
+            reasons.append(f"the memory budget holds no block ({per} bytes each); raise cpu_memory_bytes "
+                           f"or gpu_memory_fraction, or set num_blocks")
+        return reasons
+
+    def __init__(self, options: PagedOptions, spec: CacheSpec, layout: KVLayout):
+        super().__init__(options, spec, layout)
+        num_blocks = _budget_blocks(options, spec, spec.device, spec.dtype)
+        self.pool = BlockPool(num_blocks)
+        slots = (num_blocks + 1) * layout.block_size  # + the scratch block, never handed out
+        self._layers = [DenseKVStorage(layout, slots, spec.num_kv_heads, spec.head_dim, spec.device)
+                        for _ in range(spec.num_layers)]
+        self.prefix = PrefixCache(self.pool, layout.block_size, options.prefix_caching)
+        self._tables: dict[int, list[int]] = {}  # seq_id -> blocks
+        self._computed: dict[int, int] = {}  # seq_id -> tokens with valid KV (commit)
+        self.cow_copies = 0
+
+    # ------------------------------------------------------------------ sizes
+
+    def layer(self, index: int) -> KVStorage:
+        return self._layers[index]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free
+
+    @property
+    def max_seq_tokens(self) -> int:
+        return self.pool.num_blocks * self.layout.block_size
+
+    def block_table(self, seq: Sequence) -> list[int]:
+        return self._tables[seq.seq_id]
+
+    @property
+    def scratch_block(self) -> int:
+        return self.pool.num_blocks  # the storage's last block: the pool holds ids below it
+
+    # ------------------------------------------------------------------ growth
+
+    def _plan(self, seq: Sequence, num_tokens: int) -> tuple[int, list[int]]:
+        """New blocks needed for tokens [0, num_tokens), and the table indices of held
+        blocks the write must copy first (shared, or indexed by content)."""
+        bs = self.layout.block_size
+        table = self._tables.get(seq.seq_id, [])
+        needed = -(-num_tokens // bs)
+        copies = [i for i in range(seq.num_computed_tokens // bs, min(len(table), needed))
+                  if self.pool.ref_counts[table[i]] > 1 or self.pool.is_cached(table[i])]
+        return max(needed - len(table), 0), copies
+
+    def can_reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        if num_tokens > self.max_seq_tokens:
+            return False
+        new, copies = self._plan(seq, num_tokens)
+        return new + len(copies) <= self.pool.num_free
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> None:
+        if num_tokens > self.max_seq_tokens:
+            raise RuntimeError(f"sequence {seq.seq_id} needs {num_tokens} slots; the cache holds {self.max_seq_tokens}")
+        new, copies = self._plan(seq, num_tokens)
+        if new + len(copies) > self.pool.num_free:
+            raise RuntimeError(f"paged cache is full: sequence {seq.seq_id} needs {new + len(copies)} blocks, "
+                               f"{self.pool.num_free} free")
+        table = self._tables.setdefault(seq.seq_id, [])
+        for i in copies:
+            table[i] = self._copy_block(table[i])
+        for _ in range(new):
+            table.append(self.pool.allocate())
+
+    def try_reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        table = self._tables.get(seq.seq_id)
+        if table is not None and num_tokens <= len(table) * self.layout.block_size:
+            # fast path (a decode step inside its last block): only the blocks about to be
+            # written can need a copy-on-write; without one, nothing changes
+            bs = self.layout.block_size
+            refs, pool = self.pool.ref_counts, self.pool
+            for i in range(seq.num_computed_tokens // bs, -(-num_tokens // bs)):  # usually one block
+                if refs[table[i]] != 1 or pool.is_cached(table[i]):
+                    break
+            else:
+                return True
+        if not self.can_reserve(seq, num_tokens):
+            return False
+        self.reserve(seq, num_tokens)
+        return True
+
+    def _copy_block(self, block: int) -> int:
+        fresh = self.pool.allocate()
+        bs = self.layout.block_size
+        src = torch.arange(block * bs, (block + 1) * bs, device=self.spec.device)
+        dst = torch.arange(fresh * bs, (fresh + 1) * bs, device=self.spec.device)
+        for storage in self._layers:
+            storage.copy_slots(src, dst)
+        self.pool.decref(block)
+        self.cow_copies += 1
+        return fresh
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        table = self._tables.get(seq.seq_id)
+        if table is None:
+            return
+        keep = -(-num_tokens // self.layout.block_size)
+        while len(table) > keep:
+            self.pool.decref(table.pop())
+        if seq.seq_id in self._computed:
+            self._computed[seq.seq_id] = min(self._computed[seq.seq_id], num_tokens)
+        self.prefix.truncate(seq, num_tokens)
+
+    def free(self, seq: Sequence) -> None:
+        table = self._tables.pop(seq.seq_id, None)
+        self._computed.pop(seq.seq_id, None)
+        self.prefix.forget(seq)
+        # release the tail first: a cached prefix's later blocks are then evicted before its
+        # earlier ones, which other prompts are more likely to share
+        for block in reversed(table or []):
+            self.pool.decref(block)
+
+    def can_fork(self, parent: Sequence) -> bool:
+        return True  # sharing costs no block now; copies are paid for by later reserves
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        self.free(child)
+        table = list(self._tables[parent.seq_id])
+        for block in table:
+            self.pool.incref(block)
+        self._tables[child.seq_id] = table
+        self._computed[child.seq_id] = parent.num_computed_tokens
+        self.prefix.fork(parent, child)
+
+    # ------------------------------------------------------------------ prefix caching
+
+    def match_prefix(self, seq: Sequence) -> int:
+        if not self.options.prefix_caching or self._tables.get(seq.seq_id):
+            return 0
+        table = self._tables[seq.seq_id] = self.prefix.match(seq)
+        hit = self._computed[seq.seq_id] = len(table) * self.layout.block_size
+        return hit
+
+    def commit(self, seq: Sequence) -> None:
+        table = self._tables.get(seq.seq_id)
+        if table is None:
+            return
+        self._computed[seq.seq_id] = seq.num_computed_tokens
+        self.prefix.index(seq, table)
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        stats = self.prefix.stats
+        return PrefixCacheStats(stats.queried_tokens, stats.hit_tokens)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget all cached content (e.g. after reloading weights); returns blocks dropped."""
+        return self.prefix.reset()
+
+    # ------------------------------------------------------------------ accounting
+
+    def num_used_slots(self) -> int:
+        """Full blocks count block_size each; a partly filled block counts its filled slots
+        once however many sequences share it (as full if any holder has filled it)."""
+        bs = self.layout.block_size
+        fill: dict[int, int] = {}
+        for seq_id, table in self._tables.items():  # only the tail past each sequence's full blocks
+            computed = self._computed.get(seq_id, 0)
+            for i in range(computed // bs, len(table)):
+                fill[table[i]] = max(fill.get(table[i], 0), max(0, min(bs, computed - i * bs)))
+        shared = {b for b, f in fill.items() if f < bs and self.pool.ref_counts[b] > 1}
+        if shared:  # rare (a fork rolled back into its shared part): is it full in another table?
+            for seq_id, table in self._tables.items():
+                for block in table[: self._computed.get(seq_id, 0) // bs]:
+                    if block in shared:
+                        fill[block] = bs
+        return self.pool.num_used * bs - sum(bs - f for f in fill.values())

@@ -1,0 +1,108 @@
+"""The prefix cache of `paged`: full blocks indexed by content, so a request whose prompt
+starts like an earlier one reuses its blocks instead of recomputing them.
+
+A full block's key is a hash chained over every token before it and the request's
+``cache_salt``, so equal keys mean equal whole prefixes under the same tenant. Keys live in
+the block pool (``BlockPool.register`` / ``lookup``); this class keeps, per sequence, the keys
+of its leading full blocks (so each block is hashed once) and the lookup statistics.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from tessellm.core.interfaces.cache import PrefixCacheStats
+from tessellm.core.interfaces.sequence import Sequence
+from tessellm.plugins.cache.paged.block_pool import BlockPool
+
+_ROOT = b"tessellm-prefix-v1"
+
+
+def block_key(parent: bytes | None, tokens: list[int], salt: str | None) -> bytes:
+    """Content key of a full block: a hash of the key before it (or of the salt, for the
+    first block) and its token ids, so equal keys mean equal whole prefixes."""
+    h = hashlib.blake2b(digest_size=16)
+    if parent is None:
+        h.update(_ROOT)
+        h.update(b"\x00" if salt is None else b"\x01" + salt.encode())
+    else:
+        h.update(parent)
+    h.update(array("q", tokens).tobytes())
+    return h.digest()
+
+
+class PrefixCache:
+    """Per-sequence content keys over a ``BlockPool``'s index.
+
+    Contract: ``match(seq)`` returns the cached blocks holding the longest prefix of the
+    sequence's tokens (each referenced once more for it), leaving at least one token to
+    compute; ``index(seq, table)`` registers the blocks that ``seq.num_computed_tokens`` has
+    newly filled; a lookup counts in ``stats`` at the sequence's first ``index`` (a sequence
+    that could not start after all, and is looked up again, is not a second query).
+    """
+
+    def __init__(self, pool: BlockPool, block_size: int, enabled: bool):
+        self.pool = pool
+        self.block_size = block_size
+        self.enabled = enabled
+        self.keys: dict[int, list[bytes]] = {}  # seq_id -> content keys of its leading full blocks
+        self._lookups: dict[int, tuple[int, int]] = {}  # seq_id -> (tokens looked up, hit) until it runs
+        self.stats = PrefixCacheStats()
+
+    def match(self, seq: Sequence) -> list[int]:
+        bs = self.block_size
+        tokens = seq.token_ids
+        blocks: list[int] = []
+        keys: list[bytes] = []
+        parent = None
+        for i in range((len(tokens) - 1) // bs):  # the last token is computed: its logits sample
+            key = block_key(parent, tokens[i * bs:(i + 1) * bs], seq.cache_salt)
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            self.pool.incref(block)
+            blocks.append(block)
+            keys.append(key)
+            parent = key
+        self.keys[seq.seq_id] = keys
+        self._lookups[seq.seq_id] = (len(tokens), len(blocks) * bs)
+        return blocks
+
+    def index(self, seq: Sequence, table: list[int]) -> None:
+        lookup = self._lookups.pop(seq.seq_id, None) if self._lookups else None
+        if lookup is not None:
+            self.stats.queried_tokens += lookup[0]
+            self.stats.hit_tokens += lookup[1]
+        if not self.enabled:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        keys = self.keys.get(seq.seq_id)
+        if keys is None:
+            keys = self.keys[seq.seq_id] = []
+        elif len(keys) >= full:  # no block newly full: the usual decode step
+            return
+        bs = self.block_size
+        for i in range(len(keys), min(full, len(table))):
+            key = block_key(keys[-1] if keys else None, seq.token_ids[i * bs:(i + 1) * bs], seq.cache_salt)
+            self.pool.register(table[i], key)
+            keys.append(key)
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        if parent.seq_id in self.keys:
+            self.keys[child.seq_id] = list(self.keys[parent.seq_id])
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        keys = self.keys.get(seq.seq_id)
+        if keys is not None:
+            del keys[num_tokens // self.block_size:]
+
+    def forget(self, seq: Sequence) -> None:
+        self.keys.pop(seq.seq_id, None)
+        self._lookups.pop(seq.seq_id, None)
+
+    def reset(self) -> int:
+        """Forget all cached content; returns the blocks whose content was dropped."""
+        for keys in self.keys.values():
+            keys.clear()
+        return self.pool.reset_prefix_cache()

@@ -1,0 +1,234 @@
+"""A/B test of two pipelines on one workload: what ``tessellm ab`` runs.
+
+Both pipelines stay loaded and run the same requests for ``rounds`` rounds, interleaved with
+the order alternating (A B, B A, ...), so drift over time (clock boost, other load) hits both
+arms alike. The throughput ratio B / A comes with a paired bootstrap interval over rounds.
+Output agreement compares the arms' greedy outputs token for token, and their next-token
+distributions (KL) on one and the same teacher-forced sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import re
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import numpy as np
+import torch
+
+from tessellm.bench.offline import BenchResult, describe_device, request_limit, run_offline, summarize, warm_up
+from tessellm.bench.workloads import BenchRequest, Workload
+from tessellm.core.config import PipelineConfig, apply_overrides, config_from_dict, default_config_data, read_config_file
+from tessellm.core.errors import ConfigError
+
+AGREEMENT_PROMPT_TOKENS = 128  # agreement prompts are cut to this; it is a check, not a benchmark
+AGREEMENT_NEW_TOKENS = 32
+_NEXT_KEY = re.compile(r",(?=\s*[A-Za-z_][\w.]*\s*=)")  # a comma followed by KEY=: a comma in [1, 2] is not
+
+
+def split_overrides(values: list[str]) -> list[str]:
+    """``--a``/``--b`` values (each ``KEY=VALUE[,KEY=VALUE...]``, repeatable) as a flat list of
+    ``KEY=VALUE`` items; a comma inside a value (``x=[1, 2]``) stays in it."""
+    return [part.strip() for v in values for part in _NEXT_KEY.split(v) if part.strip()]
+
+
+def load_arm_configs(files: list[str], *, base: str | None = None, shared: list[str] = (),
+                     a: list[str] = (), b: list[str] = ()) -> tuple[PipelineConfig, PipelineConfig]:
+    """A's and B's configs, checked against the plugin registry (names, options, device)
+    without loading a model. Either ``files`` (two config files) or ``base`` (a file; None: the
+    embedded config) plus each arm's overrides ``a``/``b``; ``shared`` (``--set``) applies to
+    both. Raises ConfigError naming the arm and the field."""
+    from tessellm.core.registry import get_registry
+    from tessellm.core.resolve import precheck
+
+    if files and (base is not None or a or b):
+        raise ConfigError("give either two config files (tessellm ab A.yaml B.yaml) or --config/--a/--b, not both")
+    if files and len(files) != 2:
+        raise ConfigError(f"give exactly two config files, A's and B's; got {len(files)}: {' '.join(files)}")
+    if not files and not (a or b):
+        raise ConfigError("nothing to compare: give two config files (tessellm ab A.yaml B.yaml) "
+                          "or each arm's overrides (--a KEY=VALUE --b KEY=VALUE)")
+    configs = []
+    for arm, path, own in (("A", files[0] if files else base, a), ("B", files[1] if files else base, b)):
+        data = apply_overrides(read_config_file(path) if path is not None else default_config_data(), list(shared))
+        for item in split_overrides(list(own)):
+            try:
+                data = apply_overrides(data, [item])
+            except ConfigError as exc:  # its message names --set; this override came from --a/--b
+                raise ConfigError(str(exc).replace("--set", f"--{arm.lower()}", 1)) from None
+        config = config_from_dict(data, f"arm {arm}" + ("" if path is None else f" (config {str(path)!r})"))
+        try:
+            precheck(config, get_registry())
+        except ConfigError as exc:
+            raise ConfigError(f"arm {arm}: {exc}") from None
+        configs.append(config)
+    return configs[0], configs[1]
+
+
+def bootstrap_ratio_ci(a: Any, b: Any, *, seed: int = 0, resamples: int = 10_000,
+                       level: float = 0.95) -> tuple[float, float]:
+    """Percentile-bootstrap interval of ``mean(b) / mean(a)`` over paired rounds: each resample
+    draws round indices with replacement and takes the same rounds of both arms, so drift
+    shared by a round's two runs cancels. Deterministic for a given seed."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    if a.ndim != 1 or a.shape != b.shape or a.size == 0 or (a <= 0).any():
+        raise ValueError("a and b must be equally long, non-empty 1-d sequences with positive a")
+    idx = np.random.default_rng(seed).integers(0, a.size, size=(resamples, a.size))
+    ratios = b[idx].mean(axis=1) / a[idx].mean(axis=1)
+    low, high = np.percentile(ratios, [50 * (1 - level), 50 * (1 + level)])
+    return float(low), float(high)
+
+
+def run_rounds(llm_a: Any, llm_b: Any, requests: list[BenchRequest], rounds: int, *,
+               progress: bool = False) -> tuple[list[BenchResult], list[BenchResult]]:
+    """Warm both arms up once, then run ``requests`` through each arm ``rounds`` times, round i
+    A then B for even i and B then A for odd i. Every run starts with an empty prefix cache,
+    so each round measures what one ``bench`` run does. Returns A's and B's results by round."""
+    for llm in (llm_a, llm_b):
+        warm_up(llm, requests)
+    arms, out = {"a": llm_a, "b": llm_b}, {"a": [], "b": []}
+    for i in range(rounds):
+        for arm in ("a", "b") if i % 2 == 0 else ("b", "a"):
+            llm = arms[arm]
+            reset = getattr(llm.pipeline.cache, "reset_prefix_cache", None)
+            if reset is not None:
+                reset()
+            # request ids must be unique among an engine's live requests: tag each run's copies
+            fresh = [dataclasses.replace(r, request_id=f"{r.request_id}#{arm}{i}") for r in requests]
+            out[arm].append(run_offline(llm, fresh, progress=progress, warmup=False))
+    return out["a"], out["b"]
+
+
+@dataclass
+class Agreement:
+    """How far B's outputs are from A's on the same prompts (greedy, ``max_tokens`` each)."""
+
+    exact_match_rate: float
+    mean_kl: float
+    max_kl: float
+    first_divergence: dict[int, int]
+    """Prompt index -> first output position where B's token differs from A's."""
+    num_prompts: int
+    max_tokens: int
+
+
+def output_agreement(llm_a: Any, llm_b: Any, prompts: list[list[int]],
+                     max_tokens: int = AGREEMENT_NEW_TOKENS) -> Agreement:
+    """Greedy-generate ``prompts`` through each arm (one batch, ``ignore_eos``) and compare.
+
+    ``exact_match_rate``: share of prompts whose output token ids are identical. KL(P_A || P_B)
+    of the next-token distributions is taken where both arms see the same context: the prompt
+    plus A's output, teacher-forced through ``engine.score`` (float64 log-softmax); one value
+    per output position, averaged and maximised over all prompts and positions. Every prompt
+    plus ``max_tokens`` must fit both arms' context windows."""
+    params = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0}
+    outs_a = [o.token_ids for o in llm_a.generate(prompts, params, progress=False)]
+    outs_b = [o.token_ids for o in llm_b.generate(prompts, params, progress=False)]
+    kls, diverge = [], {}
+    for i, (prompt, ta, tb) in enumerate(zip(prompts, outs_a, outs_b)):
+        if ta != tb:
+            diverge[i] = next((j for j, (x, y) in enumerate(zip(ta, tb)) if x != y), min(len(ta), len(tb)))
+        ids = list(prompt) + ta[:-1]  # row t predicts token t + 1: rows P-1 .. P+K-2 predict A's K tokens
+        la = llm_a.engine.score(ids)[len(prompt) - 1:].double().log_softmax(-1)
+        lb = llm_b.engine.score(ids)[len(prompt) - 1:].double().log_softmax(-1).to(la.device)
+        if la.shape != lb.shape:
+            raise ConfigError(f"the arms' vocabularies differ ({la.shape[-1]} vs {lb.shape[-1]} logits)")
+        pa = la.exp()
+        kl = torch.where(pa > 0, pa * (la - lb), 0.0).sum(-1)  # 0 log 0 = 0, even against log p_b = -inf
+        kls.append(kl.clamp_min(0).cpu())  # rounding can leave -1e-17 where the arms nearly agree
+    kl = torch.cat(kls)
+    return Agreement(1.0 - len(diverge) / len(prompts), float(kl.mean()), float(kl.max()), diverge,
+                     len(prompts), max_tokens)
+
+
+def run_ab(llm_a: Any, llm_b: Any, workload: Workload, *, seed: int = 0, num_requests: int | None = 16,
+           rounds: int = 5, num_agreement_prompts: int = 8, progress: bool = False,
+           command: str = "") -> dict[str, Any]:
+    """Draw the workload once (requests fit both arms), time it in interleaved rounds
+    (``run_rounds``), check output agreement on its first ``num_agreement_prompts`` prompts
+    (0: skip) and return the report ``tessellm ab --json`` prints."""
+    if rounds < 2:
+        raise ConfigError(f"rounds must be at least 2 for an interval over rounds, got {rounds}")
+    vocab = {llm.pipeline.spec.vocab_size for llm in (llm_a, llm_b)}
+    if len(vocab) != 1:
+        raise ConfigError(f"the arms' models have different vocabularies ({' vs '.join(map(str, sorted(vocab)))} "
+                          f"tokens); A/B needs models that share a tokenizer")
+    limit = min(request_limit(llm_a), request_limit(llm_b))
+    requests = workload.requests(seed=seed, num_requests=num_requests, tokenizer=llm_a.tokenizer,
+                                 max_model_len=limit, vocab_size=vocab.pop(), encode=llm_a.encode)
+    runs = dict(zip("ab", run_rounds(llm_a, llm_b, requests, rounds, progress=progress)))
+    tps = {arm: [sum(t.output_tokens for t in r.requests) / r.elapsed_s for r in rs] for arm, rs in runs.items()}
+    report: dict[str, Any] = {}
+    for arm, llm in (("a", llm_a), ("b", llm_b)):
+        p = llm.pipeline
+        report[arm] = {
+            "config": json.loads(json.dumps({"model": p.config.model, **p.resolved.summary()}, default=str)),
+            "kv_cache_slots": p.cache.num_blocks * p.cache.layout.block_size,
+            "output_tokens_per_s": {"per_round": [round(x, 3) for x in tps[arm]],
+                                    "mean": round(float(np.mean(tps[arm])), 3)},
+            **{f"{key}_ms": summarize([getattr(t, f"{key}_s") for r in runs[arm] for t in r.requests])
+               for key in ("ttft", "tpot", "e2e")}}
+    low, high = bootstrap_ratio_ci(tps["a"], tps["b"], seed=seed)
+    report.update(ratio=round(float(np.mean(tps["b"]) / np.mean(tps["a"])), 4),
+                  ratio_ci95=[round(low, 4), round(high, 4)], exact_match_rate=None, mean_kl=None, max_kl=None,
+                  divergences=[], agreement={"prompts": 0, "max_tokens": 0})
+    k = min(num_agreement_prompts, len(requests))
+    if k:
+        new = max(1, min(AGREEMENT_NEW_TOKENS, limit // 2))
+        prompts = [r.prompt_token_ids[:min(AGREEMENT_PROMPT_TOKENS, limit - new)] for r in requests[:k]]
+        g = output_agreement(llm_a, llm_b, prompts, new)
+        report.update(exact_match_rate=round(g.exact_match_rate, 4), mean_kl=g.mean_kl, max_kl=g.max_kl,
+                      divergences=[{"prompt": i, "first_divergence": j} for i, j in g.first_divergence.items()],
+                      agreement={"prompts": k, "max_tokens": new})
+    devices = [describe_device(llm.pipeline.resolved.device) for llm in (llm_a, llm_b)]
+    report.update(rounds=rounds, order=["AB" if i % 2 == 0 else "BA" for i in range(rounds)],
+                  workload=workload.describe(seed, len(requests)),
+                  device=devices[0] if devices[0] == devices[1] else f"A {devices[0]}; B {devices[1]}",
+                  date=datetime.now(timezone.utc).isoformat(timespec="seconds"), command=command,
+                  python=platform.python_version(), torch=torch.__version__)
+    return report
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+def format_ab_report(report: dict[str, Any]) -> str:
+    """A plain-text view of a report: what differs between the arms, A beside B, the ratio with
+    its interval, and output agreement."""
+    a, b, w = report["a"], report["b"], report["workload"]
+    fa, fb = _flat(a["config"]), _flat(b["config"])
+    diff = [f"{k}: {fa.get(k, '-')} -> {fb.get(k, '-')}" for k in fa.keys() | fb.keys()
+            if fa.get(k, ()) != fb.get(k, ())]  # () marks a key only one arm has
+    cell = lambda v: "-" if v is None else f"{v:.4g}"  # noqa: E731
+    rows = [("output tokens/s mean", [a["output_tokens_per_s"]["mean"], b["output_tokens_per_s"]["mean"]])]
+    rows += [(f"{key} {stat}", [a[key][stat], b[key][stat]]) for key in ("ttft_ms", "tpot_ms")
+             for stat in ("p50", "p90", "p99")]
+    lines = [f"tessellm ab: workload {w['name']} ({w['num_requests']} requests, seed {w['seed']}), "
+             f"{report['rounds']} interleaved rounds on {report['device']}",
+             "A -> B: " + ("; ".join(sorted(diff)) or "identical resolved configs (an A/A test)")]
+    lines += [f"{'':<22}{'A':>12}{'B':>12}"] + [f"{k:<22}" + "".join(f"{cell(v):>12}" for v in vs) for k, vs in rows]
+    for arm in ("a", "b"):
+        lines.append(f"{arm.upper()} per round (tokens/s): "
+                     + " ".join(cell(v) for v in report[arm]["output_tokens_per_s"]["per_round"]))
+    low, high = report["ratio_ci95"]
+    verdict = "no difference resolved" if low <= 1 <= high else ("B faster" if low > 1 else "B slower")
+    lines.append(f"ratio B/A (output tokens/s): {report['ratio']:.4g}, 95% CI [{low:.4g}, {high:.4g}]: {verdict}")
+    if a["kv_cache_slots"] != b["kv_cache_slots"]:
+        lines.append(f"note: the KV caches differ in size ({a['kv_cache_slots']} vs {b['kv_cache_slots']} slots)")
+    g = report["agreement"]
+    if g["prompts"]:
+        lines.append(f"agreement on {g['prompts']} prompts x {g['max_tokens']} greedy tokens: exact match "
+                     f"{100 * report['exact_match_rate']:.1f}%, mean KL(A||B) {report['mean_kl']:.3g}, "
+                     f"max {report['max_kl']:.3g}")
+        lines += [f"  prompt {d['prompt']}: first differs at output token {d['first_divergence']}"
+                  for d in report["divergences"]]
+    lines.append(f"{report['date']}  $ {report['command']}")
+    return "\n".join(lines)

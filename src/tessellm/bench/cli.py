@@ -1,0 +1,210 @@
+"""``tessellm bench`` and ``tessellm ab``: their arguments and what they run."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shlex
+import sys
+from typing import Any, Callable
+
+from tessellm.core.errors import ConfigError
+from tessellm.extras import require
+
+
+def add_parsers(sub: Any, add_config_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    b = sub.add_parser("bench", help="offline benchmark: a workload's requests all at once, timed",
+                       description="Submit every request of a workload at t=0 and report throughput, "
+                                   "TTFT/TPOT/e2e percentiles and KV-cache figures.")
+    add_config_args(b)
+    b.add_argument("--workload", default="mixed", metavar="NAME|PATH.jsonl",
+                   help="mixed (default), shared-prefix, or a .jsonl file of {prompt | prompt_token_ids, "
+                        "max_tokens, chat} objects")
+    b.add_argument("--workload-set", dest="workload_overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override a workload parameter, e.g. prefix_len=512 (repeatable)")
+    b.add_argument("--num-requests", type=int, default=None,
+                   help="requests to run (default 100; a .jsonl file: all its lines)")
+    b.add_argument("--seed", type=int, default=0, help="seed of the synthetic workload (default 0)")
+    b.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    b.add_argument("--plot", metavar="FILE.png", help="also draw TTFT/TPOT CDFs and throughput into FILE.png")
+    b.add_argument("--baseline", choices=["hf", "plain"],
+                   help="also run the same requests through transformers' generate (hf), or through this "
+                        "pipeline with plain decoding instead of its decoding plugin (plain: speculative "
+                        "decoding's speedup, and whether outputs are identical)")
+    b.add_argument("--baseline-batch-size", type=int, default=16,
+                   help="static batch size of the baseline (default 16)")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.add_argument("--serve", metavar="URL", help="benchmark a running server (tessellm serve) at URL instead of "
+                                                  "running the pipeline in this process")
+    b.add_argument("--request-rate", type=float, default=None, metavar="R",
+                   help="--serve: Poisson arrivals at R requests/s (default: all at once)")
+    b.add_argument("--max-concurrency", type=int, default=None, metavar="C",
+                   help="--serve: at most C requests in flight")
+    b.add_argument("--served-model-name", default=None, help="--serve: the model id to send (default: the config's model)")
+    b.add_argument("--api-key", default=None, help="--serve: the server's API key")
+    b.add_argument("--slo-ttft-ms", type=float, default=None, help="--serve: TTFT objective for goodput")
+    b.add_argument("--slo-tpot-ms", type=float, default=None, help="--serve: TPOT objective for goodput")
+
+
+    ab = sub.add_parser("ab", help="A/B test two pipelines: interleaved rounds, throughput ratio, output agreement",
+                        description="Run one workload through two pipelines in interleaved rounds (A B, B A, ...); "
+                                    "report each arm's throughput and latency, the throughput ratio B/A with a "
+                                    "bootstrap 95% interval over rounds, and how far their greedy outputs agree.")
+    ab.add_argument("configs", nargs="*", metavar="CONFIG", help="A's and B's config files (instead of --a/--b)")
+    add_config_args(ab)
+    for arm in ("a", "b"):
+        ab.add_argument(f"--{arm}", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                        help=f"overrides of arm {arm.upper()} on top of --config and --set, e.g. "
+                             f"attention.name=sdpa,dtype=float32 (repeatable)")
+    ab.add_argument("--workload", default="mixed", metavar="NAME|PATH.jsonl",
+                    help="mixed (default), shared-prefix, or a .jsonl file, as for bench")
+    ab.add_argument("--workload-set", dest="workload_overrides", metavar="KEY=VALUE", action="append", default=[],
+                    help="override a workload parameter (repeatable)")
+    ab.add_argument("--num-requests", type=int, default=16, metavar="N", help="requests per run (default 16)")
+    ab.add_argument("--rounds", type=int, default=5, metavar="N",
+                    help="runs of each arm, interleaved (default 5, at least 2)")
+    ab.add_argument("--seed", type=int, default=0, metavar="S",
+                    help="seed of the workload and the bootstrap (default 0)")
+    ab.add_argument("--num-agreement-prompts", type=int, default=8, metavar="N",
+                    help="workload prompts on which to compare greedy outputs and KL (default 8; 0 skips)")
+    ab.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    ab.add_argument("--plot", metavar="FILE.png", help="also draw per-round throughput and the ratio into FILE.png")
+    ab.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from tessellm.bench.offline import build_report, describe_device, format_report, progress_enabled, request_limit, run_offline
+    from tessellm.bench.workloads import get_workload
+    from tessellm.core.engine.llm import LLM
+
+    # every argument is checked before a model is loaded
+    workload = get_workload(args.workload, args.workload_overrides)
+    if args.num_requests is not None and args.num_requests < 1:
+        raise ConfigError(f"--num-requests must be at least 1, got {args.num_requests}")
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be 0 or more, got {args.seed}")
+    if args.baseline_batch_size < 1:
+        raise ConfigError(f"--baseline-batch-size must be at least 1, got {args.baseline_batch_size}")
+    if args.plot is not None and not args.plot.lower().endswith(".png"):
+        raise ConfigError(f"--plot {args.plot!r}: the figure is written as PNG; give a FILE.png")
+    if args.plot is not None and not os.path.isdir(os.path.dirname(os.path.abspath(args.plot))):
+        raise ConfigError(f"--plot {args.plot!r}: folder {os.path.dirname(os.path.abspath(args.plot))!r} does not exist")
+    plots = require("tessellm.bench.plots", "bench") if args.plot else None  # before any model loads
+    progress = progress_enabled(args.no_progress, args.json)
+    if args.serve:
+        return _bench_serve(args, workload, progress, plots)
+    llm = LLM(args.config, overrides=args.overrides)
+    p = llm.pipeline
+    requests = workload.requests(seed=args.seed, num_requests=args.num_requests, tokenizer=llm.tokenizer,
+                                 max_model_len=request_limit(llm), vocab_size=p.spec.vocab_size, encode=llm.encode)
+    result = run_offline(llm, requests, progress=progress)
+    results = {"tessellm": result}
+    info = dict(workload=workload.describe(args.seed, len(requests)),
+                pipeline=json.loads(json.dumps(p.resolved.summary(), default=str)),
+                device=describe_device(p.resolved.device),
+                command=shlex.join(["tessellm", *(sys.argv[1:] if args.argv is None else args.argv)]))
+    baseline = baseline_info = None
+    if args.baseline == "hf" and not all(r.ignore_eos for r in requests):
+        raise ConfigError("--baseline hf runs every request to its max_tokens; the workload has requests that "
+                          "stop at EOS (\"ignore_eos\": false), so the two would not generate the same tokens")
+    if args.baseline == "plain":
+        config = p.config.model_dump()
+        config["decoding"] = {"name": "auto", "options": {}}  # the best plain decoder (sample)
+        del llm, p  # one model in memory at a time
+        gc.collect()
+        plain = LLM(config)
+        baseline = results["plain"] = run_offline(plain, requests, progress=progress)
+        baseline_info = {"name": "plain", "decoding": plain.pipeline.resolved.choices["decoding"].entry.name}
+    elif args.baseline == "hf":
+        from tessellm.bench.hf_baseline import load_transformers, pad_token_id, run_hf_baseline
+
+        model_dir, dtype, device, pad = p.model_dir, p.resolved.dtype, p.resolved.device, pad_token_id(llm.tokenizer)
+        del llm, p  # free tessellm's weights and KV cache before loading the model a second time
+        gc.collect()
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()
+        model = load_transformers(model_dir, dtype, device)
+        baseline = results["hf"] = run_hf_baseline(model, requests, pad_id=pad, batch_size=args.baseline_batch_size,
+                                                   progress=progress)
+        baseline_info = {"name": "hf", "batch_size": args.baseline_batch_size,
+                         "attn_implementation": getattr(model.config, "_attn_implementation", None)}
+    report = build_report(result, baseline=baseline, baseline_info=baseline_info, **info)
+    if args.plot:
+        plots.plot_report(report, results, args.plot)
+    print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace, workload: Any, progress: bool, plots: Any) -> int:
+    """``tessellm bench --serve URL``: the workload against a running server."""
+    from tessellm.bench.offline import build_report, format_report
+    from tessellm.bench.serving import goodput, run_serving
+    from tessellm.core.config import load_config
+    from tessellm.core.model.loader import load_hf_config, load_tokenizer
+    from tessellm.core.resolve import model_dir_for
+
+    require("httpx", "bench")
+
+    if args.baseline:
+        raise ConfigError("--baseline runs in this process; it does not combine with --serve")
+    if args.request_rate is not None and args.request_rate <= 0:
+        raise ConfigError(f"--request-rate must be above 0, got {args.request_rate}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ConfigError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
+    config = load_config(args.config, args.overrides)
+    model_dir = model_dir_for(config)
+    tokenizer = load_tokenizer(model_dir)
+    max_len = config.max_model_len or load_hf_config(model_dir).max_position_embeddings
+    requests = workload.requests(seed=args.seed, num_requests=args.num_requests, tokenizer=tokenizer,
+                                 max_model_len=max_len)
+    result = run_serving(args.serve, requests, model=args.served_model_name or config.model,
+                         request_rate=args.request_rate, max_concurrency=args.max_concurrency, seed=args.seed,
+                         api_key=args.api_key, progress=progress)
+    report = build_report(result, workload=workload.describe(args.seed, len(requests)),
+                          pipeline={"server": args.serve, "request_rate": args.request_rate,
+                                    "max_concurrency": args.max_concurrency},
+                          device="server at " + args.serve,
+                          command=shlex.join(["tessellm", *(sys.argv[1:] if args.argv is None else args.argv)]))
+    report.update(goodput(result, args.slo_ttft_ms, args.slo_tpot_ms))
+    if args.plot:
+        plots.plot_report(report, {"tessellm serve": result}, args.plot)
+    print(json.dumps(report, indent=2) if args.json else format_report(report)
+          + f"\ngoodput: {report['goodput_rps']} requests/s meeting the objectives", flush=True)
+    return 0
+
+
+def cmd_ab(args: argparse.Namespace) -> int:
+    from tessellm.bench.ab import format_ab_report, load_arm_configs, run_ab
+    from tessellm.bench.offline import progress_enabled
+    from tessellm.bench.workloads import get_workload
+    from tessellm.core.engine.llm import LLM
+
+    # every argument and both configs are checked before a model is loaded
+    workload = get_workload(args.workload, args.workload_overrides)
+    for flag, value, least in (("--num-requests", args.num_requests, 1), ("--rounds", args.rounds, 2),
+                               ("--seed", args.seed, 0), ("--num-agreement-prompts", args.num_agreement_prompts, 0)):
+        if value < least:
+            raise ConfigError(f"{flag} must be at least {least}, got {value}")
+    if args.plot is not None and not args.plot.lower().endswith(".png"):
+        raise ConfigError(f"--plot {args.plot!r}: the figure is written as PNG; give a FILE.png")
+    folder = os.path.dirname(os.path.abspath(args.plot or "."))
+    if not os.path.isdir(folder):
+        raise ConfigError(f"--plot {args.plot!r}: folder {folder!r} does not exist")
+    plots = require("tessellm.bench.plots", "bench") if args.plot else None  # before any model loads
+    config_a, config_b = load_arm_configs(args.configs, base=args.config, shared=args.overrides, a=args.a, b=args.b)
+    llm_a, llm_b = LLM(config_a), LLM(config_b)
+    report = run_ab(llm_a, llm_b, workload, seed=args.seed, num_requests=args.num_requests, rounds=args.rounds,
+                    num_agreement_prompts=args.num_agreement_prompts,
+                    progress=progress_enabled(args.no_progress, args.json),
+                    command=shlex.join(["tessellm", *(sys.argv[1:] if args.argv is None else args.argv)]))
+    if args.json and report["a"]["kv_cache_slots"] != report["b"]["kv_cache_slots"]:  # the text report says so itself
+        print(f"tessellm: warning: the arms' KV caches differ in size ({report['a']['kv_cache_slots']} vs "
+              f"{report['b']['kv_cache_slots']} slots)", file=sys.stderr)
+    if args.plot:
+        plots.plot_ab_report(report, args.plot)
+    print(json.dumps(report, indent=2) if args.json else format_ab_report(report), flush=True)
+    return 0

@@ -1,0 +1,157 @@
+"""The ``tessellm`` command: ``plugins`` and ``generate`` here; ``bench`` and ``ab``
+(tessellm/bench/cli.py) and ``serve`` (tessellm/serve/cli.py) beside their apps, which need
+the ``[bench]`` and ``[serve]`` extras.
+
+Bad input (config, model, request) prints one line, ``tessellm: error: ...``, and exits with
+status 2, as argparse does for bad arguments; no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+from tessellm.bench import cli as bench_cli
+from tessellm.core.errors import TessellmError
+from tessellm.serve import cli as serve_cli
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", metavar="FILE", help="pipeline config (.yaml, .toml or .json); default: the embedded one")
+    p.add_argument("--set", dest="overrides", metavar="KEY=VALUE", action="append", default=[],
+                   help="override a config field, e.g. --set decoding.name=sample --set scheduler.options.max_num_seqs=4 "
+                        "--set model=PATH (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tessellm", description="A plugin-based LLM inference engine.")
+    parser.add_argument("--version", action="store_true", help="print the version and plugin-API version")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("plugins", help="list every registered plugin")
+    p.add_argument("--json", action="store_true", help="print a JSON array of plugins")
+
+    g = sub.add_parser("generate", help="generate text from prompts (run as one batch)")
+    _add_config_args(g)
+    g.add_argument("prompts", nargs="+", metavar="PROMPT")
+    g.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate per prompt (default 64)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="0 (default) keeps every token")
+    g.add_argument("--seed", type=int, default=None, help="seed of each request's sampler")
+    g.add_argument("-n", type=int, default=1, help="samples per prompt (forked after the prompt)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="generate past the end-of-sequence token")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
+    g.add_argument("--json", action="store_true", help="print one JSON object per prompt per line")
+    g.add_argument("--min-tokens", type=int, default=0, help="fewest tokens before EOS or a stop may end a sample")
+
+    bench_cli.add_parsers(sub, _add_config_args)
+    serve_cli.add_parser(sub, _add_config_args)
+    return parser
+
+
+def cmd_plugins(args: argparse.Namespace) -> int:
+    from tessellm.core.registry import get_registry
+
+    registry = get_registry()
+    rows = [e.describe() for e in registry.entries()]
+    for failure in registry.failures:
+        print(f"tessellm: warning: {failure}", file=sys.stderr)
+    if args.json:
+        print(json.dumps(rows, indent=2, default=str))
+        return 0
+    width = max((len(f"{r['kind']}.{r['name']}") for r in rows), default=10)
+    for r in rows:
+        auto = "-" if r["auto_priority"] is None else str(r["auto_priority"])
+        print(f"{r['kind'] + '.' + r['name']:<{width}}  auto {auto:>3}  {r['package']:<12}  {r['description']}")
+    return 0
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    params: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature,
+                              "top_p": args.top_p, "top_k": args.top_k, "n": args.n,
+                              "stop": args.stop, "ignore_eos": args.ignore_eos, "min_tokens": args.min_tokens}
+    if args.seed is not None:
+        params["seed"] = args.seed
+    return params
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tessellm.core.engine.llm import LLM, to_sampling_params
+
+    params = to_sampling_params(_sampling(args))  # reject bad sampling arguments before loading a model
+    llm = LLM(args.config, overrides=args.overrides)
+    start = time.perf_counter()
+    outputs = llm.generate(args.prompts, params, chat=args.chat)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    for prompt, out in zip(args.prompts, outputs):
+        if args.json:
+            record = {"prompt": prompt, "text": out.text, "token_ids": out.token_ids,
+                      "finish_reason": out.finish_reason, "prompt_tokens": len(out.prompt_token_ids),
+                      "completion_tokens": len(out.token_ids),
+                      "ttft_ms": None if out.ttft_s is None else round(out.ttft_s * 1000, 3),
+                      "e2e_ms": round(out.e2e_s * 1000, 3),
+                      "tokens_per_s": round(len(out.token_ids) / out.e2e_s, 3) if out.e2e_s > 0 else None}
+            if len(out.outputs) > 1:
+                record["samples"] = [{"text": c.text, "token_ids": c.token_ids, "finish_reason": c.finish_reason}
+                                     for c in out.outputs]
+            print(json.dumps(record), flush=True)
+        else:
+            print(f"=== {prompt}")
+            for c in out.outputs:
+                print(c.text)
+                print(f"--- {len(c.token_ids)} tokens, finish: {c.finish_reason}")
+    r = llm.pipeline.resolved
+    print(f"tessellm: {generated} tokens for {len(outputs)} prompt{'s' if len(outputs) != 1 else ''} in {elapsed:.2f} s: "
+          f"{generated / elapsed:.1f} tokens/s ({r.device}, {str(r.dtype).replace('torch.', '')}, "
+          f"attention {r.choices['attention'].entry.name}, cache {r.choices['cache'].entry.name}, "
+          f"scheduler {r.choices['scheduler'].entry.name})", file=sys.stderr)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.argv = argv  # the report's command line
+    if args.version:
+        from tessellm.core.version import PLUGIN_API_VERSION, __version__
+
+        print(f"tessellm {__version__} (plugin API {PLUGIN_API_VERSION})")
+        return 0
+    if args.command is None:
+        parser.print_help()
+        return 2
+    _quiet_libraries()
+    try:
+        return {"plugins": cmd_plugins, "generate": cmd_generate, "bench": bench_cli.cmd_bench,
+                "ab": bench_cli.cmd_ab, "serve": serve_cli.cmd_serve}[args.command](args)
+    except TessellmError as exc:
+        print(f"tessellm: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tessellm: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # `tessellm plugins --json | head`: the reader left, which is fine
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 0
+
+
+def _quiet_libraries() -> None:
+    import logging
+    import os
+    import warnings
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore", module="transformers")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

