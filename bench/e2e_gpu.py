@@ -1,4 +1,4 @@
-"""End to end on a GPU (issue 4, item 6): tessellm (flash + paged + continuous) against
+"""End to end on a GPU: tessellm (flash + paged + continuous) against
 transformers' padded `generate` and its continuous batching (`generate_batch`) on the same
 requests, in one run, with the step roofline.
 
@@ -12,7 +12,7 @@ sigma 0.8, clipped to 16..1024), 256 new tokens each (``ignore_eos``), all submi
 - tessellm: ``--config``-free pipeline ``attention flash, cache paged, scheduler continuous``;
   ``--set KEY=VALUE`` (repeatable, as ``tessellm --set``) overrides any field of it, e.g.
   ``--set scheduler.options.max_num_seqs=512 --set attention.name=sdpa``.
-- transformers: padded static batches of 64 and of 128 (``core.hf_baseline.run_hf_baseline``),
+- transformers: padded static batches of 64 and of 128 (``tessellm.bench.hf_baseline.run_hf_baseline``),
   then continuous batching, ``model.generate_batch`` (``run_hf_generate_batch``, transformers >= 5;
   off with ``--no-hf-generate-batch``), greedy, EOS ignored. ``--skip-hf``: none of them (no
   speedup fields). A baseline that fails is reported as ``{"error": ...}`` and the run goes on.

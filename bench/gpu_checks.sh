@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 4 in one command, for a device machine with no package registry:
-#   bench/gpu_checks.sh STAGE...   (stages: env tests sweep kernels e2e e2e-sync e2e-512 e2e-512-sync e2e-eager profile profile-async e2e-smoke;
-#   e2e runs the defaults, async scheduling included; the -sync stages turn it off)
+# The GPU checks in one command, for a device machine with no package registry:
+#   bench/gpu_checks.sh STAGE...   (stages: env tests sweep kernels e2e e2e-sync e2e-512 e2e-512-sync e2e-eager
+#   e2e-before profile profile-async e2e-smoke; e2e runs the defaults, async scheduling included; the -sync
+#   stages turn it off; e2e-before runs an earlier commit's wheel and e2e_gpu.py from .whl/old/ on the same
+#   workload, for an A/B of two commits in one lease)
 # Expects the wheels tessellm needs beyond the image (pydantic and its parts, and tessellm's
 # own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`) in .whl/. Logs and JSON
 # land in $OUT (or bench/results/gpu/ when OUT is unset); each stage runs under its own time
@@ -16,17 +18,19 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site
 fi
 limit() { timeout "${STAGE_LIMIT:-300}" "$@"; }
+fresh() { f="$OUT/$1"; i=2; while [ -e "$f.json" ]; do f="$OUT/$1_$i"; i=$((i + 1)); done; echo "$f"; }  # a stage run twice keeps both
 for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case $stage in
     env) { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv;
            python3 -c "import torch, triton, transformers, tessellm; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"; } 2>&1 | tee "$OUT/env.txt" ;;
     tests) [ -d .whl/tok ] && export TESSELLM_TEST_TOKENIZER_DIR=$PWD/.whl/tok  # tiny models' tokenizer
-           limit python3 -m pytest -q -p no:cacheprovider tests/plugins/attention/test_flash.py \
-             tests/core/test_cuda_graphs.py tests/core/test_fused_ops.py tests/core/test_warm_up.py ${TESTS_EXTRA:-} 2>&1 | tail -40 | tee "$OUT/tests.log" ;;
+           limit python3 -m pytest -q -p no:cacheprovider tests/plugins/attention/flash tests/core/model/test_cuda_graphs.py \
+             tests/core/model/test_fused_ops.py tests/core/engine/test_warm_up.py tests/core/engine/test_overlap.py \
+             tests/core/engine/test_outputs.py ${TESTS_EXTRA:-} 2>&1 | tail -40 | tee "$OUT/tests.log" ;;
     sweep) limit python3 bench/kernels.py --sweep --out "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1; tail -60 "$OUT/sweep.log" ;;
     kernels) limit python3 bench/kernels.py --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1; tail -5 "$OUT/kernels.log" ;;
-    e2e) limit python3 bench/e2e_gpu.py --out "$OUT/e2e.json" ${E2E_ARGS:-} > "$OUT/e2e.log" 2>&1; tail -40 "$OUT/e2e.log" ;;
+    e2e) f=$(fresh e2e); limit python3 bench/e2e_gpu.py --out "$f.json" ${E2E_ARGS:-} > "$f.log" 2>&1; tail -40 "$f.log" ;;
     e2e-sync) limit python3 bench/e2e_gpu.py --out "$OUT/e2e_sync.json" --skip-hf --set async_scheduling=false \
                  > "$OUT/e2e_sync.log" 2>&1; tail -40 "$OUT/e2e_sync.log" ;;
     e2e-512) limit python3 bench/e2e_gpu.py --out "$OUT/e2e_512.json" --skip-hf --set scheduler.options.max_num_seqs=512 \
@@ -34,6 +38,11 @@ for stage in "$@"; do
     e2e-512-sync) limit python3 bench/e2e_gpu.py --out "$OUT/e2e_512_sync.json" --skip-hf \
                      --set scheduler.options.max_num_seqs=512 --set async_scheduling=false \
                      > "$OUT/e2e_512_sync.log" 2>&1; tail -40 "$OUT/e2e_512_sync.log" ;;
+    e2e-before) [ -f .whl/old/e2e_gpu.py ] || { echo "e2e-before needs .whl/old/: an earlier wheel and its bench/e2e_gpu.py"; continue; }
+                python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_old \
+                  .whl/old/*.whl $(ls .whl/*.whl | grep -v '/tessellm-') || { echo "old wheel install failed"; continue; }
+                f=$(fresh e2e_before); PYTHONPATH=/tmp/site_old limit python3 .whl/old/e2e_gpu.py --out "$f.json" \
+                  --skip-hf ${E2E_ARGS:-} > "$f.log" 2>&1; tail -40 "$f.log" ;;
     e2e-eager) limit python3 bench/e2e_gpu.py --out "$OUT/e2e_eager.json" --skip-hf --set cuda_graphs=false \
                  > "$OUT/e2e_eager.log" 2>&1; tail -40 "$OUT/e2e_eager.log" ;;
     profile) limit python3 bench/step_profile.py --out "$OUT/profile.txt" > /dev/null 2>"$OUT/profile.err"; head -12 "$OUT/profile.txt"; tail -3 "$OUT/profile.err"

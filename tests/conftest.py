@@ -24,6 +24,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
+collect_ignore_glob = ["compat/frozen_*"]  # a frozen plugin package; tests/compat runs its tests itself
+
 
 @pytest.fixture(autouse=True)
 def _seed():
@@ -130,3 +132,40 @@ def cpu_config():
         return json.loads(json.dumps(config))
 
     return make
+
+
+@pytest.fixture
+def install_plugin_folder(tmp_path, monkeypatch):
+    """Factory: ``install_plugin_folder(folder)`` installs a plugin package folder (one with a
+    pyproject.toml, as examples/tessellm-plugin-example) as a real distribution: a dist-info
+    with its name, version and ``[tessellm]`` entry points, and the folder on sys.path, so a
+    fresh ``PluginRegistry()`` loads it through importlib.metadata. Returns the distribution
+    name. The package's modules are dropped from sys.modules afterwards, so another folder
+    with the same package name can be installed by a later test."""
+    import sys
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+
+    before = set(sys.modules)
+    packages: list[str] = []
+
+    def install(folder: Path) -> str:
+        project = tomllib.loads((folder / "pyproject.toml").read_text())
+        meta = project["project"]
+        info = tmp_path / f"{meta['name'].replace('-', '_')}-{meta['version']}.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {meta['name']}\nVersion: {meta['version']}\n")
+        lines = [f"{name} = {target}" for name, target in meta["entry-points"]["tessellm"].items()]
+        (info / "entry_points.txt").write_text("[tessellm]\n" + "\n".join(lines) + "\n")
+        packages.extend(project["tool"]["setuptools"]["packages"])
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.syspath_prepend(str(folder))
+        return meta["name"]
+
+    yield install
+    for name in set(sys.modules) - before:
+        if name.split(".")[0] in packages:
+            del sys.modules[name]

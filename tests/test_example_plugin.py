@@ -1,36 +1,25 @@
 """The documented example plugin (examples/tessellm-plugin-example) works as docs/plugins.md
-says: it loads through a real entry point and serves a pipeline, giving sdpa's tokens."""
+says: it loads through a real entry point and serves a pipeline, giving sdpa's tokens, and it
+imports nothing but the plugin API (``tessellm`` and its testing kit)."""
 
 from __future__ import annotations
 
-import sys
+import ast
 from pathlib import Path
 
 from tessellm import LLM
 from tessellm.core import registry as registry_module
 from tessellm.core.registry import PluginRegistry
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tessellm-plugin-example"
 
 
-def test_example_plugin_through_its_entry_point(tmp_path, monkeypatch, tiny_model, cpu_config):
-    dist = tmp_path / "tessellm_plugin_example-0.1.0.dist-info"
-    dist.mkdir()
-    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: tessellm-plugin-example\nVersion: 0.1.0\n")
-    project = tomllib.loads(EXAMPLE.joinpath("pyproject.toml").read_text())["project"]
-    lines = [f"{name} = {target}" for name, target in project["entry-points"]["tessellm"].items()]
-    (dist / "entry_points.txt").write_text("[tessellm]\n" + "\n".join(lines) + "\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.syspath_prepend(str(EXAMPLE))
+def test_example_plugin_through_its_entry_point(monkeypatch, install_plugin_folder, tiny_model, cpu_config):
+    dist = install_plugin_folder(EXAMPLE)
     registry = PluginRegistry()
     assert registry.failures == []
     entry = registry.get("attention", "example-logging")
-    assert entry is not None and entry.package == "tessellm-plugin-example"
+    assert entry is not None and entry.package == dist == "tessellm-plugin-example"
     monkeypatch.setattr(registry_module, "_default", registry)
 
     folder = tiny_model("llama")
@@ -41,3 +30,19 @@ def test_example_plugin_through_its_entry_point(tmp_path, monkeypatch, tiny_mode
     assert [o.token_ids for o in example.generate(prompts, params)] == \
         [o.token_ids for o in reference.generate(prompts, params)]
     assert example.pipeline.attention.layer_calls > 0
+
+
+def test_example_imports_only_the_plugin_api():
+    for path in EXAMPLE.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            for name in names:
+                if name.startswith("tessellm."):
+                    assert name == "tessellm.testing" or name.startswith("tessellm.testing."), f"{path}: {name}"
+
+
+def test_the_tutorial_shows_the_example_as_it_is():
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "plugins.md").read_text()
+    for path in ("pyproject.toml", "tessellm_plugin_example/attention.py", "tests/test_example_logging.py"):
+        assert (EXAMPLE / path).read_text().rstrip() in docs, f"docs/plugins.md shows an old {path}"

@@ -2,12 +2,12 @@
 
 Python's cyclic collector runs a full pass over every tracked object once enough objects
 have survived its younger passes. A loaded pipeline holds hundreds of thousands of them (the
-model's modules, the tokenizer, transformers and torch themselves): with SmolLM2 loaded a
-full pass takes about 170 ms on this project's 2-core CPU (bench/host_overhead.py --heap). An engine step creates per-sequence
-objects that live a step or two (a batch's sample slots, the in-flight step under async
-scheduling); enough of them survive that a run of decode steps triggers such passes every
-few dozen steps. On a GPU, where a step takes a few milliseconds, that is a stall of dozens
-of steps each time (bench/host_overhead.py --heap measures it).
+model's modules, the tokenizer, transformers and torch themselves), and a full pass over
+them takes tens to hundreds of milliseconds (bench/host_overhead.py --heap times it). An
+engine step creates per-sequence objects that live a step or two (a batch's sample slots,
+the in-flight step under async scheduling); enough of them survive that a run of decode
+steps triggers such passes every few dozen steps. On a GPU, where a step takes a few
+milliseconds, that is a stall of dozens of steps each time.
 
 ``frozen_heap()`` moves every object alive when the stepping starts into the collector's
 permanent generation (``gc.freeze``) and back when it ends (``gc.unfreeze``), so full passes

@@ -144,17 +144,17 @@ class ContinuousScheduler(QueueScheduler):
         return item.num_query_tokens if item is not None else 0
 
     @staticmethod
-    def _width(seq: Sequence) -> int:
+    def _footprint(seq: Sequence) -> int:
         """Sequences ``seq`` will occupy: an n > 1 request not yet forked counts n."""
         return seq.params.n if seq.sample_index == 0 and seq.num_output_tokens == 0 else 1
 
     def _admit(self, budget: int, chosen: dict[int, ScheduledSeq], out: SchedulerOutput, lookahead: int) -> None:
         if not self.waiting or budget <= 0:  # the usual decode step: nobody to admit, no count needed
             return
-        width = sum(self._width(s) for s in self.running)  # kept current below, not recounted per admission
+        occupied = sum(self._footprint(s) for s in self.running)  # kept current below, not recounted per admission
         while self.waiting and budget > 0:
             seq = self.waiting[0]
-            if width and width + self._width(seq) > self.options.max_num_seqs:
+            if occupied and occupied + self._footprint(seq) > self.options.max_num_seqs:
                 break
             if seq.num_computed_tokens == 0:
                 seq.num_computed_tokens = self.cache.match_prefix(seq)
@@ -168,7 +168,7 @@ class ContinuousScheduler(QueueScheduler):
             need = seq.num_computed_tokens + n + (lookahead if n == remaining else 0)
             while not self.cache.can_reserve(seq, need) and self._outranks(seq):
                 victim = max(self.running, key=self._urgency)
-                width -= self._width(victim)
+                occupied -= self._footprint(victim)
                 budget += self._preempt(victim, chosen, out)
             if not self.cache.can_reserve(seq, need):
                 self._release(seq)  # head of line waits for memory: later ones must not overtake it
@@ -180,7 +180,7 @@ class ContinuousScheduler(QueueScheduler):
             self._running_sorted = False
             chosen[seq.seq_id] = ScheduledSeq(seq, n)
             budget -= n
-            width += self._width(seq)
+            occupied += self._footprint(seq)
 
     def _outranks(self, seq: Sequence) -> bool:
         """Under the priority policy, whether waiting ``seq`` may preempt the least urgent

@@ -82,6 +82,7 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from tessellm.core.engine.llm import LLM, to_sampling_params
+    from tessellm.core.plugin import KINDS
 
     params = to_sampling_params(_sampling(args))  # reject bad sampling arguments before loading a model
     llm = LLM(args.config, overrides=args.overrides)
@@ -109,8 +110,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     r = llm.pipeline.resolved
     print(f"tessellm: {generated} tokens for {len(outputs)} prompt{'s' if len(outputs) != 1 else ''} in {elapsed:.2f} s: "
           f"{generated / elapsed:.1f} tokens/s ({r.device}, {str(r.dtype).replace('torch.', '')}, "
-          f"attention {r.choices['attention'].entry.name}, cache {r.choices['cache'].entry.name}, "
-          f"scheduler {r.choices['scheduler'].entry.name})", file=sys.stderr)
+          + ", ".join(f"{kind} {r.choices[kind].entry.name}" for kind in KINDS) + ")", file=sys.stderr)
     return 0
 
 

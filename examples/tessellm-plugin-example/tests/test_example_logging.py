@@ -5,9 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tessellm.core.config import PipelineConfig
-from tessellm.core.plugin import SelectionContext
-from tessellm.core.registry import PluginRegistry
+import tessellm
 from tessellm.testing import attention as ref
 from tessellm_plugin_example import attention as plugin_module
 from tessellm_plugin_example.attention import LoggingAttention, LoggingOptions
@@ -31,7 +29,7 @@ def test_matches_reference(dtype, window):
 
 
 def test_registers_through_its_hook():
-    registry = PluginRegistry(entry_points=False, modules=[plugin_module])
+    registry = tessellm.PluginRegistry(entry_points=False, modules=[plugin_module])
     assert registry.failures == []
     assert registry.get("attention", "example-logging").cls is LoggingAttention
 
@@ -43,9 +41,8 @@ def test_options_reject_unknown_keys():
 
 def test_unsupported_reasons():
     def ctx(max_context):
-        return SelectionContext(config=PipelineConfig(), device=torch.device("cpu"), dtype=torch.float32,
-                                model=ref.model_stub(64), options=LoggingOptions(max_context=max_context),
-                                max_model_len=8192)
+        return tessellm.SelectionContext(device=torch.device("cpu"), dtype=torch.float32, model=ref.model_stub(64),
+                                         options=LoggingOptions(max_context=max_context), max_model_len=8192)
 
     assert LoggingAttention.unsupported_reasons(ctx(None)) == []
     [reason] = LoggingAttention.unsupported_reasons(ctx(2048))

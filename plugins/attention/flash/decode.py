@@ -113,7 +113,7 @@ def _paged_decode_merge(
 
 
 DECODE_PROGRAMS = 512
-"""Programs the split-K decode aims for: a few per SM on a 132-SM H100, so enough loads are in
+"""Programs the split-K decode aims for: a few per SM of a large GPU, so enough loads are in
 flight to approach memory bandwidth (bench/kernels.py --sweep picks it)."""
 
 

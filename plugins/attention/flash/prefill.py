@@ -30,8 +30,8 @@ def prefill_config(head_dim: int, device: torch.device, block_m: int | None = No
     keys from the packed rows (``packed``) or gathering every key from the cache; explicit tile
     sizes win.
 
-    The CUDA defaults come from ``python bench/kernels.py --sweep`` on an H100 (see
-    docs/benchmarks.md); under the interpreter small tiles keep tests fast."""
+    The CUDA defaults come from ``python bench/kernels.py --sweep`` (docs/benchmarks.md,
+    "Prefill"); under the interpreter small tiles keep tests fast."""
     if device.type != "cuda":
         return KernelConfig(block_m or 16, block_n or 32, 4, 1)
     # each path's fastest tiles for 4k causal bf16 in `python bench/kernels.py --sweep`

@@ -1,8 +1,9 @@
 """`flash`'s fused RoPE and KV store: q and k rotated and k, v written into the paged cache in
 one pass, one program per token. Per layer that is four kernels and a copy fewer than rotating
 q and k apart (``tessellm.core.model.fused_ops.rotary_`` twice), the two index copies of
-``DenseKVStorage.store`` and making q contiguous. The rotation is the same arithmetic as
-``rotary_``'s, so both paths round alike.
+``DenseKVStorage.store`` and making q contiguous. The rotation is the same formula as
+``rotary_``'s: the same results under the interpreter, within a rounding compiled (the
+compiler may fuse it into FMAs differently in the two kernels).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def _rope_store_kernel(Q, K, V, Cos, Sin, QOut, KCache, VCache, Slots, stride_qt
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HALF
-    # the same arithmetic as _rotary_kernel, so both paths round alike
+    # the same formula as _rotary_kernel
     c1 = tl.load(Cos + t * stride_c + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     c2 = tl.load(Cos + t * stride_c + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
     s1 = tl.load(Sin + t * stride_c + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]

@@ -7,11 +7,9 @@ per sequence. Verification is nearly free while the forward is bound by reading 
 GPU at small batches) and costs more as the batch makes it compute-bound. With
 ``verify_cost`` v, the time of one more query token in a one-sequence step relative to that
 step, one more token per sequence at batch B is taken to cost v * sqrt(B) of the step (at
-most 1): bench/spec_costs.py measured, on a 2-core CPU with SmolLM2-135M, 4 more tokens per
-sequence at 0.10 of a step per token alone and 0.28 at batch 8 (the model says 0.28); a
-model linear in the batch, which ignores that wider matrix products run more efficiently,
-says 0.47. So speculation that pays
-alone may not pay in a large batch.
+most 1), which fits what bench/spec_costs.py measures (docs/benchmarks.md, "Speculative
+decoding") better than a cost linear in the batch, which ignores that wider matrix products
+run more efficiently. So speculation that pays alone may not pay in a large batch.
 
 k = 0 switches speculation off; such a sequence still drafts one token after
 ``probe_interval`` idle steps, so it notices when its text turns predictable (a quote, a

@@ -33,14 +33,24 @@ def close(ours: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
     assert (err <= tol * (1 + ref.float().abs())).all(), f"max error {err.max().item():.3g}"
 
 
+def same_as_two_step(ours: torch.Tensor, theirs: torch.Tensor) -> bool:
+    """Bit-equal under the interpreter; compiled, within a rounding of the dtype (float32:
+    two ulps; bfloat16: one, a float32 one rounding apart can round to neighbours)."""
+    if not CUDA:
+        return torch.equal(ours, theirs)
+    tol = 2 ** -22 if ours.dtype == torch.float32 else 2 ** -7
+    return torch.allclose(ours.float(), theirs.float(), rtol=tol, atol=tol * 1e-2)
+
+
 @settings(max_examples=12)
 @given(st.integers(1, 7), st.sampled_from([(1, 1), (4, 2), (6, 1), (8, 8)]), st.sampled_from([16, 48, 64]),
        st.sampled_from(DTYPES), st.booleans(), st.integers(0, 2**16))
 def test_rope_store(tokens, heads, head_dim, dtype, float32_cache, seed):
     """RoPE on q and k and the cache write in one kernel, reading q, k, v as strided views of
     one packed QKV output and writing scattered cache rows (a cache dtype of its own too):
-    close to the float64 reference, and bit-equal to the two-step path it replaces
-    (``rotary_`` on q and k, then the storage's index copies)."""
+    close to the float64 reference, and to the two-step path it replaces (``rotary_`` on q and
+    k, then the storage's index copies): bit-equal under the interpreter, within a rounding
+    compiled (the compiler may fuse the same formula into FMAs differently in two kernels)."""
     hq, hkv = heads
     g = torch.Generator().manual_seed(seed)
     qkv = torch.randn(tokens, (hq + 2 * hkv) * head_dim + 5, generator=g).to(DEVICE, dtype)  # padded rows: strided
@@ -68,8 +78,8 @@ def test_rope_store(tokens, heads, head_dim, dtype, float32_cache, seed):
     close(k, ref_k, dtype)  # rotated in place
     for ours, ref in zip(caches, ref_caches):
         close(ours, ref, dtype)
-    assert torch.equal(out, two_step_q) and torch.equal(k, two_step_k)
-    assert all(torch.equal(a, b) for a, b in zip(caches, two_step_caches))
+    assert same_as_two_step(out, two_step_q) and same_as_two_step(k, two_step_k)
+    assert all(same_as_two_step(a, b) for a, b in zip(caches, two_step_caches))
     untouched = torch.ones(num_slots, dtype=torch.bool, device=DEVICE)
     untouched[slots] = False
     assert not caches[0][untouched].any() and not caches[1][untouched].any()  # no other row written

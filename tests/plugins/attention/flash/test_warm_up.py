@@ -1,8 +1,8 @@
 """Start-up warm-up (core/engine/warm_up.py) with `flash`: every kernel variant a run
 launches, flash's own included (``FlashAttention.warm_up_shapes``), is launched at start-up.
 
-A Triton kernel variant first launched mid-run stalls that step for its compile (on the H100,
-the first 8192-token prefill of a run took 890 ms against 32 ms warm). The warm-up must
+A Triton kernel variant first launched mid-run stalls that step for its compile (hundreds of
+milliseconds on a GPU: docs/benchmarks.md). The warm-up must
 launch every variant a run launches. Without a GPU the kernels run interpreted, and
 ``VariantRecorder`` computes the key Triton would compile each launch under on a Hopper GPU,
 so the check runs here: warm up (and capture the padded graph path), record, then serve

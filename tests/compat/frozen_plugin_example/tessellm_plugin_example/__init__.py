@@ -1,0 +1,1 @@
+"""An example tessellm plugin package: see attention.py."""
