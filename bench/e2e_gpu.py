@@ -140,9 +140,10 @@ class StepTimeline:
         # per step: launched ahead (async scheduling), seconds the host waited for the GPU
         self.overlap: list[tuple[bool, float]] = []
         engine, runner = llm.engine, llm.pipeline.runner
-        step, stats = engine.step, engine.stats
+        step = engine.step
 
         def timed_step():
+            stats = engine.stats  # read each step: the benchmark replaces it after the warm-up
             before = runner.graphs.replays if runner.graphs is not None else 0
             gc_before, overlapped, waited = clock.seconds, stats.overlapped_steps, stats.device_wait_seconds
             start = time.perf_counter()

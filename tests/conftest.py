@@ -63,6 +63,9 @@ TINY = {
     "qwen2": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
                   tie_word_embeddings=False),
+    "llama-long": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, max_position_embeddings=8192, rms_norm_eps=1e-5,
+                       tie_word_embeddings=True),
     "mistral": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
                     tie_word_embeddings=False, sliding_window=8),
@@ -74,7 +77,7 @@ def build_tiny_model(target: Path, arch: str, tokenizer_dir: Path, seed: int = 0
     SmolLM2's tokenizer, so pipelines load it like any model."""
     import transformers
 
-    cls_name = {"llama": "Llama", "llama3": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[arch]
+    cls_name = {"llama": "Llama", "llama3": "Llama", "llama-long": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}[arch]
     config_cls = getattr(transformers, f"{cls_name}Config")
     model_cls = getattr(transformers, f"{cls_name}ForCausalLM")
     config = config_cls(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=2, **TINY[arch])

@@ -61,15 +61,17 @@ _slow_pass_log = _SlowPassLog()
 @contextmanager
 def frozen_heap() -> Iterator[None]:
     """Freeze the heap for the duration, and warn of any collector pass longer than
-    ``SLOW_PASS_S`` meanwhile. Nestable and thread-safe: the outermost exit unfreezes. A heap someone else already froze (a server that freezes before forking its
-    workers) is left exactly as it is: their freeze already covers the start-up objects, and
-    Python cannot unfreeze only ours."""
+    ``SLOW_PASS_S`` meanwhile. Nestable and thread-safe: the outermost exit unfreezes. Where
+    someone else had already frozen part of the heap (a server that froze before forking its
+    workers; a library that freezes a few hundred objects of its own), the pipeline's objects
+    are frozen all the same (their freeze need not cover them), and the heap stays frozen
+    after the exit: Python cannot unfreeze only ours, and unfreezing theirs would undo what
+    they froze for."""
     global _depth, _owned
     with _lock:
         if _depth == 0:
             _owned = gc.get_freeze_count() == 0
-            if _owned:
-                gc.freeze()
+            gc.freeze()
             gc.callbacks.append(_slow_pass_log)
         _depth += 1
     try:

@@ -38,7 +38,7 @@ class StopRule:
         length = len(seq.token_ids) + seq.num_pending
         return min(seq.params.max_tokens - (length - seq.num_prompt_tokens), self.max_model_len - length)
 
-    def continuing(self, seqs: Iterable[Sequence]) -> list[Sequence]:
+    def continuing(self, seqs: list[Sequence]) -> list[Sequence]:
         """The sequences among ``seqs`` that one more token leaves running by length: those
         whose coming token is not surely their last (one pass: hundreds of sequences a step)."""
         limit = self.max_model_len - 1

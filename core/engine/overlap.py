@@ -139,7 +139,7 @@ class OverlappedEngine(Engine):
         for item in out.scheduled:
             item.seq.num_computed_tokens += item.num_query_tokens
         # the coming tokens count in their sequences' lengths, unless one is surely its last
-        continuing = self.stop.continuing(slot.seq for slot in batch.samples)
+        continuing = self.stop.continuing([slot.seq for slot in batch.samples])
         for seq in continuing:
             seq.num_pending += 1
         return LaunchedStep(out, batch, tokens, host, ready, {s.seq_id for s in continuing}, start)
@@ -177,7 +177,9 @@ class OverlappedEngine(Engine):
             step.ready.synchronize()
             self.stats.device_wait_seconds += time.perf_counter() - waited
         tokens = step.host.tolist()
-        holds, finished, append, appended = step.holds_pending, SequenceStatus.FINISHED, self._append, 0
+        landed = time.perf_counter()
+        # ``Engine._append`` spelled out: hundreds of tokens a step, one call each saved
+        holds, finished, check, appended = step.holds_pending, SequenceStatus.FINISHED, self.stop.check, 0
         for slot, token in zip(step.batch.samples, tokens):
             seq = slot.seq
             if seq.seq_id in holds:
@@ -185,8 +187,14 @@ class OverlappedEngine(Engine):
             if seq.status is finished:  # aborted, or finished by the step before, while this one ran
                 continue
             appended += 1
-            append(seq, token)
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = landed
+            reason = check(seq, token)
+            if reason is not None:
+                self._finish(seq, reason)
         self.stats.sample_slots += appended
+        self.stats.generated_tokens += appended
         self._end_step(step.out, step.batch, step.start)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:

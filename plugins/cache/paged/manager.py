@@ -235,8 +235,12 @@ class PagedCache(CacheManager):
         table = self._tables.get(seq.seq_id)
         if table is None:
             return
-        self._computed[seq.seq_id] = seq.num_computed_tokens
-        self.prefix.index(seq, table)
+        n = self._computed[seq.seq_id] = seq.num_computed_tokens
+        # skip the call when ``PrefixCache.index`` would return at once (every sequence, every
+        # step): no lookup to count and no block newly full
+        prefix = self.prefix
+        if prefix.lookups or (prefix.enabled and len(prefix.keys.get(seq.seq_id, ())) < n // self.layout.block_size):
+            prefix.index(seq, table)
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         stats = self.prefix.stats

@@ -47,7 +47,8 @@ class PrefixCache:
         self.block_size = block_size
         self.enabled = enabled
         self.keys: dict[int, list[bytes]] = {}  # seq_id -> content keys of its leading full blocks
-        self._lookups: dict[int, tuple[int, int]] = {}  # seq_id -> (tokens looked up, hit) until it runs
+        self.lookups: dict[int, tuple[int, int]] = {}
+        """seq_id -> (tokens looked up, tokens hit), from ``match`` until the sequence first runs."""
         self.stats = PrefixCacheStats()
 
     def match(self, seq: Sequence) -> list[int]:
@@ -66,11 +67,11 @@ class PrefixCache:
             keys.append(key)
             parent = key
         self.keys[seq.seq_id] = keys
-        self._lookups[seq.seq_id] = (len(tokens), len(blocks) * bs)
+        self.lookups[seq.seq_id] = (len(tokens), len(blocks) * bs)
         return blocks
 
     def index(self, seq: Sequence, table: list[int]) -> None:
-        lookup = self._lookups.pop(seq.seq_id, None) if self._lookups else None
+        lookup = self.lookups.pop(seq.seq_id, None) if self.lookups else None
         if lookup is not None:
             self.stats.queried_tokens += lookup[0]
             self.stats.hit_tokens += lookup[1]
@@ -99,7 +100,7 @@ class PrefixCache:
 
     def forget(self, seq: Sequence) -> None:
         self.keys.pop(seq.seq_id, None)
-        self._lookups.pop(seq.seq_id, None)
+        self.lookups.pop(seq.seq_id, None)
 
     def reset(self) -> int:
         """Forget all cached content; returns the blocks whose content was dropped."""

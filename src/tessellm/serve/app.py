@@ -10,18 +10,19 @@ server keeps serving.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, TypeVar
 
 from tessellm.extras import require
 
 require("fastapi", "serve")
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.exceptions import RequestValidationError  # noqa: E402
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse  # noqa: E402
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse  # noqa: E402
 
 from tessellm.serve.engine_thread import EngineThread, RequestFailed, ServerBusy, StepOutput
 from tessellm.core.errors import InvalidRequestError, RequestRejectedError
@@ -29,6 +30,52 @@ from tessellm.core.engine.llm import to_sampling_params
 from tessellm.serve.schema import ChatCompletionRequest, CompletionRequest
 from tessellm.core.interfaces.sequence import SamplingParams
 from tessellm.serve.metrics import ServerMetrics
+
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its answer was complete."""
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """``work``'s result; or, as soon as the client disconnects first, ``work`` is cancelled
+    (which aborts the request it waits on) and ClientGone is raised. Before any byte of the
+    answer is sent, only the ASGI ``http.disconnect`` message tells that the client left
+    (a closed socket, a client timeout)."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # the handler itself is cancelled (the server shuts down)
+        task.cancel()
+        gone.cancel()
+        raise
+    gone.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientGone()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class EngineStream(StreamingResponse):
+    """A streamed answer whose body is closed however the response ends: the answer complete,
+    the client gone (Starlette then stops iterating the body without closing it), or a write
+    that failed. Closing the body closes the engine's stream, which aborts an unfinished
+    request at once, rather than when the garbage collector finds the abandoned generator."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
@@ -160,8 +207,10 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         stream = engine.generate(request_id, prompt, params)
         start = time.perf_counter()
-        try:
-            first = await stream.__anext__()  # admission errors surface here, before any byte is sent
+        try:  # admission errors surface here, before any byte is sent
+            first = await until_disconnect(request, stream.__anext__())
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it: the request is aborted
         except ServerBusy as exc:
             return error(429, str(exc), kind="rate_limit_error", code="server_busy")
         except (InvalidRequestError, RequestRejectedError) as exc:
@@ -172,12 +221,16 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
         metrics.first_token(ttft)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(sse(request_id, first, stream, chat, include_usage, start, ttft),
-                                     media_type="text/event-stream")
-        outputs = [first]
+            return EngineStream(sse(request_id, first, stream, chat, include_usage, start, ttft),
+                                media_type="text/event-stream")
+
+        async def rest() -> list[StepOutput]:
+            return [out async for out in stream]
+
         try:
-            async for out in stream:
-                outputs.append(out)
+            outputs = [first, *await until_disconnect(request, rest())]
+        except ClientGone:
+            return Response(status_code=499)
         except RequestFailed as exc:
             return error(500, str(exc), kind="server_error")
         last = outputs[-1]
@@ -199,7 +252,7 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
                 "created": int(time.time()), "model": name, "choices": choices,
                 "usage": usage(last)}
 
-    async def sse(request_id: str, first: StepOutput, stream: AsyncIterator[StepOutput], chat: bool,
+    async def sse(request_id: str, first: StepOutput, stream: AsyncGenerator[StepOutput, None], chat: bool,
                   include_usage: bool, start: float, ttft: float) -> AsyncIterator[str]:
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -237,6 +290,8 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
                 yield chunk([], usage=usage(last))
         except RequestFailed as exc:
             yield "data: " + json.dumps({"error": {"message": str(exc), "type": "server_error"}}) + "\n\n"
+        finally:  # however it ends: an unfinished engine stream aborts its request when closed
+            await stream.aclose()
         yield "data: [DONE]\n\n"
 
     return app

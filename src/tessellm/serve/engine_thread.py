@@ -13,6 +13,7 @@ import asyncio
 import logging
 import queue
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -101,9 +102,14 @@ class EngineThread:
 
     ``generate(request_id, prompt_ids, params)`` is an async iterator of ``StepOutput``; it
     raises the engine's ``InvalidRequestError`` / ``RequestRejectedError`` on admission and
-    ``RequestFailed`` if stepping fails. Leaving the iterator early (a client disconnect)
-    aborts the request. ``max_waiting`` bounds requests admitted but not yet running:
-    beyond it ``generate`` raises ``RequestRejectedError`` at once (a server answers 429).
+    ``RequestFailed`` if stepping fails. Leaving the iterator early (a client disconnect;
+    the server closes the iterator as soon as it sees one) aborts the request: the engine
+    thread stops it before its next step, and ``aborts`` records, for the most recent aborted
+    requests, the engine steps counted when the abort was asked for and when it was done.
+    ``on_step`` (metrics) runs after every step, and after commands that changed the engine
+    while it had no step to run. ``max_waiting`` bounds requests admitted but not yet
+    running: beyond it ``generate`` raises ``RequestRejectedError`` at once (a server
+    answers 429).
     """
 
     def __init__(self, llm: Any, *, max_waiting: int | None = None,
@@ -118,6 +124,8 @@ class EngineThread:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="tessellm-engine", daemon=True)
         self.errors = 0  # steps that raised
+        self.aborts: deque[tuple[str, int, int]] = deque(maxlen=1000)
+        """(request id, engine steps when its abort was asked for, engine steps when it was done)."""
         # Hugging Face fast tokenizers may raise "Already borrowed" when one thread encodes while
         # another decodes: every tokenizer call of the server and the engine thread takes this lock
         self.tokenizer_lock = threading.Lock()
@@ -167,7 +175,8 @@ class EngineThread:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        """Stop ``request_id`` before the engine's next step (any thread; unknown ids are ignored)."""
+        self._commands.put(("abort", request_id, self.engine.stats.steps))
         self._wake.set()
 
     # ------------------------------------------------------------------ engine thread
@@ -183,8 +192,10 @@ class EngineThread:
 
     def _iteration(self) -> None:
         """One pass: take commands, step if there is work, publish what the step produced."""
-        self._drain_commands()
+        changed = self._drain_commands()
         if not self.engine.has_unfinished():
+            if changed and self.on_step is not None:  # no step follows to refresh the gauges
+                self.on_step(self.engine)
             self._wake.wait(timeout=1.0)
             self._wake.clear()
             return
@@ -203,12 +214,15 @@ class EngineThread:
         if self.on_step is not None:
             self.on_step(self.engine)
 
-    def _drain_commands(self) -> None:
+    def _drain_commands(self) -> bool:
+        """Carry out the queued adds and aborts; whether there were any."""
+        changed = False
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
+                return changed
+            changed = True
             if command[0] == "add":
                 _, request_id, prompt_ids, params, kwargs, stream = command
                 try:
@@ -218,9 +232,11 @@ class EngineThread:
                     continue
                 self._streams[request_id] = stream
             else:
-                request_id = command[1]
+                _, request_id, asked_at = command
                 self._streams.pop(request_id, None)
-                self.engine.abort(request_id)
+                if request_id in self.engine.requests:
+                    self.engine.abort(request_id)
+                    self.aborts.append((request_id, asked_at, self.engine.stats.steps))
 
     def _fail_running(self, exc: Exception) -> None:
         """Fail and abort the requests that were running when the step raised (the step's

@@ -28,16 +28,19 @@ def test_frozen_heap_nests_and_always_unfreezes():
     assert marker
 
 
-def test_a_heap_frozen_by_someone_else_stays_frozen():
+def test_a_heap_partly_frozen_by_someone_else_is_frozen_whole_and_stays_frozen():
     gc.unfreeze()
-    gc.freeze()  # e.g. a server before forking its workers
+    theirs = [[i] for i in range(10)]
+    gc.freeze()  # e.g. a server before forking its workers, or a library freezing its own objects
     try:
         before = gc.get_freeze_count()
+        ours = [[i] for i in range(1000)]  # the pipeline, loaded after their freeze
         with frozen_heap():
-            assert gc.get_freeze_count() == before
-        assert gc.get_freeze_count() == before  # not unfrozen behind its owner's back
+            assert gc.get_freeze_count() >= before + len(ours)  # ours frozen too
+        assert gc.get_freeze_count() >= before + len(ours)  # theirs not unfrozen behind their back
     finally:
         gc.unfreeze()
+    assert theirs and ours
 
 
 def test_generate_steps_with_the_heap_frozen_and_cycles_are_collected_after(tiny_model, cpu_config, monkeypatch):
