@@ -13,7 +13,13 @@ class ConfigError(TessellmError, ValueError):
 
 
 class PluginError(TessellmError):
-    """A plugin that could not be loaded, or two plugins that collide."""
+    """A plugin that could not be loaded, two plugins that collide, or a plugin that broke its
+    contract when called."""
+
+
+class PluginCallError(PluginError):
+    """A plugin broke its interface's contract when called: it raised, or returned the wrong
+    shape or dtype. The message names the plugin and its module."""
 
 
 class PluginLoadError(PluginError):

@@ -3,12 +3,13 @@ can serve a config."""
 
 from __future__ import annotations
 
+import typing
 import warnings
 from abc import ABC
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 if TYPE_CHECKING:
     from tessellm.core.interfaces.kv import KVLayout
@@ -18,11 +19,36 @@ KINDS = ("attention", "cache", "scheduler", "decoding", "quant")
 """The five kinds of part, named as their config sections and plugins/ folders."""
 
 
+def _numeric(annotation: Any) -> bool:
+    """Whether a field of this type takes numbers and not booleans (int, float, Optional of them)."""
+    if annotation in (int, float):
+        return True
+    args = typing.get_args(annotation)
+    return bool(args) and bool not in args and any(a in (int, float) for a in args)
+
+
+def reject_booleans_for_numbers(model: type[BaseModel], data: Any) -> Any:
+    """A model-level "before" check: ``true`` given for a number field is an error, where
+    pydantic would take it as 1 (``min_p: true`` meaning 1.0 is never what was meant)."""
+    if isinstance(data, dict):
+        for key, value in data.items():
+            field = model.model_fields.get(key)
+            if isinstance(value, bool) and field is not None and _numeric(field.annotation):
+                raise ValueError(f"{key}: expected a number, got {str(value).lower()} (a boolean)")
+    return data
+
+
 class PluginOptions(BaseModel):
     """Base of a plugin's options model. Unknown keys are an error, so a misspelled option
-    never passes silently; subclasses give every field a default, bounds and a docstring."""
+    never passes silently, and so is a boolean given for a number; subclasses give every
+    field a default, bounds and a docstring."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, data: Any) -> Any:
+        return reject_booleans_for_numbers(cls, data)
 
 
 class SelectionContext:

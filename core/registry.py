@@ -9,6 +9,7 @@ raise ``PluginConflictError`` naming both.
 
 from __future__ import annotations
 
+import difflib
 import importlib.metadata
 import os
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ import pluggy
 
 from tessellm.core import hookspecs
 from tessellm.core.errors import PluginConflictError, PluginLoadError
-from tessellm.core.plugin import KINDS, Plugin
+from tessellm.core.plugin import KINDS, Plugin, PluginOptions
 from tessellm.core.version import api_version_problem
 
 ENTRY_POINT_GROUP = "tessellm"
@@ -69,6 +70,56 @@ def _base_class(kind: str) -> type[Plugin]:
             "decoding": Decoder, "quant": Quantizer}[kind]
 
 
+HOOK_NAMES = tuple(f"register_{kind}" for kind in KINDS)
+
+
+def _hook_problem(module: object) -> str | None:
+    """A hook an author meant to write but pluggy would miss: a ``register_<kind>`` function
+    without ``@tessellm.hookimpl`` (never called), or a marked function whose name is close to
+    a hook's (a typo pluggy reports without a suggestion)."""
+    marker = f"{hookspecs.PROJECT}_impl"
+    for attr in dir(module):
+        value = getattr(module, attr, None)
+        if not callable(value) or isinstance(value, type):
+            continue
+        marked = hasattr(value, marker)
+        if attr in HOOK_NAMES and not marked:
+            return (f"{attr} is not decorated with @tessellm.hookimpl, so tessellm never calls it and its "
+                    f"plugins are not registered; add @tessellm.hookimpl above it")
+        if marked and attr not in HOOK_NAMES:
+            close = difflib.get_close_matches(attr, HOOK_NAMES, n=1)
+            hint = f"did you mean {close[0]}?" if close else f"the hooks are {', '.join(HOOK_NAMES)}"
+            return f"{attr} is marked @tessellm.hookimpl but is no tessellm hook; {hint}"
+    return None
+
+
+def _options_problem(cls: type[Plugin]) -> str | None:
+    """Why the plugin's ``Options`` cannot serve as its options model, or None: it must
+    subclass ``tessellm.PluginOptions`` (which rejects unknown keys), and its defaults must
+    validate against their own declared types (else every user would be blamed for them)."""
+    options = cls.Options
+    if not (isinstance(options, type) and issubclass(options, PluginOptions)):
+        return (f"Options is {options!r}; it must be a subclass of tessellm.PluginOptions (a pydantic model "
+                f"that rejects misspelt option names)")
+    # pydantic does not validate defaults: validate them as if a user had given them
+    defaults = {name: field.get_default(call_default_factory=True)
+                for name, field in options.model_fields.items() if not field.is_required()}
+    try:
+        options.model_validate(defaults)
+    except Exception as exc:
+        errors = getattr(exc, "errors", None)
+        if callable(errors) and all(e.get("type") == "missing" for e in errors()):
+            return None  # required options without defaults: the user must give them
+        return f"its Options' defaults do not validate against their own declared types: {exc}"
+    return None
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """' (did you mean X?)' when ``name`` is close to one of ``choices``, else ''."""
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 class PluginRegistry:
     """Every plugin of every kind, keyed by (kind, name)."""
 
@@ -86,6 +137,7 @@ class PluginRegistry:
 
     def _load_entry_points(self) -> None:
         disabled = {s.strip() for s in os.environ.get(DISABLE_ENV, "").split(",") if s.strip()}
+        conflicts: list[str] = []
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
             package = ep.dist.name if ep.dist is not None else "unknown"
             if ep.name in disabled or package in disabled:
@@ -95,11 +147,22 @@ class PluginRegistry:
             except Exception as exc:  # any import-time error of a third-party plugin
                 self.failures.append(LoadFailure(ep.name, package, f"{type(exc).__name__}: {exc}"))
                 continue
-            self.add_module(module, package=package, source=ep.name)
+            try:
+                self.add_module(module, package=package, source=ep.name)
+            except PluginConflictError as exc:  # every clash is reported at once, not one per fix
+                conflicts.append(str(exc))
+        if len(conflicts) == 1:
+            raise PluginConflictError(conflicts[0])
+        if conflicts:
+            raise PluginConflictError(f"{len(conflicts)} plugin name clashes: " + " | ".join(conflicts))
 
     def add_module(self, module: ModuleType | object, *, package: str, source: str | None = None) -> None:
         """Register a module (or object) of hookimpls and the plugin classes its hooks register."""
         source = source or getattr(module, "__name__", repr(module))
+        problem = _hook_problem(module)
+        if problem:
+            self.failures.append(LoadFailure(source, package, problem))
+            return
         try:
             # entry-point names are unique only within a package: qualify them
             self.pm.register(module, name=f"{package}:{source}")
@@ -123,6 +186,15 @@ class PluginRegistry:
             self.pm.unregister(module)
             self.failures.append(LoadFailure(source, package, f"{type(exc).__name__}: {exc}"))
             return
+        seen: set[type] = set()
+        for entry in pending:
+            if entry.cls in seen:
+                self.pm.unregister(module)
+                self.failures.append(LoadFailure(source, package, f"{entry.kind} plugin {entry.name!r} "
+                                                 f"({entry.cls.__qualname__}) is registered twice by this module; "
+                                                 f"call register() once per class"))
+                return
+            seen.add(entry.cls)
         for entry in pending:
             self._add(entry)
 
@@ -136,6 +208,9 @@ class PluginRegistry:
             raise PluginLoadError(f"{kind} plugin {cls.__qualname__} must set its own class attribute name "
                                   f"(a non-empty string other than 'auto'; it is not inherited)")
         problem = api_version_problem(cls.__dict__.get("api_version"))
+        if problem:
+            raise PluginLoadError(f"{kind} plugin {name!r}: {problem}")
+        problem = _options_problem(cls)
         if problem:
             raise PluginLoadError(f"{kind} plugin {name!r}: {problem}")
         return PluginEntry(cls, package)

@@ -22,7 +22,7 @@ from tessellm.core.config import PipelineConfig
 from tessellm.core.errors import ConfigError
 from tessellm.core.model.spec import ModelSpec
 from tessellm.core.plugin import PluginOptions, SelectionContext
-from tessellm.core.registry import PluginEntry, PluginRegistry
+from tessellm.core.registry import PluginEntry, PluginRegistry, did_you_mean
 
 ORDER = ("quant", "cache", "attention", "scheduler", "decoding")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -105,8 +105,8 @@ def _candidates(kind: str, config: PipelineConfig, registry: PluginRegistry) -> 
     entry = registry.get(kind, name)
     if entry is None:
         hint = "".join(f"; note: {f}" for f in registry.failures_for(kind, name))
-        raise ConfigError(f"{kind}.name: unknown {kind} plugin {name!r}; valid choices: "
-                          f"{', '.join(['auto', *registry.names(kind)])}{hint}")
+        raise ConfigError(f"{kind}.name: unknown {kind} plugin {name!r}{did_you_mean(name, registry.names(kind))}; "
+                          f"valid choices: {', '.join(['auto', *registry.names(kind)])}{hint}")
     return [entry]
 
 

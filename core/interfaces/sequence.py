@@ -5,10 +5,12 @@ from __future__ import annotations
 import enum
 import itertools
 import time
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tessellm.core.plugin import reject_booleans_for_numbers
 
 
 class SamplingParams(BaseModel):
@@ -40,6 +42,11 @@ class SamplingParams(BaseModel):
     logprobs: Optional[int] = Field(None, ge=0, le=20)
     """Record each generated token's log-probability and this many most likely alternatives
     (the model's own distribution, before temperature and filtering); None records nothing."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, data: Any) -> Any:
+        return reject_booleans_for_numbers(cls, data)
 
     @model_validator(mode="after")
     def _min_within_max(self):

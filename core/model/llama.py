@@ -15,6 +15,7 @@ from torch import nn
 
 from tessellm.core.interfaces.attention import AttentionBackend
 from tessellm.core.interfaces.cache import CacheManager
+from tessellm.core.model.contract import checked_call
 from tessellm.core.model.spec import ModelSpec
 
 
@@ -74,6 +75,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=spec.o_bias)
         self.qkv_proj: nn.Linear | None = None
+        self.backend_checked = False  # whether the attention backend's output has met its contract once
 
     def fuse_projections(self) -> None:
         """Replace q/k/v_proj by one ``qkv_proj`` (their weights stacked): one GEMM, not three."""
@@ -91,14 +93,23 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if fused:  # the backend rotates q and k (with the KV store, where it can fuse them)
-            out = backend.forward_rotary(self.layer, q, k, v, cos, sin, cache.layer(self.layer), plan)
-        else:
+        if not fused:
             cos, sin = cos[:, None, :], sin[:, None, :]
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
-            out = backend.forward(self.layer, q, k, v, cache.layer(self.layer), plan)  # [T, Hq, D]
+        if self.backend_checked:
+            out = self._attend(backend, fused, q, k, v, cos, sin, cache, plan)
+        else:  # the backend's first call: a broken plugin is named here, not deep in a step
+            out = checked_call(backend, "forward_rotary" if fused else "forward", q,
+                               lambda: self._attend(backend, fused, q, k, v, cos, sin, cache, plan))
+            self.backend_checked = True
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+    def _attend(self, backend: AttentionBackend, fused: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, cache: CacheManager, plan: Any) -> torch.Tensor:
+        if fused:  # the backend rotates q and k (with the KV store, where it can fuse them)
+            return backend.forward_rotary(self.layer, q, k, v, cos, sin, cache.layer(self.layer), plan)
+        return backend.forward(self.layer, q, k, v, cache.layer(self.layer), plan)  # [T, Hq, D]
 
 
 class MLP(nn.Module):

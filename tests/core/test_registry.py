@@ -566,3 +566,115 @@ def test_subclass_must_declare_its_own_name():
     registry.add_module(module_with("forgetful", registering(Forgetful)), package="forgetpkg")
     assert any("must set its own class attribute name" in str(f) for f in registry.failures)
     assert registry.get("attention", "sdpa") is None or registry.get("attention", "sdpa").package != "forgetpkg"
+
+
+# ---------------------------------------------------------------------------- the mistakes authors make
+
+
+def test_a_hook_without_hookimpl_is_a_load_failure_that_says_so(fake_dist):
+    source = plugin_source("unmarked").replace("@tessellm.hookimpl\n", "")
+    assert "@tessellm.hookimpl" not in source
+    fake_dist("fakepkg", {"attention.unmarked": (MODULE_PREFIX + "unmarked", source)})
+    registry = PluginRegistry()
+    [failure] = registry.failures
+    assert "register_attention is not decorated with @tessellm.hookimpl" in failure.error
+    from tessellm.core.config import PipelineConfig
+    from tessellm.core.errors import ConfigError
+    from tessellm.core.resolve import precheck
+
+    with pytest.raises(ConfigError) as info:  # selecting it names the reason, not only "unknown"
+        precheck(PipelineConfig.model_validate({"attention": {"name": "unmarked"}}), registry)
+    assert "not decorated with @tessellm.hookimpl" in str(info.value)
+
+
+def test_a_misspelt_hook_gets_a_suggestion():
+    registry = empty_registry()
+    registry.add_module(module_with("typo_mod", registering(attention_class("typo"), kind="atention")),
+                        package="testpkg")
+    assert "did you mean register_attention?" in registry.failures[0].error
+
+
+def test_an_unknown_plugin_name_gets_a_suggestion():
+    from tessellm.core.config import PipelineConfig
+    from tessellm.core.errors import ConfigError
+    from tessellm.core.resolve import precheck
+
+    with pytest.raises(ConfigError) as info:
+        precheck(PipelineConfig.model_validate({"attention": {"name": "sdp"}}), PluginRegistry())
+    assert "unknown attention plugin 'sdp' (did you mean 'sdpa'?)" in str(info.value)
+
+
+def test_one_class_registered_twice_in_one_hook_is_a_load_failure():
+    cls = attention_class("twice")
+
+    @tessellm.hookimpl
+    def register_attention(register):
+        register(cls)
+        register(cls)
+
+    registry = empty_registry()
+    registry.add_module(module_with("twice_mod", register_attention), package="testpkg")
+    [failure] = registry.failures
+    assert "'twice'" in failure.error and "registered twice by this module" in failure.error
+    assert registry.names("attention") == []
+
+
+def test_every_name_clash_is_reported_at_once(fake_dist):
+    fake_dist("fakepkg", {"attention.mysdpa": (MODULE_PREFIX + "clash_a", plugin_source("sdpa")),
+                          "decoding.mygreedy": (MODULE_PREFIX + "clash_b", plugin_source("greedy", kind="decoding"))})
+    with pytest.raises(PluginConflictError) as info:
+        PluginRegistry()
+    message = str(info.value)
+    assert message.startswith("2 plugin name clashes") and "'sdpa'" in message and "'greedy'" in message
+
+
+@pytest.mark.parametrize("options, expected", [
+    (dict, "Options is <class 'dict'>; it must be a subclass of tessellm.PluginOptions"),
+    (type("Plain", (__import__("pydantic").BaseModel,), {"__annotations__": {"k": int}, "k": 1}),
+     "must be a subclass of tessellm.PluginOptions"),
+])
+def test_options_that_are_not_plugin_options_are_a_load_failure(options, expected):
+    cls = attention_class("badopts")
+    cls.Options = options
+    registry = empty_registry()
+    registry.add_module(module_with("opts_mod", registering(cls)), package="testpkg")
+    [failure] = registry.failures
+    assert "'badopts'" in failure.error and expected in failure.error
+
+
+def test_options_whose_defaults_break_their_own_types_blame_the_plugin():
+    from pydantic import Field
+
+    class WrongDefault(tessellm.PluginOptions):
+        block: int = Field("sixty-four")  # the author's mistake, not the user's
+
+    class Required(tessellm.PluginOptions):
+        path: str  # no default: the user must give it, which is allowed
+
+    for options, fails in ((WrongDefault, True), (Required, False)):
+        cls = attention_class(f"defaults-{options.__name__.lower()}")
+        cls.Options = options
+        registry = empty_registry()
+        registry.add_module(module_with("defaults_mod", registering(cls)), package="testpkg")
+        assert bool(registry.failures) is fails
+    assert "defaults do not validate against their own declared types" in registry.failures[0].error \
+        if registry.failures else True
+
+
+def test_a_boolean_for_a_number_is_an_error_in_options_and_sampling():
+    from typing import Optional
+
+    from pydantic import ValidationError
+
+    class MinP(tessellm.PluginOptions):
+        min_p: float = 0.0
+        top: Optional[int] = None
+        on: bool = False
+
+    with pytest.raises(ValidationError, match="min_p: expected a number, got true"):
+        MinP(min_p=True)
+    with pytest.raises(ValidationError, match="top: expected a number"):
+        MinP(top=False)
+    assert MinP(on=True, min_p=0.5).on is True
+    with pytest.raises(ValidationError, match="temperature: expected a number, got true"):
+        tessellm.SamplingParams(temperature=True)
