@@ -17,9 +17,18 @@ class Quantizer(Plugin):
     swapped for quantized ones (gpt-fast style: walk the children, replace, keep names). It
     must leave the forward signature unchanged; it may keep a float copy of nothing it
     replaces. Quantized KV storage is a cache plugin's job, not a quantizer's.
+
+    ``max_relative_error`` is the forward error the quantizer promises: over a batch of
+    prompts, ||logits_quantized - logits_float|| / ||logits_float|| (Frobenius norms over
+    every position, the float model being the same pipeline with quant ``none``) stays at or
+    below it. The quant conformance suite holds a plugin to the bound it declares; declare
+    the tightest one it meets.
     """
 
     kind: ClassVar[str] = "quant"
+    max_relative_error: ClassVar[float] = 0.05
+    """Declared bound on the relative logits error (see above). The default, 5%, is about
+    what 4-bit weight-only quantization costs a small model; 8-bit schemes meet ~1%."""
 
     def __init__(self, options: PluginOptions, device: torch.device, dtype: torch.dtype):
         self.options = options

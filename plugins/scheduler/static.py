@@ -61,6 +61,10 @@ class StaticScheduler(QueueScheduler):
             if seq.num_computed_tokens == 0:
                 seq.num_computed_tokens = self.cache.match_prefix(seq)
             if not self.cache.can_reserve(seq, seq.num_tokens):
+                # a waiting sequence holds no blocks: matched prefix blocks it keeps could
+                # leave the whole cache to sequences that cannot start (nothing would run)
+                self.cache.free(seq)
+                seq.num_computed_tokens = 0
                 break
             self.cache.reserve(seq, seq.num_tokens)
             self.waiting.popleft()

@@ -33,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plugins", help="list every registered plugin")
     p.add_argument("--json", action="store_true", help="print a JSON array of plugins")
+    p.add_argument("--check", metavar="KIND:NAME",
+                   help="run KIND's conformance suite on the installed plugin NAME (needs the [conformance] extra)")
+    p.add_argument("--options", metavar="JSON", default="{}", help="with --check: the plugin's options, as JSON")
+    p.add_argument("--examples", type=int, default=20, metavar="N",
+                   help="with --check: hypothesis cases per property (default 20)")
 
     g = sub.add_parser("generate", help="generate text from prompts (run as one batch)")
     _add_config_args(g)
@@ -57,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
 def cmd_plugins(args: argparse.Namespace) -> int:
     from tessellm.core.registry import get_registry
 
+    if args.check:
+        return cmd_check(args)
+
     registry = get_registry()
     rows = [e.describe() for e in registry.entries()]
     for failure in registry.failures:
@@ -69,6 +77,31 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         auto = "-" if r["auto_priority"] is None else str(r["auto_priority"])
         print(f"{r['kind'] + '.' + r['name']:<{width}}  auto {auto:>3}  {r['package']:<12}  {r['description']}")
     return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """``plugins --check KIND:NAME``: the conformance table; exit 1 when a property fails."""
+    from tessellm.core.errors import ConfigError
+    from tessellm.core.plugin import KINDS
+    from tessellm.extras import require
+
+    kind, sep, name = args.check.partition(":")
+    if not sep or kind not in KINDS or not name:
+        raise ConfigError(f"--check takes KIND:NAME with KIND one of {', '.join(KINDS)}, e.g. attention:sdpa; "
+                          f"got {args.check!r}")
+    try:
+        options = json.loads(args.options)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--options must be a JSON object: {exc}") from None
+    if not isinstance(options, dict):
+        raise ConfigError(f"--options must be a JSON object, got {args.options!r}")
+    require("pytest", "conformance")
+    require("hypothesis", "conformance")
+    from tessellm.testing.conformance.check import run_check
+
+    report = run_check(kind, name, options, examples=args.examples)
+    print(report.table())
+    return 0 if report.ok else 1
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:

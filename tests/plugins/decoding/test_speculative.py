@@ -26,20 +26,9 @@ BLOCK_SIZE = 4
 @pytest.fixture(scope="module")
 def other_draft(tiny_model, tmp_path_factory):
     """The tiny llama's weights plus noise: a draft that agrees with it only some of the time."""
-    import shutil
+    from tessellm.testing.models import noisy_copy
 
-    from safetensors.torch import load_file, save_file
-
-    source = tiny_model("llama")
-    target = tmp_path_factory.mktemp("tiny-noisy-draft")
-    for f in source.iterdir():
-        shutil.copy(f, target / f.name)
-    g = torch.Generator().manual_seed(5)
-    for f in target.glob("*.safetensors"):
-        state = load_file(f)
-        save_file({k: v + 0.03 * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in state.items()}, f,
-                  metadata={"format": "pt"})
-    return target
+    return noisy_copy(tiny_model("llama"), tmp_path_factory.mktemp("tiny-noisy-draft"))
 
 
 @pytest.fixture(scope="module")

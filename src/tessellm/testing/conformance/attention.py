@@ -1,0 +1,187 @@
+"""The attention contract as properties, checked against the float64 reference of
+tessellm.testing.attention on random packed batches over a scattered, NaN-filled cache.
+
+The tolerance rule (flash-attention's): in a dtype below float64, the plugin's largest
+absolute error against the float64 reference may be at most twice that of plain torch
+attention computed in the same dtype, plus a small floor for dtypes whose torch error is
+near zero (``ERROR_FLOOR``)."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from tessellm.core.interfaces.kv import KVLayout
+from tessellm.core.model.spec import ModelSpec
+from tessellm.core.plugin import SelectionContext
+from tessellm.testing import attention as ref
+from tessellm.testing.conformance.base import ConformanceSuite, property_settings
+
+ERROR_FLOOR = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}
+"""Absolute error always allowed in each dtype, beside twice torch's own error."""
+
+PRIMES = (2, 3, 5, 7, 11, 13, 17, 19, 23, 29, 31, 37)
+
+
+def model_spec(num_heads: int, num_kv_heads: int, head_dim: int, window: int | None = None) -> ModelSpec:
+    """A model of these attention shapes (the rest of it is irrelevant to attention)."""
+    return ModelSpec(model_type="llama", vocab_size=256, hidden_size=num_heads * head_dim, intermediate_size=64,
+                     num_layers=1, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     rms_norm_eps=1e-5, max_position_embeddings=4096, tie_word_embeddings=True, qkv_bias=False,
+                     o_bias=False, mlp_bias=False, sliding_window=window, rope_type="default", hf_config=None)
+
+
+def torch_attention(case: ref.PackedCase, scale: float, window: int | None) -> torch.Tensor:
+    """Plain torch attention computed in the case's own dtype: the error a kernel is allowed
+    to double."""
+    outs, start = [], 0
+    for k, v, n_q in zip(case.k_full, case.v_full, case.q_lens):
+        q = case.q[start:start + n_q]
+        group = q.shape[1] // k.shape[1]
+        keys, values = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * scale
+        q_pos = torch.arange(len(k) - n_q, len(k))[:, None]
+        k_pos = torch.arange(len(k))[None, :]
+        visible = k_pos <= q_pos
+        if window is not None:
+            visible &= q_pos - k_pos < window
+        weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        outs.append(torch.einsum("hqk,khd->qhd", weights, values))
+        start += n_q
+    return torch.cat(outs)
+
+
+@st.composite
+def lengths(draw: Any, kind: str) -> tuple[list[int], list[int]]:
+    """(context lengths, query lengths) of 1-4 sequences: ``prefill`` (whole prompts),
+    ``decode`` (one query token), ``chunked`` (a chunk after a cached prefix) or ``mixed``.
+    Lengths include 1 and primes."""
+    count = draw(st.integers(1, 4))
+    contexts = draw(st.lists(st.one_of(st.sampled_from((1, *PRIMES)), st.integers(1, 48)),
+                             min_size=count, max_size=count))
+    if kind == "chunked":
+        contexts = [max(n, 2) for n in contexts]
+    queries = []
+    for n in contexts:
+        choice = {"prefill": "all", "decode": "one", "chunked": "chunk"}.get(kind) or \
+            draw(st.sampled_from(("all", "one", "chunk")))
+        if choice == "all":
+            queries.append(n)
+        elif choice == "one" or n == 1:
+            queries.append(1)
+        else:
+            queries.append(draw(st.integers(1, n - 1)))
+    return contexts, queries
+
+
+class AttentionConformance(ConformanceSuite):
+    """The contract every attention backend honours (core/interfaces/attention.py), checked
+    on the plugin named by ``plugin`` (or ``plugin_class``) with ``options``:
+
+    - prefill, decode, mixed batches and chunked prefill after a cached prefix, with ragged
+      lengths including 1 and primes, some sequences sharing their first cache blocks, match
+      the float64 reference within the tolerance rule (module docstring);
+    - GQA and MQA head ratios (``head_ratios``) and head dims 64, 128 and 80 (``head_dims``);
+      sliding windows;
+    - cache slots no sequence has written hold NaN, and none of it reaches the output;
+    - ``forward`` stores the step's new K and V at the batch's slot mapping.
+
+    Each case runs in each of ``dtypes``. A shape, window or dtype the plugin declares
+    unsupported (its ``unsupported_reasons``, or ``head_dims``) is skipped with its reasons.
+    ``max_examples`` caps hypothesis' cases per property (None: the loaded profile's).
+    """
+
+    kind = "attention"
+    dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16)
+    head_dims: ClassVar[tuple[int, ...]] = (64, 128, 80)
+    head_ratios: ClassVar[tuple[tuple[int, int], ...]] = ((4, 4), (4, 2), (8, 1))
+    block_size: ClassVar[int] = 16
+    max_examples: ClassVar[int | None] = None
+    device: ClassVar[str] = "cpu"
+
+    def check_case(self, contexts: list[int], queries: list[int], *, heads: tuple[int, int] = (4, 2),
+                   head_dim: int = 64, window: int | None = None, dtype: torch.dtype = torch.float32,
+                   seed: int = 0, shared_blocks: int = 0) -> None:
+        """Run one packed batch through the backend; assert every property of the contract."""
+        self.case()
+        num_heads, num_kv_heads = heads
+        spec = model_spec(num_heads, num_kv_heads, head_dim, window)
+        device = torch.device(self.device)
+        ctx = SelectionContext(device=device, dtype=dtype, model=spec, options=self.plugin_options(),
+                               max_model_len=spec.max_position_embeddings,
+                               kv_layout=KVLayout("kv", self.block_size, dtype))
+        self.require(ctx, f"heads {num_heads}/{num_kv_heads}, head dim {head_dim}, window {window}, {dtype}")
+        plugin = self.under_test()
+        case = ref.make_case(contexts, queries, num_heads, num_kv_heads, head_dim, self.block_size, dtype, seed,
+                             shared_blocks=shared_blocks)
+        backend = plugin(self.plugin_options(), spec, device, dtype)
+        what = (f"{self.label()}, contexts {contexts}, queries {queries}, heads {num_heads}/{num_kv_heads}, "
+                f"head dim {head_dim}, window {window}, {dtype}")
+        out = backend.forward(0, case.q.to(device), case.k_new.to(device), case.v_new.to(device), case.storage,
+                              backend.plan(case.batch, cache=None)).cpu()
+        assert out.shape == case.q.shape and out.dtype == dtype, \
+            f"{what}: forward returned {tuple(out.shape)} {out.dtype}, expected {tuple(case.q.shape)} {dtype}"
+        assert torch.isfinite(out).all(), f"{what}: the output is not finite (NaN of unwritten cache slots reached it?)"
+        expected = ref.reference_packed(case, spec.attention_scale, window)
+        allowed = 2 * (torch_attention(case, spec.attention_scale, window).double() - expected).abs().max().item() \
+            + ERROR_FLOOR[dtype]
+        error = (out.double() - expected).abs().max().item()
+        assert error <= allowed, f"{what}: max abs error {error:.3g} against float64, allowed {allowed:.3g}"
+        k_back, v_back = case.storage.gather(case.batch.slot_mapping)
+        assert torch.equal(k_back, case.k_new.to(k_back.dtype)) and torch.equal(v_back, case.v_new.to(v_back.dtype)), \
+            f"{what}: forward did not store the step's new K/V at the slot mapping"
+
+    def _settings(self) -> Any:
+        return property_settings() if self.max_examples is None else property_settings(max_examples=self.max_examples)
+
+    @pytest.mark.parametrize("kind", ["prefill", "decode", "mixed", "chunked"])
+    def test_batches_match_the_reference(self, kind: str) -> None:
+        """Prefill, decode, mixed and chunked-prefill batches, some sharing leading blocks."""
+
+        @given(lengths(kind), st.integers(0, 2**16), st.integers(0, 1))
+        @self._settings()
+        def run(lens: tuple[list[int], list[int]], seed: int, shared: int) -> None:
+            for dtype in self.dtypes:
+                self.check_case(*lens, dtype=dtype, seed=seed, shared_blocks=shared)
+
+        run()
+
+    @pytest.mark.parametrize("heads", [pytest.param(h, id=f"{h[0]}q{h[1]}kv") for h in
+                                       ((4, 4), (4, 2), (8, 1))])
+    def test_head_ratios(self, heads: tuple[int, int]) -> None:
+        """GQA and MQA: each KV head serves num_heads // num_kv_heads query heads."""
+        if heads not in self.head_ratios:
+            pytest.skip(f"{self.label()}: head ratio {heads} not among the suite's head_ratios")
+
+        @given(lengths("mixed"), st.integers(0, 2**16))
+        @self._settings()
+        def run(lens: tuple[list[int], list[int]], seed: int) -> None:
+            self.check_case(*lens, heads=heads, dtype=self.dtypes[0], seed=seed)
+
+        run()
+
+    @pytest.mark.parametrize("head_dim", [64, 128, 80])
+    def test_head_dims(self, head_dim: int) -> None:
+        """The head dims the plugin declares (``AttentionBackend.head_dims``); others skip."""
+        if head_dim not in self.head_dims:
+            pytest.skip(f"{self.label()}: head dim {head_dim} not among the suite's head_dims")
+
+        @given(lengths("mixed"), st.integers(0, 2**16))
+        @self._settings()
+        def run(lens: tuple[list[int], list[int]], seed: int) -> None:
+            self.check_case(*lens, head_dim=head_dim, dtype=self.dtypes[0], seed=seed)
+
+        run()
+
+    def test_sliding_window(self) -> None:
+        """Query i sees only the last ``window`` keys up to its own position."""
+
+        @given(lengths("mixed"), st.integers(1, 12), st.integers(0, 2**16))
+        @self._settings()
+        def run(lens: tuple[list[int], list[int]], window: int, seed: int) -> None:
+            self.check_case(*lens, window=window, dtype=self.dtypes[0], seed=seed)
+
+        run()

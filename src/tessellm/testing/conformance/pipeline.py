@@ -1,0 +1,65 @@
+"""Real pipelines for the suites that need a whole model (decoding, quant, scheduler): the
+plugin under test resolved into a pipeline on the tiny model, installed or given only as a
+class."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+from tessellm.core.plugin import SelectionContext
+from tessellm.testing.conformance.base import ConformanceSuite
+
+
+def registry_for(suite: type[ConformanceSuite]) -> Any:
+    """The registry a pipeline under test resolves against: the installed one when the plugin
+    is installed, else a fresh one with the suite's ``plugin_class`` registered as if by its
+    own package (so a plugin defined in a test runs in a real pipeline)."""
+    import tessellm
+    from tessellm.core.registry import PluginRegistry, get_registry
+
+    cls = suite.under_test()
+    installed = get_registry().get(suite.kind, cls.name)
+    if installed is not None and installed.cls is cls:
+        return get_registry()
+    if installed is not None:
+        pytest.fail(f"{suite.label()}: plugin_class {cls.__qualname__} shares the name {cls.name!r} with an "
+                    f"installed {suite.kind} plugin; give it a name of its own")
+
+    @tessellm.hookimpl
+    def hook(register: Callable[[type], None]) -> None:
+        register(cls)
+
+    registry = PluginRegistry()
+    registry.add_module(types.SimpleNamespace(**{f"register_{suite.kind}": hook}), package="conformance",
+                        source=f"{suite.kind}.{cls.name}")
+    if registry.get(suite.kind, cls.name) is None:
+        pytest.fail(f"{suite.label()} could not be registered: "
+                    + "; ".join(str(f) for f in registry.failures))
+    return registry
+
+
+def selection_context(suite: type[ConformanceSuite], model_dir: Path, engine: dict[str, Any]) -> SelectionContext:
+    """What the plugin under test is shown when asked whether it serves the suite's pipeline."""
+    from tessellm.core.model.loader import load_hf_config
+    from tessellm.core.model.spec import ModelSpec
+    from tessellm.core.resolve import DTYPES
+
+    spec = ModelSpec.from_hf_config(load_hf_config(model_dir))
+    return SelectionContext(device=torch.device(engine.get("device", "cpu")),
+                            dtype=DTYPES[engine.get("dtype", "float32")], model=spec,
+                            options=suite.plugin_options(), max_model_len=spec.max_position_embeddings)
+
+
+def build_llm(suite: type[ConformanceSuite], model_dir: Path, engine: dict[str, Any], part: dict[str, Any]) -> Any:
+    """An LLM on ``model_dir`` with ``engine``'s config pieces and ``part`` (the config section
+    of the plugin under test), resolved against ``registry_for(suite)``."""
+    from tessellm import LLM
+    from tessellm.core.engine.pipeline import Pipeline
+
+    config = {"model": str(model_dir), **engine, suite.kind: part}
+    return LLM(pipeline=Pipeline.from_config(config, registry=registry_for(suite)))

@@ -1,0 +1,103 @@
+"""The quant plugin contract as properties: the quantized model's logits stay within the
+relative error the plugin declares (``Quantizer.max_relative_error``) of the float model's,
+and every linear layer keeps its name, input and output shapes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+from torch import nn
+
+from tessellm.testing.conformance.base import ConformanceSuite, property_settings
+from tessellm.testing.conformance.pipeline import build_llm, selection_context
+
+
+def relative_error(quantized: torch.Tensor, reference: torch.Tensor) -> float:
+    """||quantized - reference|| / ||reference|| (Frobenius norms, in float64)."""
+    reference = reference.double()
+    return float((quantized.double() - reference).norm() / reference.norm())
+
+
+class QuantConformance(ConformanceSuite):
+    """The contract every quant plugin honours, checked on the plugin named by ``plugin`` (or
+    ``plugin_class``) with ``options``, applied to ``tessellm_tiny_model``:
+
+    - forward error: for batches of random prompts, the quantized pipeline's logits are
+      within the plugin's declared ``max_relative_error`` of the float pipeline's (the same
+      config with quant ``none``), relative Frobenius norm over every position;
+    - every ``nn.Linear`` of the float model is still at its name after ``apply``, and maps
+      random inputs of shape [..., in_features] to finite outputs [..., out_features].
+
+    ``engine`` holds the config pieces of both pipelines besides the model and the quantizer
+    (device, dtype, ...). A pipeline the plugin declares unsupported skips with its
+    ``unsupported_reasons``.
+    """
+
+    kind = "quant"
+    engine: ClassVar[dict[str, Any]] = {"device": "cpu", "dtype": "float32"}
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def quantized_llm(cls, tessellm_tiny_model: Path) -> Any:
+        """The tiny model with the quantizer under test applied (built once)."""
+        cls.require(selection_context(cls, tessellm_tiny_model, cls.engine), "this pipeline")
+        return build_llm(cls, tessellm_tiny_model, cls.engine,
+                         {"name": cls.under_test().name, "options": dict(cls.options)})
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def float_llm(cls, tessellm_tiny_model: Path) -> Any:
+        """The same pipeline without quantization: the reference."""
+        from tessellm import LLM
+
+        return LLM({"model": str(tessellm_tiny_model), **cls.engine, "quant": {"name": "none"}})
+
+    @given(seed=st.integers(0, 2**31 - 1), lengths=st.lists(st.integers(1, 48), min_size=1, max_size=4))
+    @property_settings(max_examples=10)
+    def test_forward_error_within_the_declared_bound(self, quantized_llm: Any, float_llm: Any, seed: int,
+                                                     lengths: list[int]) -> None:
+        """Random prompts scored by both pipelines (teacher forcing): relative logits error
+        at most ``max_relative_error``, and every logit finite."""
+        self.case()
+        bound = self.under_test().max_relative_error
+        vocab = float_llm.pipeline.spec.vocab_size
+        g = torch.Generator().manual_seed(seed)
+        prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+        quantized = torch.cat([quantized_llm.engine.score(p) for p in prompts])
+        reference = torch.cat([float_llm.engine.score(p) for p in prompts])
+        assert torch.isfinite(quantized).all(), "the quantized model gave non-finite logits"
+        error = relative_error(quantized, reference)
+        assert error <= bound, (f"relative logits error {error:.4g} exceeds the declared max_relative_error "
+                                f"{bound:.4g} (prompt lengths {lengths})")
+
+    def test_linears_keep_their_names_and_shapes(self, quantized_llm: Any, float_llm: Any) -> None:
+        """Each linear of the float model, at the same name in the quantized model (replaced
+        or not), maps [3, in] and [2, 5, in] random inputs to [3, out] and [2, 5, out]."""
+        quantized = quantized_llm.pipeline.model
+        g = torch.Generator().manual_seed(0)
+        linears = [(name, m) for name, m in float_llm.pipeline.model.named_modules() if isinstance(m, nn.Linear)]
+        assert linears, "the float model has no linear layer to check"
+        for name, linear in linears:
+            self.case()
+            try:
+                module = quantized.get_submodule(name)
+            except AttributeError:
+                pytest.fail(f"apply() dropped or renamed linear {name!r}: a quantizer must keep module names")
+            _check_shapes(name, module, linear, g)
+
+
+def _check_shapes(name: str, module: nn.Module, linear: nn.Linear, g: torch.Generator) -> None:
+    """``module`` maps random inputs shaped for ``linear`` to finite outputs of its shape."""
+    weight = linear.weight
+    for lead in ((3,), (2, 5)):
+        x = torch.randn(*lead, linear.in_features, generator=g, dtype=torch.float64).to(weight.dtype).to(weight.device)
+        with torch.no_grad():
+            y = module(x)
+        expected = (*lead, linear.out_features)
+        assert tuple(y.shape) == expected, (f"linear {name!r} ({type(module).__name__}) maps input "
+                                            f"{tuple(x.shape)} to {tuple(y.shape)}, not {expected}")
+        assert torch.isfinite(y).all(), f"linear {name!r} ({type(module).__name__}) gave non-finite outputs"

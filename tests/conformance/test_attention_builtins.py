@@ -1,0 +1,32 @@
+"""The attention conformance suite on every built-in backend: sdpa, cascade, and flash (its
+Triton kernels under the interpreter on a CPU, so with fewer, smaller cases)."""
+
+from __future__ import annotations
+
+import torch
+
+from tessellm.testing.conformance import AttentionConformance
+
+
+class TestSdpa(AttentionConformance):
+    plugin = "sdpa"
+    max_examples = 12
+
+
+class TestSdpaBatchedDecode(AttentionConformance):
+    plugin = "sdpa"
+    options = {"batch_decode": True}
+    max_examples = 6
+
+
+class TestCascade(AttentionConformance):
+    plugin = "cascade"
+    options = {"min_shared_tokens": 4}
+    max_examples = 8
+    block_size = 4  # shared leading blocks of 4 tokens: cascade's shared-prefix path runs
+
+
+class TestFlash(AttentionConformance):
+    plugin = "flash"
+    max_examples = 3
+    dtypes = (torch.float32,)  # bfloat16 under the interpreter adds minutes and no coverage a GPU run lacks

@@ -1,0 +1,64 @@
+"""``tessellm plugins --check KIND:NAME``: a built-in passes with a table of its properties;
+each deliberately broken plugin (tests/conformance/broken_*.py, installed as a real
+distribution) fails, with the property it breaks named."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tessellm.cli import main
+
+HERE = Path(__file__).resolve().parent
+
+BROKEN = {  # module -> (KIND:NAME, the property the check must name as failed)
+    "broken_attention": ("attention:broken-scale", "test_batches_match_the_reference"),
+    "broken_cache": ("cache:broken-fork", "test_a_fork_child_never_writes_into_its_parent"),
+    "broken_decoding": ("decoding:broken-top-p", "test_sampling_follows_the_target_distribution[top_p=0.7]"),
+}
+
+
+def install(tmp_path: Path, module: str, target: str) -> dict[str, str]:
+    """An environment in which ``module`` (a file beside this one) is an installed plugin
+    distribution whose entry point is ``target``'s KIND.NAME."""
+    kind, name = target.split(":")
+    info = tmp_path / f"tessellm_{module}-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: tessellm-{module.replace('_', '-')}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(f"[tessellm]\n{kind}.{name} = {module}\n")
+    path = os.pathsep.join([str(tmp_path), str(HERE), os.environ.get("PYTHONPATH", "")])
+    return {**os.environ, "PYTHONPATH": path, "TRITON_INTERPRET": "1"}
+
+
+def test_a_builtin_passes_with_its_table(capsys):
+    assert main(["plugins", "--check", "attention:sdpa", "--examples", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "test_batches_match_the_reference[decode]" in out and "test_head_dims[80]" in out
+    assert "attention plugin 'sdpa' passes" in out
+    rows = [line.split() for line in out.splitlines() if line.startswith("test_")]
+    assert rows and all(int(row[1]) > 0 and row[2].startswith("pass") for row in rows)
+
+
+@pytest.mark.parametrize("module", sorted(BROKEN))
+def test_a_broken_plugin_fails_with_the_property_named(tmp_path, module):
+    if not (HERE / f"{module}.py").exists():
+        pytest.skip(f"{module}.py is not written yet")
+    target, prop = BROKEN[module]
+    env = install(tmp_path, module, target)
+    done = subprocess.run([sys.executable, "-m", "tessellm", "plugins", "--check", target, "--examples", "5"],
+                          capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 1, done.stdout + done.stderr
+    failed = [line for line in done.stdout.splitlines() if line.startswith("FAILED ")]
+    assert failed and any(prop in line for line in failed), done.stdout
+    assert f"{target.split(':')[0]} plugin {target.split(':')[1]!r} fails" in done.stdout
+
+
+def test_bad_check_arguments_are_one_line_errors(capsys):
+    assert main(["plugins", "--check", "attention"]) == 2
+    assert main(["plugins", "--check", "attention:sdpa", "--options", "[1]"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("tessellm: error:") == 2 and "KIND:NAME" in err and "JSON object" in err
