@@ -54,6 +54,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt per line")
     g.add_argument("--min-tokens", type=int, default=0, help="fewest tokens before EOS or a stop may end a sample")
 
+    n = sub.add_parser("new-plugin", help="write a ready plugin package (code, tests, pyproject) for one kind")
+    n.add_argument("kind", metavar="KIND", help="attention, cache, scheduler, decoding or quant")
+    n.add_argument("name", metavar="NAME", help="the plugin's name, as a config selects it (e.g. my-attention)")
+    n.add_argument("--dir", metavar="DIR", default=None, help="where to write it (default ./tessellm-NAME)")
+
     bench_cli.add_parsers(sub, _add_config_args)
     serve_cli.add_parser(sub, _add_config_args)
     return parser
@@ -73,9 +78,11 @@ def cmd_plugins(args: argparse.Namespace) -> int:
         print(json.dumps(rows, indent=2, default=str))
         return 0
     width = max((len(f"{r['kind']}.{r['name']}") for r in rows), default=10)
+    package_width = max((len(r["package"]) for r in rows), default=12)
     for r in rows:
         auto = "-" if r["auto_priority"] is None else str(r["auto_priority"])
-        print(f"{r['kind'] + '.' + r['name']:<{width}}  auto {auto:>3}  {r['package']:<12}  {r['description']}")
+        print(f"{r['kind'] + '.' + r['name']:<{width}}  auto {auto:>3}  {r['package']:<{package_width}}  "
+              f"{r['description']}")
     return 0
 
 
@@ -102,6 +109,25 @@ def cmd_check(args: argparse.Namespace) -> int:
     report = run_check(kind, name, options, examples=args.examples)
     print(report.table())
     return 0 if report.ok else 1
+
+
+def cmd_new_plugin(args: argparse.Namespace) -> int:
+    """``new-plugin KIND NAME [--dir DIR]``: write the package and say how to go on."""
+    from tessellm.core.errors import ConfigError
+    from tessellm.core.registry import get_registry
+    from tessellm.scaffold import check_name, new_plugin
+
+    check_name(args.kind, args.name)
+    existing = get_registry().get(args.kind, args.name)
+    if existing is not None:
+        raise ConfigError(f"new-plugin: {args.kind} plugin {args.name!r} already exists (package "
+                          f"{existing.package!r}); choose another name")
+    made = new_plugin(args.kind, args.name, args.dir)
+    print(f"wrote {args.kind} plugin {args.name!r} into {made.directory}/:")
+    for path in made.files:
+        print(f"  {path.relative_to(made.directory)}")
+    print("next:\n" + "\n".join(f"  {step}" for step in made.next_steps))
+    return 0
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -162,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     try:
         return {"plugins": cmd_plugins, "generate": cmd_generate, "bench": bench_cli.cmd_bench,
-                "ab": bench_cli.cmd_ab, "serve": serve_cli.cmd_serve}[args.command](args)
+                "ab": bench_cli.cmd_ab, "serve": serve_cli.cmd_serve,
+                "new-plugin": cmd_new_plugin}[args.command](args)
     except TessellmError as exc:
         print(f"tessellm: error: {exc}", file=sys.stderr)
         return 2

@@ -62,3 +62,13 @@ def test_bad_check_arguments_are_one_line_errors(capsys):
     assert main(["plugins", "--check", "attention:sdpa", "--options", "[1]"]) == 2
     err = capsys.readouterr().err
     assert err.count("tessellm: error:") == 2 and "KIND:NAME" in err and "JSON object" in err
+
+
+def test_checks_in_one_process_each_run_their_own_suite():
+    from tessellm.testing.conformance.check import run_check
+
+    first = run_check("attention", "sdpa", examples=2)
+    second = run_check("quant", "none", examples=2)
+    assert first.ok and second.ok
+    assert {r.name for r in second.results} == {"test_forward_error_within_the_declared_bound",
+                                                  "test_linears_keep_their_names_and_shapes"}

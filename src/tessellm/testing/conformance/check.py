@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import tempfile
 import textwrap
 from dataclasses import dataclass, field
@@ -133,7 +134,11 @@ def run_check(kind: str, name: str, options: dict[str, Any] | None = None, *, ex
         profile = _current_profile()
         try:
             pytest.main(args, plugins=[collector])
-        finally:  # the check's profile must not outlive it (a check run inside a test session)
+        finally:  # neither the check's profile nor its module may outlive it (a second check in
+            # this process would otherwise find the first one's test module under the same name)
+            for module_name, module in list(sys.modules.items()):
+                if str(getattr(module, "__file__", None) or "").startswith(tmp):
+                    del sys.modules[module_name]
             if profile is not None:
                 from hypothesis import settings
 

@@ -1,0 +1,96 @@
+"""``tessellm new-plugin KIND NAME``: a ready plugin package for any of the five kinds.
+
+The package holds a plugin class whose body is a correct plain-torch implementation of its
+kind (attention: explicit softmax attention; cache: one region per sequence; scheduler: FCFS
+continuous batching; decoding: argmax; quant: int8 per-channel weights), its options model,
+a pyproject.toml with the ``tessellm`` entry point, a tests/ module subclassing the kind's
+conformance suite, and a README. It imports only ``tessellm``, the plugin API.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from string import Template
+
+from tessellm.core.errors import ConfigError
+from tessellm.core.plugin import KINDS
+from tessellm.core.version import PLUGIN_API_VERSION, __version__
+
+NAME_PATTERN = re.compile(r"[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
+"""Plugin names the scaffold accepts: lowercase words of letters and digits joined by hyphens."""
+
+CLASS_SUFFIX = {"attention": "Attention", "cache": "Cache", "scheduler": "Scheduler", "decoding": "Decoder",
+                "quant": "Quantizer"}
+BUILTIN_TO_COMPARE = {"attention": "sdpa", "cache": "paged", "scheduler": "continuous", "decoding": "greedy",
+                      "quant": "none"}
+
+
+@dataclass(frozen=True)
+class Scaffold:
+    """What ``new_plugin`` wrote: the package folder, its files, and the commands to go on."""
+
+    directory: Path
+    files: list[Path]
+    next_steps: list[str]
+
+
+def requirement() -> str:
+    """The tessellm releases providing this plugin API: this one up to the next minor."""
+    major, minor, *_ = (int(part) for part in re.findall(r"\d+", __version__)[:3])
+    return f"tessellm>={__version__},<{major}.{minor + 1}"
+
+
+def check_name(kind: str, name: str) -> None:
+    """ConfigError unless ``kind`` is a plugin kind and ``name`` a name the scaffold accepts."""
+    if kind not in KINDS:
+        raise ConfigError(f"new-plugin: unknown kind {kind!r}; the kinds are {', '.join(KINDS)}")
+    if name == "auto" or not NAME_PATTERN.fullmatch(name):
+        raise ConfigError(f"new-plugin: plugin name {name!r} is not allowed; use lowercase letters, digits and "
+                          f"hyphens, starting with a letter (e.g. my-{kind}), and not 'auto'")
+
+
+def substitutions(kind: str, name: str) -> dict[str, str]:
+    camel = "".join(part.capitalize() for part in name.split("-"))
+    suffix = CLASS_SUFFIX[kind]
+    class_name = camel if camel.endswith(suffix) else camel + suffix
+    package = "tessellm_" + name.replace("-", "_")
+    run = (f'tessellm generate --set {kind}.name={name} --max-tokens 16 "Hello"' if kind != "decoding"
+           else f'tessellm generate --set decoding.name={name} --temperature 0 --max-tokens 16 "Hello"')
+    return {"kind": kind, "name": name, "class_name": class_name, "options_class": f"{class_name}Options",
+            "plan_class": f"{camel}Plan", "linear_class": f"{camel}Int8Linear", "package": package,
+            "dist": f"tessellm-{name}", "suite": f"{kind.capitalize()}Conformance", "api_version": PLUGIN_API_VERSION,
+            "requirement": requirement(), "builtin": BUILTIN_TO_COMPARE[kind], "run_hint": run}
+
+
+def _render(template: str, values: dict[str, str]) -> str:
+    text = resources.files(__package__).joinpath("templates", template).read_text(encoding="utf-8")
+    return Template(text).substitute(values)
+
+
+def new_plugin(kind: str, name: str, directory: Path | str | None = None) -> Scaffold:
+    """Write the package for ``kind`` plugin ``name`` into ``directory`` (default
+    ./tessellm-NAME), which must not exist or be empty. Raises ConfigError for a bad kind,
+    name or directory."""
+    check_name(kind, name)
+    values = substitutions(kind, name)
+    root = Path(directory) if directory is not None else Path(values["dist"])
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise ConfigError(f"new-plugin: {root} already exists and is not an empty folder; "
+                          f"choose another --dir or remove it")
+    package = root / values["package"]
+    files = {
+        root / "pyproject.toml": _render("pyproject.toml.tmpl", values),
+        root / "README.md": _render("README.md.tmpl", values),
+        package / "__init__.py": _render("package_init.py.tmpl", values),
+        package / f"{kind}.py": _render(f"{kind}.py.tmpl", values),
+        root / "tests" / f"test_{values['package'].removeprefix('tessellm_')}.py": _render("test_plugin.py.tmpl", values),
+    }
+    for path, text in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    steps = [f"cd {root}", "pip install -e '.[test]'", "pytest", f"tessellm plugins --check {kind}:{name}",
+             values["run_hint"]]
+    return Scaffold(root, list(files), steps)
