@@ -4,6 +4,13 @@ wrong, the value given and what is allowed; the CLI prints it and exits with sta
 from __future__ import annotations
 
 
+def validation_problems(exc, prefix: str = "") -> str:
+    """One line from a pydantic ``ValidationError``: each bad field's location (after
+    ``prefix``), what is wrong with it and the value given, joined by '; '."""
+    return "; ".join(f"{prefix}{'.'.join(str(p) for p in err['loc'])}: {err['msg']} (got {err.get('input')!r})"
+                     for err in exc.errors())
+
+
 class TessellmError(Exception):
     """Base class of every error caused by the user's input (config, model, request)."""
 

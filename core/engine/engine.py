@@ -93,6 +93,7 @@ class Engine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(f"prompt has {len(prompt_token_ids)} tokens; the context window "
                                       f"(max_model_len) is {self.max_model_len}, leaving no room to generate")
+        self.decoder.validate_request_args(params)
         self.decoder.check(params)
         seq = Sequence(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
         seq.generator = self._generator(params, 0)

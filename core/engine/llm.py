@@ -18,7 +18,7 @@ from tessellm.core.config import PipelineConfig
 from tessellm.core.engine.gc_freeze import frozen_heap
 from tessellm.core.engine.pipeline import Pipeline
 from tessellm.core.engine.request import RequestState
-from tessellm.core.errors import InvalidRequestError
+from tessellm.core.errors import InvalidRequestError, validation_problems
 from tessellm.core.interfaces.sequence import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -70,9 +70,7 @@ def to_sampling_params(value: Any) -> SamplingParams:
     try:
         return SamplingParams.model_validate(value)
     except ValidationError as exc:
-        problems = [f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']} (got {err.get('input')!r})"
-                    for err in exc.errors()]
-        raise InvalidRequestError("; ".join(problems)) from None
+        raise InvalidRequestError(validation_problems(exc)) from None
 
 
 def _per_prompt(value: Any, n: int, name: str, kind: type | tuple[type, ...]) -> list[Any]:

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Sequence as Layers
 
 import torch
+from pydantic import ValidationError
 
+from tessellm.core.errors import InvalidRequestError, validation_problems
 from tessellm.core.interfaces.batch import BatchMetadata, ScheduledSeq, SchedulerOutput
 from tessellm.core.interfaces.cache import CacheManager
 from tessellm.core.interfaces.sequence import SamplingParams, Sequence
@@ -84,6 +86,10 @@ class Decoder(Plugin):
     kind: ClassVar[str] = "decoding"
     num_lookahead_tokens: int = 0
     device_tokens_any_dtype: ClassVar[bool] = False
+    RequestArgs: ClassVar[type[PluginOptions] | None] = None
+    """The per-request settings this decoder takes from ``SamplingParams.extra_args``, as a
+    ``PluginOptions`` model (typed fields with defaults; unknown keys refused). None: it
+    takes none, and a request that sends any is refused."""
 
     def __init__(self, options: PluginOptions, model: ModelSpec, device: torch.device):
         self.options = options
@@ -99,6 +105,22 @@ class Decoder(Plugin):
 
     def check(self, params: SamplingParams) -> None:
         """Raise InvalidRequestError if ``params`` ask for what this decoder cannot do."""
+
+    def request_args(self, params: SamplingParams) -> PluginOptions | None:
+        """``params.extra_args`` validated by ``RequestArgs`` (None when it declares none).
+        The engine validates when a request arrives, so a step never meets a bad one; the
+        validated model is kept on ``params``."""
+        if params._request_args is None and self.RequestArgs is not None:
+            params._request_args = _validated_request_args(self, params)
+        return params._request_args
+
+    def validate_request_args(self, params: SamplingParams) -> None:
+        """InvalidRequestError naming this plugin when ``params.extra_args`` do not fit
+        ``RequestArgs`` (or it declares none and some were sent)."""
+        if params.extra_args and self.RequestArgs is None:
+            raise InvalidRequestError(f"decoding plugin {self.name!r} takes no extra_args, but the request sends "
+                                      f"{', '.join(sorted(params.extra_args))}")
+        self.request_args(params)
 
     def propose(self, out: SchedulerOutput) -> dict[int, list[int]]:
         """Draft tokens per decoding sequence; none by default."""
@@ -119,6 +141,15 @@ class Decoder(Plugin):
     @abstractmethod
     def decode(self, logits: torch.Tensor, batch: BatchMetadata) -> list[list[int]]:
         """Accepted tokens for each sample slot of ``batch``."""
+
+
+def _validated_request_args(decoder: Decoder, params: SamplingParams) -> PluginOptions:
+    try:
+        return decoder.RequestArgs.model_validate(params.extra_args)
+    except ValidationError as exc:
+        allowed = ", ".join(decoder.RequestArgs.model_fields) or "none"
+        raise InvalidRequestError(f"decoding plugin {decoder.name!r} refuses the request's extra_args (it takes: "
+                                  f"{allowed}): {validation_problems(exc, 'extra_args.')}") from None
 
 
 def slot_logits(logits: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:

@@ -8,7 +8,7 @@ import time
 from typing import Any, NamedTuple, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from tessellm.core.plugin import reject_booleans_for_numbers
 
@@ -29,6 +29,9 @@ class SamplingParams(BaseModel):
     """Keep the smallest set of tokens whose probability mass reaches top_p."""
     top_k: int = Field(0, ge=0)
     """Keep the top_k most likely tokens; 0 keeps all."""
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    """Keep only tokens at least min_p times as likely as the most likely one (after the
+    temperature); 0 keeps all."""
     seed: Optional[int] = Field(None, ge=0)
     """Seed of this request's own generator: the same seed gives the same tokens."""
     n: int = Field(1, ge=1, le=64)
@@ -42,7 +45,12 @@ class SamplingParams(BaseModel):
     logprobs: Optional[int] = Field(None, ge=0, le=20)
     """Record each generated token's log-probability and this many most likely alternatives
     (the model's own distribution, before temperature and filtering); None records nothing."""
-
+    extra_args: dict[str, Any] = Field(default_factory=dict)
+    """Settings for the decoding plugin beyond the fields above (a new sampler's own knobs).
+    The plugin declares them as its ``RequestArgs`` model, which validates them when the
+    request arrives; a decoder that declares none refuses any. Over the OpenAI API they come
+    as ``extra_args`` in the request body (the openai library's ``extra_body``)."""
+    _request_args: Any = PrivateAttr(default=None)  # extra_args validated by the decoder
     @model_validator(mode="before")
     @classmethod
     def _no_booleans_for_numbers(cls, data: Any) -> Any:
@@ -56,6 +64,8 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
+        """Whether the request's tokens are each step's most likely one (temperature 0 or
+        top_k 1): a decoder may take the argmax without drawing."""
         return self.temperature == 0.0 or self.top_k == 1
 
 

@@ -1,4 +1,4 @@
-"""Decoding `sample`: temperature, top-k and top-p sampling with a generator per request.
+"""Decoding `sample`: temperature, top-k, top-p and min-p sampling with a generator per request.
 
 Each sequence draws from its own ``torch.Generator`` (seeded from the request's ``seed``),
 so a request's tokens do not depend on what else is in the batch. Temperature 0 is greedy.
@@ -15,24 +15,36 @@ from tessellm.core.interfaces.sequence import SamplingParams
 
 
 def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                  top_p: torch.Tensor) -> torch.Tensor:
+                  top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """Scale by temperature, then keep the top_k tokens (0: all), then the smallest set of
-    those whose probability mass reaches top_p; everything else becomes -inf.
+    those whose probability mass reaches top_p, and of those only the tokens at least min_p
+    times as likely as the most likely one; everything else becomes -inf.
 
-    logits [R, V] float; temperature [R] (> 0), top_k [R] int, top_p [R] in (0, 1].
+    logits [R, V] float; temperature [R] (> 0), top_k [R] int, top_p [R] in (0, 1], min_p [R]
+    in [0, 1] (None: 0).
     """
-    vocab = logits.shape[-1]
     scaled = logits / temperature[:, None]
+    kept = _top_k_top_p(scaled, top_k, top_p)
+    if min_p is None or not bool((min_p > 0).any()):
+        return kept
+    # the min_p cut is relative to the most likely token, which every filter keeps: applied
+    # last, as an intersection. p >= min_p * p_max <=> logit >= max logit + log(min_p).
+    floor = scaled.max(dim=-1, keepdim=True).values + min_p.to(scaled.dtype).log()[:, None]
+    return kept.masked_fill(scaled < floor, float("-inf"))
+
+
+def _top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    vocab = scaled.shape[-1]
     if bool((top_p >= 1.0).all()):  # no nucleus: skip the full-vocabulary sort
         if not bool((top_k > 0).any()):
             return scaled
         k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
         _, best = scaled.topk(int(k.max()), dim=-1)  # [R, max k], most likely first
-        keep = torch.arange(best.shape[1], device=logits.device)[None, :] < k[:, None]
+        keep = torch.arange(best.shape[1], device=scaled.device)[None, :] < k[:, None]
         mask = torch.zeros_like(scaled, dtype=torch.bool).scatter(-1, best, keep)
         return scaled.masked_fill(~mask, float("-inf"))
     ordered, order = scaled.sort(dim=-1, descending=True)  # [R, V]
-    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    ranks = torch.arange(vocab, device=scaled.device)[None, :]
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
     drop = ranks >= k[:, None]
     probs = ordered.masked_fill(drop, float("-inf")).softmax(dim=-1)
@@ -43,11 +55,12 @@ def filter_logits(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
 
 
 def sampling_tensors(params: list[SamplingParams], device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Per-row temperature, top_k, top_p tensors for ``filter_logits``."""
+    """Per-row temperature, top_k, top_p and min_p tensors for ``filter_logits``."""
     temperature = torch.tensor([p.temperature or 1.0 for p in params], dtype=torch.float32, device=device)
     top_k = torch.tensor([p.top_k for p in params], dtype=torch.long, device=device)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-    return temperature, top_k, top_p
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
+    return temperature, top_k, top_p, min_p
 
 
 class SampleDecoder(Decoder):
@@ -57,7 +70,7 @@ class SampleDecoder(Decoder):
 
     name = "sample"
     api_version = "1.1"
-    description = "temperature / top-k / top-p sampling with per-request seeds (temperature 0: greedy)"
+    description = "temperature / top-k / top-p / min-p sampling with per-request seeds (temperature 0: greedy)"
     auto_priority = 10
     device_tokens_any_dtype = True  # device_tokens serves temperature 0 only: an argmax
 

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from tessellm.bench import cli as bench_cli
-from tessellm.core.errors import TessellmError
+from tessellm.core.errors import InvalidRequestError, TessellmError
 from tessellm.serve import cli as serve_cli
 
 
@@ -46,6 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="0 (default) keeps every token")
+    g.add_argument("--min-p", type=float, default=0.0, help="keep tokens at least this times as likely as the "
+                   "most likely one; 0 (default) keeps every token")
+    g.add_argument("--extra-args", metavar="JSON", default=None,
+                   help="settings for the decoding plugin beyond these (SamplingParams.extra_args), as JSON")
     g.add_argument("--seed", type=int, default=None, help="seed of each request's sampler")
     g.add_argument("-n", type=int, default=1, help="samples per prompt (forked after the prompt)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
@@ -132,10 +136,15 @@ def cmd_new_plugin(args: argparse.Namespace) -> int:
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     params: dict[str, Any] = {"max_tokens": args.max_tokens, "temperature": args.temperature,
-                              "top_p": args.top_p, "top_k": args.top_k, "n": args.n,
+                              "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p, "n": args.n,
                               "stop": args.stop, "ignore_eos": args.ignore_eos, "min_tokens": args.min_tokens}
     if args.seed is not None:
         params["seed"] = args.seed
+    if args.extra_args is not None:
+        try:
+            params["extra_args"] = json.loads(args.extra_args)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(f"--extra-args must be a JSON object: {exc}") from None
     return params
 
 

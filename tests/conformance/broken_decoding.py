@@ -25,9 +25,11 @@ class BrokenTopPDecoder(SampleDecoder):
         tokens = logits.argmax(dim=-1).tolist()
         sampled = [i for i, s in enumerate(batch.samples) if s.seq.params.temperature > 0]
         if sampled:
-            temperature, top_k, top_p = sampling_tensors([batch.samples[i].seq.params for i in sampled], logits.device)
+            params = [batch.samples[i].seq.params for i in sampled]
+            temperature, top_k, top_p, min_p = sampling_tensors(params, logits.device)
             index = torch.tensor(sampled, device=logits.device)
-            probs = filter_logits(logits[index], temperature, top_k, torch.ones_like(top_p)).softmax(dim=-1).cpu()
+            kept = filter_logits(logits[index], temperature, top_k, torch.ones_like(top_p), min_p)  # top_p ignored
+            probs = kept.softmax(dim=-1).cpu()
             for row, i in enumerate(sampled):
                 tokens[i] = int(torch.multinomial(probs[row], 1, generator=batch.samples[i].seq.generator))
         return [[t] for t in tokens]

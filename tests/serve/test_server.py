@@ -148,6 +148,14 @@ def test_logprobs_completions_and_chat(client, offline):
     assert values == pytest.approx(lp.token_logprobs, abs=1e-6)
 
 
+def test_vllm_style_top_k_and_min_p_reach_the_sampler(client):
+    greedy = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0)
+    for extra in ({"top_k": 1}, {"min_p": 1.0}):
+        sampled = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=1.0, seed=3,
+                                            extra_body=extra)
+        assert sampled.choices[0].text == greedy.choices[0].text, extra
+
+
 @pytest.mark.parametrize("body, words", [
     ({"model": "gpt-4", "prompt": "hi"}, ["gpt-4", "not served"]),
     ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, ["max_tokens"]),
@@ -159,6 +167,9 @@ def test_logprobs_completions_and_chat(client, offline):
     ({"model": MODEL, "prompt": ""}, ["empty"]),
     ({"model": MODEL}, ["prompt"]),
     ({"model": MODEL, "prompt": "hi", "logprobs": 9}, ["logprobs"]),
+    ({"model": MODEL, "prompt": "hi", "min_p": 1.5}, ["min_p"]),
+    ({"model": MODEL, "prompt": "hi", "extra_args": {"beam": 2}}, ["decoding plugin 'sample' takes no extra_args",
+                                                                   "beam"]),
 ])
 def test_bad_input_is_a_400_with_an_openai_error_body(server, body, words):
     r = httpx.post(server[0] + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})

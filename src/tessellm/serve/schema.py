@@ -6,7 +6,7 @@ Unknown fields are ignored, as OpenAI's own server and vLLM do (clients send opt
 
 from __future__ import annotations
 
-from typing import Literal, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -29,6 +29,14 @@ class _Sampling(BaseModel):
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False
     """tessellm's extension (as vLLM's): keep generating past EOS, for benchmarks."""
+    top_k: int = Field(0, ge=0)
+    """Extension (as vLLM's): keep the top_k most likely tokens; 0 keeps all."""
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    """Extension (as vLLM's): keep tokens at least min_p times as likely as the most likely one."""
+    extra_args: Optional[dict[str, Any]] = None
+    """Extension: settings for the decoding plugin beyond these fields, validated by that
+    plugin (``SamplingParams.extra_args``); the openai library sends them with
+    ``extra_body={"extra_args": {...}}``."""
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
