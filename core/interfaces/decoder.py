@@ -74,6 +74,12 @@ class Decoder(Plugin):
       back.
     - ``finish(seq)`` is called once when a sequence finishes or is aborted: release any
       per-sequence state (a draft model's cache, an n-gram index).
+    - What it reads: each slot ``s`` of ``batch.samples`` has its sequence ``s.seq``, whose
+      ``params`` are the request's ``SamplingParams`` (``params.greedy``: take the argmax)
+      and whose ``generator`` draws its randomness (seeded requests repeat);
+      ``slot_logits(logits, batch)`` gives each slot's row. Settings beyond
+      ``SamplingParams``' fields are declared as ``RequestArgs`` and read, validated, with
+      ``request_args(params)``.
     - Optional, for async scheduling: ``samples_on_device(params)`` says whether it can pick a
       request's tokens without the host, and ``device_tokens(logits, batch)`` then returns
       one token per sample slot as a device tensor (no host synchronisation), exactly the

@@ -37,6 +37,16 @@ class Scheduler(Plugin):
       ``num_computed_tokens`` reset to 0; they are recomputed later.
     - ``adopt(seq)`` takes over a running sequence forked from a scheduled one (n > 1).
     - ``finish(seq)`` removes a finished or aborted sequence and frees its cache.
+
+    Duties the engine leaves to the scheduler (prefix caching silently stops if one is missed):
+    - ``seq.status`` is the scheduler's to set: ``RUNNING`` when a sequence starts,
+      ``WAITING`` when it goes back to the queue (preempted, or adopted without a cache).
+    - Before a sequence with nothing computed starts, ``seq.num_computed_tokens =
+      cache.match_prefix(seq)`` (the tokens its cached prefix covers); one that then cannot
+      start is given back with ``cache.free(seq)`` and its count reset: a waiting sequence
+      holds no blocks.
+    - A request's sequence with no output yet costs ``seq.params.n`` seats: its samples fork
+      from it after the prompt and come back through ``adopt``.
     """
 
     kind: ClassVar[str] = "scheduler"

@@ -25,6 +25,7 @@ def test_matches_reference(dtype, window):
     expected = ref.reference_packed(case, 64 ** -0.5, window)
     assert out.shape == case.q.shape and out.dtype == dtype
     assert (out.double() - expected).abs().max().item() <= TOLERANCE[dtype]
+    ref.assert_stored(case)  # the step's K/V are in the cache for the next step
     assert (backend.steps, backend.layer_calls, backend.query_tokens) == (1, 1, 16)
 
 

@@ -117,6 +117,15 @@ def reference_packed(case: PackedCase, scale: float, window: int | None = None) 
     return torch.cat(outs)
 
 
+def assert_stored(case: PackedCase, what: str = "forward") -> None:
+    """Assert that the backend's forward stored the step's new K and V at the batch's slot
+    mapping, bit for bit: a backend that attends over ``k``/``v`` directly and never stores
+    them matches the reference in this step, yet every later step would read stale slots."""
+    k_back, v_back = case.storage.gather(case.batch.slot_mapping)
+    assert torch.equal(k_back, case.k_new.to(k_back.dtype)) and torch.equal(v_back, case.v_new.to(v_back.dtype)), \
+        f"{what}: forward did not store the step's new K/V at the slot mapping"
+
+
 def model_stub(head_dim: int, window: int | None = None) -> SimpleNamespace:
     """The two ModelSpec facts an attention backend reads."""
     return SimpleNamespace(attention_scale=head_dim ** -0.5, sliding_window=window, head_dim=head_dim)

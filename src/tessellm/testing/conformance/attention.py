@@ -130,9 +130,7 @@ class AttentionConformance(ConformanceSuite):
             + ERROR_FLOOR[dtype]
         error = (out.double() - expected).abs().max().item()
         assert error <= allowed, f"{what}: max abs error {error:.3g} against float64, allowed {allowed:.3g}"
-        k_back, v_back = case.storage.gather(case.batch.slot_mapping)
-        assert torch.equal(k_back, case.k_new.to(k_back.dtype)) and torch.equal(v_back, case.v_new.to(v_back.dtype)), \
-            f"{what}: forward did not store the step's new K/V at the slot mapping"
+        ref.assert_stored(case, what)
 
     def _settings(self) -> Any:
         return property_settings() if self.max_examples is None else property_settings(max_examples=self.max_examples)
