@@ -1,14 +1,17 @@
-"""The KV-cache contract as properties, on sequences driven through reserve, commit, fork,
-truncate, match_prefix and free in random orders, with K/V written through the layer storage
-and read back."""
+"""The KV-cache contract as properties: a hypothesis state machine drives sequences through
+reserve, commit, fork, truncate, match_prefix and free (abort) in any order, with K/V written
+through the layer storage and read back after every step; focused properties check each
+operation alone."""
 
 from __future__ import annotations
 
+import zlib
 from typing import Any, ClassVar
 
 import pytest
 import torch
 from hypothesis import given, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from tessellm.core.interfaces.cache import CacheManager, CacheSpec
 from tessellm.core.interfaces.sequence import SamplingParams, Sequence
@@ -46,6 +49,133 @@ def computed(cache: CacheManager, seq: Sequence, n: int) -> None:
     cache.commit(seq)
 
 
+def token_kv(salt: str | None, prefix: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The K/V a model would compute for the last token of ``prefix`` under ``salt``: a
+    function of the salt and the whole prefix, as real K/V are of the tokens before them (the
+    salt stands for what a tenant's cache must not share). A cache that hands a sequence
+    another prefix's blocks, or another salt's, makes it read K/V that differ from these."""
+    g = torch.Generator().manual_seed(zlib.crc32(repr((salt, prefix)).encode()))
+    return torch.randn(HEADS, HEAD_DIM, generator=g), torch.randn(HEADS, HEAD_DIM, generator=g)
+
+
+class CacheMachine(RuleBasedStateMachine):
+    """Sequences through every cache operation in any order; ``suite`` supplies the cache.
+
+    The model of the cache is each live sequence's tokens: after every rule, each one's
+    computed tokens read back exactly ``token_kv`` of their prefixes (so no write ever
+    reaches another sequence's tokens, a fork's child starts as its parent, truncate rolls
+    back exactly and a matched prefix holds that prefix's K/V under the same salt); at the
+    end, freeing every sequence gives back every block."""
+
+    suite: ClassVar["CacheConformance"]
+    VOCAB = (3, 4, 5)  # few token ids: prompts repeat one another's prefixes often
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cache = self.suite.build()
+        self.start_free = self.cache.num_free_blocks
+        self.live: list[Sequence] = []
+        self.limit = self.suite.max_model_len - 1
+
+    def _store(self, seq: Sequence, start: int, end: int) -> None:
+        """Reserve, write tokens [start, end) of ``seq`` and commit them, as a step would."""
+        self.cache.reserve(seq, end)
+        if end > start:
+            kv = [token_kv(seq.cache_salt, tuple(seq.token_ids[:p + 1])) for p in range(start, end)]
+            k = torch.stack([a for a, _ in kv]).to(self.cache.layer(0).layout.dtype)
+            v = torch.stack([b for _, b in kv]).to(self.cache.layer(0).layout.dtype)
+            self.cache.layer(0).store(k, v, slots(self.cache, seq, start, end))
+        seq.num_computed_tokens = end
+        self.cache.commit(seq)
+
+    @rule(data=st.data(), salt=st.sampled_from([None, "tenant-a", "tenant-b"]))
+    def admit(self, data: Any, salt: str | None) -> None:
+        """A new request, its prompt often repeating a live sequence's prefix: match_prefix,
+        then reserve and prefill the rest, or give the matched blocks back if it cannot start."""
+        prompt: list[int] = []
+        if self.live and data.draw(st.booleans(), label="shares a prefix"):
+            source = data.draw(st.sampled_from(self.live), label="prefix of")
+            prompt = source.token_ids[:data.draw(st.integers(1, len(source.token_ids)), label="shared tokens")]
+        prompt += data.draw(st.lists(st.sampled_from(self.VOCAB), min_size=1, max_size=20), label="new tokens")
+        prompt = prompt[:self.limit]
+        seq = Sequence("r", prompt, SamplingParams(), cache_salt=salt)
+        hit = self.cache.match_prefix(seq)
+        assert 0 <= hit <= len(prompt) - 1, \
+            f"{self.suite.label()}: match_prefix covered {hit} of a {len(prompt)}-token prompt; at most all but one"
+        seq.num_computed_tokens = hit
+        if not self.cache.can_reserve(seq, len(prompt)):
+            self.cache.free(seq)  # a sequence that cannot start keeps no blocks
+            return
+        self._store(seq, hit, len(prompt))
+        self.live.append(seq)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def grow(self, data: Any) -> None:
+        """A step: some new tokens (a decode, or drafts) written after the computed ones."""
+        seq = data.draw(st.sampled_from(self.live), label="sequence")
+        room = self.limit - len(seq.token_ids)
+        if room <= 0 or not self.cache.can_reserve(seq, len(seq.token_ids) + 1):
+            return
+        new = data.draw(st.lists(st.sampled_from(self.VOCAB), min_size=1, max_size=min(room, 6)), label="tokens")
+        if not self.cache.can_reserve(seq, len(seq.token_ids) + len(new)):
+            new = new[:1]
+        start = len(seq.token_ids)
+        seq.token_ids += new
+        self._store(seq, start, len(seq.token_ids))
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def fork(self, data: Any) -> None:
+        """Parallel sampling: a child sharing the parent's tokens so far."""
+        parent = data.draw(st.sampled_from(self.live), label="parent")
+        if not self.cache.can_fork(parent):
+            return
+        child = parent.fork(1)
+        self.cache.fork(parent, child)
+        child.num_computed_tokens = parent.num_computed_tokens
+        self.live.append(child)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def truncate(self, data: Any) -> None:
+        """A speculative rollback: the last tokens are rejected and forgotten."""
+        seq = data.draw(st.sampled_from(self.live), label="sequence")
+        cut = data.draw(st.integers(1, len(seq.token_ids)), label="keep")
+        self.cache.truncate(seq, cut)
+        del seq.token_ids[cut:]
+        seq.num_computed_tokens = min(seq.num_computed_tokens, cut)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data: Any) -> None:
+        """A sequence finishes or is aborted."""
+        seq = data.draw(st.sampled_from(self.live), label="sequence")
+        self.cache.free(seq)
+        self.live.remove(seq)
+
+    @invariant()
+    def every_sequence_reads_its_own_tokens(self) -> None:
+        for seq in self.live:
+            n = seq.num_computed_tokens
+            k, v = read(self.cache, seq, n)
+            kv = [token_kv(seq.cache_salt, tuple(seq.token_ids[:p + 1])) for p in range(n)]
+            dtype = self.cache.layer(0).layout.dtype
+            expected_k = torch.stack([a for a, _ in kv]).to(dtype) if kv else k
+            expected_v = torch.stack([b for _, b in kv]).to(dtype) if kv else v
+            bad = [p for p in range(n) if not (torch.equal(k[p], expected_k[p]) and torch.equal(v[p], expected_v[p]))]
+            assert not bad, (f"{self.suite.label()}: sequence {seq.seq_id} (salt {seq.cache_salt!r}, {n} computed "
+                             f"tokens) reads other K/V than it wrote at positions {bad[:8]}: a write reached it "
+                             f"through a shared block, a rollback was not exact, or a prefix matched wrongly")
+        assert self.cache.num_free_blocks >= 0
+
+    def teardown(self) -> None:
+        for seq in self.live:
+            self.cache.free(seq)
+        assert self.cache.num_free_blocks == self.start_free, \
+            f"{self.suite.label()}: {self.start_free - self.cache.num_free_blocks} blocks leaked once every sequence was freed"
+
+
 class CacheConformance(ConformanceSuite):
     """The contract every KV-cache manager honours (core/interfaces/cache.py), checked on the
     plugin named by ``plugin`` (or ``plugin_class``) with ``options``, a float32 CPU cache of
@@ -61,7 +191,10 @@ class CacheConformance(ConformanceSuite):
     - truncate rolls back exactly: tokens before the cut read back unchanged, and tokens
       written after it replace the old ones;
     - a prefix matches only under the same ``cache_salt`` (skipped, saying so, for a cache
-      that never matches a prefix).
+      that never matches a prefix);
+    - all of these at once, in a hypothesis state machine (``CacheMachine``) over admit with
+      match_prefix, grow, fork, truncate and free in any order: every live sequence reads
+      back exactly its own K/V after each operation, and freeing all gives back every block.
 
     ``max_model_len`` is the pipeline's context length the cache is built for.
     """
@@ -80,6 +213,23 @@ class CacheConformance(ConformanceSuite):
         self.require(ctx, "a float32 CPU cache")
         layout = plugin.kv_layout(options, ctx)
         return plugin(options, CacheSpec(1, HEADS, HEAD_DIM, torch.float32, device, self.max_model_len), layout)
+
+    def test_any_sequence_of_operations_keeps_every_sequence_intact(self) -> None:
+        """The state machine (``CacheMachine``): admit with match_prefix, grow, fork,
+        truncate and free in any order; every live sequence reads back its own K/V after
+        each, and nothing leaks."""
+        from hypothesis import settings as hypothesis_settings
+
+        suite = self
+
+        class Machine(CacheMachine):
+            def __init__(self) -> None:
+                suite.case()
+                super().__init__()
+
+        Machine.suite = suite
+        settings = property_settings(max_examples=self.max_examples)
+        run_state_machine_as_test(Machine, settings=hypothesis_settings(settings, stateful_step_count=25))
 
     def test_stored_kv_reads_back_and_free_returns_every_block(self) -> None:
         @given(st.lists(st.integers(1, self.max_model_len - 1), min_size=1, max_size=4), st.data())
