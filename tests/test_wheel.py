@@ -84,4 +84,11 @@ def test_wheel_installs_into_clean_venv_and_imports(tmp_path):
     cli = subprocess.run([str(venv / "bin" / "tessellm"), "plugins", "--json"], capture_output=True, text=True,
                          cwd=tmp_path, env=env)
     assert cli.returncode == 0, cli.stderr
-    assert {p["name"] for p in json.loads(cli.stdout)} >= {"sdpa", "contiguous", "static", "greedy", "sample", "none"}
+    assert {p["name"] for p in json.loads(cli.stdout)} >= {"sdpa", "contiguous", "static", "greedy", "sample", "none",
+                                                          "int8-weight"}
+    # the scaffold's templates are package data of the wheel
+    made = subprocess.run([str(venv / "bin" / "tessellm"), "new-plugin", "cache", "from-wheel"], capture_output=True,
+                          text=True, cwd=tmp_path, env=env)
+    assert made.returncode == 0, made.stderr
+    assert "class FromWheelCache(tessellm.CacheManager)" in (tmp_path / "tessellm-from-wheel" / "tessellm_from_wheel"
+                                                              / "cache.py").read_text()

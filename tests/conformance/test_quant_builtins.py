@@ -1,4 +1,5 @@
-"""The quant conformance suite on the built-in quantizer `none`."""
+"""The quant conformance suite on every built-in quantizer: none, and int8-weight per channel
+(its compiled decode kernel) and in groups with lm_head (its tiled path)."""
 
 from __future__ import annotations
 
@@ -8,3 +9,12 @@ from tessellm.testing.conformance import QuantConformance
 
 class TestNone(QuantConformance):
     plugin = "none"
+
+
+class TestInt8Weight(QuantConformance):
+    plugin = "int8-weight"
+
+
+class TestInt8WeightGrouped(QuantConformance):
+    plugin = "int8-weight"
+    options = {"group_size": 32, "quantize_lm_head": True, "compile": False}

@@ -1,0 +1,1 @@
+"""Quant plugins with int8 weights."""

@@ -1,0 +1,40 @@
+"""Symmetric int8 weight quantization and its plain-torch reference.
+
+A weight [N, K] becomes int8 values q and float scales: one scale per output channel
+(``group_size`` None, scale [N]) or one per group of ``group_size`` consecutive input
+channels (scale [N, K // group_size]). Each scale is the group's largest magnitude over 127,
+so w ~ q * scale with |q| <= 127 and an error of at most scale / 2 per weight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def quantize_per_channel(weight: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K], scale float32 [N] or [N, K // group_size]) of ``weight`` [N, K]."""
+    n, k = weight.shape
+    w = weight.detach().float()
+    if group_size is not None:
+        if k % group_size:
+            raise ValueError(f"group_size {group_size} does not divide in_features {k}")
+        w = w.view(n, k // group_size, group_size)
+    scale = w.abs().amax(dim=-1).clamp(min=1e-12) / 127.0
+    q = (w / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return q.view(n, k), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float32 weight [N, K] that ``q`` and ``scale`` stand for (the reference)."""
+    n, k = q.shape
+    if scale.dim() == 1:
+        return q.float() * scale[:, None]
+    groups = scale.shape[1]
+    return (q.view(n, groups, k // groups).float() * scale[..., None]).view(n, k)
+
+
+def reference_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ dequantize(q, scale).T (+ bias) in float64: what every kernel is held to."""
+    out = x.double() @ dequantize(q, scale).double().T
+    return out if bias is None else out + bias.double()

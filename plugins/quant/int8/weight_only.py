@@ -1,0 +1,74 @@
+"""Quant `int8-weight`: int8 weights, activations in the model dtype.
+
+Every ``nn.Linear`` of the decoder layers becomes an ``Int8WeightLinear`` at the same name:
+symmetric int8 weights with one scale per output channel (or per group of input channels),
+quantized once at load. Embeddings stay in the model dtype, and so does ``lm_head`` unless
+``quantize_lm_head`` is set. Decode is memory-bound: reading one byte a weight instead of
+two or four is the speed-up (bench/int8_linear.py, docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field
+from torch import nn
+
+import tessellm
+from tessellm.core.errors import ConfigError
+from tessellm.core.interfaces.quantizer import Quantizer
+from tessellm.core.plugin import PluginOptions
+from tessellm.plugins.quant.int8.linear import Int8WeightLinear
+
+
+class Int8WeightOptions(PluginOptions):
+    """Options of `int8-weight`."""
+
+    group_size: Optional[Literal[32, 64, 128, 256]] = None
+    """Input channels sharing one scale; None: one scale per output channel. It must divide
+    every quantized layer's in_features."""
+    quantize_lm_head: bool = False
+    """Also quantize lm_head (the largest matrix of a small model; its error reaches every
+    logit directly)."""
+    small_batch_rows: int = Field(6, ge=0, le=256)
+    """On the CPU, token rows up to which the compiled dequantize-in-the-reduction kernel runs
+    (decode); above it a tile of output channels is dequantized before the BLAS matmul."""
+    compile: bool = True
+    """Use torch.compile for the CPU small-batch kernel (needs a C++ compiler); off: the tiled
+    path for every batch."""
+
+
+class Int8WeightQuantizer(Quantizer):
+    """int8 weight-only quantization of the decoder layers' linears (and optionally lm_head)."""
+
+    name = "int8-weight"
+    api_version = "1.1"
+    description = "int8 weights (per channel or group), activations in the model dtype; dequantized inside the matmul"
+    Options = Int8WeightOptions
+    auto_priority = None  # quantization changes results: only when named
+    max_relative_error = 0.04
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        options = self.options
+        replaced = 0
+        for parent_name, parent in list(model.named_modules()):
+            for child_name, child in list(parent.named_children()):
+                if type(child) is not nn.Linear:
+                    continue
+                full = f"{parent_name}.{child_name}" if parent_name else child_name
+                if child_name == "lm_head" and not options.quantize_lm_head:
+                    continue
+                if options.group_size is not None and child.in_features % options.group_size:
+                    raise ConfigError(f"quant.options.group_size: {options.group_size} does not divide "
+                                      f"{full}'s in_features {child.in_features}; choose a divisor or null")
+                setattr(parent, child_name, Int8WeightLinear(child, options.group_size, options.small_batch_rows,
+                                                             options.compile))
+                replaced += 1
+        if replaced == 0:
+            raise ConfigError(f"quant plugin {self.name!r} found no nn.Linear to quantize in {type(model).__name__}")
+        return model
+
+
+@tessellm.hookimpl
+def register_quant(register):
+    register(Int8WeightQuantizer)
