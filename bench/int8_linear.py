@@ -1,13 +1,15 @@
-"""int8 weight-only linear: each path of `int8-weight` against the float linear, per layer.
+"""int8 linears: each path of `int8-weight` and `w8a8` against the float linear, per layer.
 
 On the CPU (``--device cpu``, float32, SmolLM2-135M's shapes by default) it times float32
 ``F.linear`` against int8 weights with one scale per output channel through (a) the
 ``torch.compile``'d multiply-and-sum that dequantizes inside the reduction (``int8-weight``'s
 few-rows path), (b) dequantizing one tile of output channels at a time before the BLAS (its
-many-rows path), (c) torch's ``_weight_int8pack_mm``, (d) an eager dequantize to a whole float
-copy then ``F.linear`` (what the plugin must not do per step). On CUDA (``--device cuda``,
-bfloat16, Llama-3.2-1B's shapes by default) it times bf16 ``F.linear`` against the Triton
-kernel and the tiled path.
+many-rows path), (c) `w8a8`'s int8 x int8 product (``torch._int_mm``, activations quantized
+per token inside the timing), (d) torch's ``_weight_int8pack_mm``, (e) an eager dequantize to
+a whole float copy then ``F.linear`` (what the plugin must not do per step). On CUDA
+(``--device cuda``, bfloat16, Llama-3.2-1B's shapes by default) it times bf16 ``F.linear``
+against the Triton kernel, the tiled path and `w8a8`'s path (``torch._int_mm`` above 16
+rows, the Triton kernel at or below).
 
 Each timing runs ``--layers`` distinct copies of the weight one after another, as a forward
 runs its layers, so the weights stream from memory rather than sit in a cache (one SmolLM2
@@ -54,18 +56,23 @@ def median_ms(fn, device: torch.device, repeats: int = 20) -> float:
 def paths(device: torch.device) -> dict:
     """name -> fn(x, weight, q, scale) of every path timed on this device."""
     from tessellm.plugins.quant.int8.cpu import int8_weight_matmul, tiled_matmul
+    from tessellm.plugins.quant.int8.w8a8 import w8a8_matmul
 
     if device.type == "cuda":
         from tessellm.plugins.quant.int8.triton_matmul import triton_int8_weight_matmul
 
+        def w8a8(x, w, q, s):  # torch._int_mm on CUDA takes more than 16 rows only
+            return w8a8_matmul(x, q, s) if x.shape[0] > 16 else triton_int8_weight_matmul(x, q, s)
+
         return {"triton": lambda x, w, q, s: triton_int8_weight_matmul(x, q, s),
-                "tiled": lambda x, w, q, s: tiled_matmul(x, q, s)}
+                "tiled": lambda x, w, q, s: tiled_matmul(x, q, s), "w8a8": w8a8}
 
     def int8pack(x, w, q, s):
         return torch._weight_int8pack_mm(x, q, s)
 
     return {"compiled": lambda x, w, q, s: int8_weight_matmul(x, q, s),
             "tiled": lambda x, w, q, s: tiled_matmul(x, q, s),
+            "w8a8": lambda x, w, q, s: w8a8_matmul(x, q, s),
             "int8pack": int8pack,
             "copy": lambda x, w, q, s: F.linear(x, (q.to(x.dtype) * s[:, None].to(x.dtype)))}
 

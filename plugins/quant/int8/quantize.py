@@ -8,7 +8,12 @@ so w ~ q * scale with |q| <= 127 and an error of at most scale / 2 per weight.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
+from torch import nn
+
+from tessellm.core.errors import ConfigError
 
 
 def quantize_per_channel(weight: torch.Tensor, group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,3 +43,21 @@ def reference_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     """x [..., K] @ dequantize(q, scale).T (+ bias) in float64: what every kernel is held to."""
     out = x.double() @ dequantize(q, scale).double().T
     return out if bias is None else out + bias.double()
+
+
+def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module], quantize_lm_head: bool,
+                    plugin: str) -> nn.Module:
+    """Replace every ``nn.Linear`` of model (``lm_head`` only when quantize_lm_head) by
+    ``make(full_name, linear)`` at the same name; a model with none is a ConfigError naming
+    the plugin."""
+    replaced = 0
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) is not nn.Linear or (child_name == "lm_head" and not quantize_lm_head):
+                continue
+            full = f"{parent_name}.{child_name}" if parent_name else child_name
+            setattr(parent, child_name, make(full, child))
+            replaced += 1
+    if replaced == 0:
+        raise ConfigError(f"quant plugin {plugin!r} found no nn.Linear to quantize in {type(model).__name__}")
+    return model

@@ -19,6 +19,7 @@ from tessellm.core.errors import ConfigError
 from tessellm.core.interfaces.quantizer import Quantizer
 from tessellm.core.plugin import PluginOptions
 from tessellm.plugins.quant.int8.linear import Int8WeightLinear
+from tessellm.plugins.quant.int8.quantize import replace_linears
 
 
 class Int8WeightOptions(PluginOptions):
@@ -50,23 +51,14 @@ class Int8WeightQuantizer(Quantizer):
 
     def apply(self, model: nn.Module) -> nn.Module:
         options = self.options
-        replaced = 0
-        for parent_name, parent in list(model.named_modules()):
-            for child_name, child in list(parent.named_children()):
-                if type(child) is not nn.Linear:
-                    continue
-                full = f"{parent_name}.{child_name}" if parent_name else child_name
-                if child_name == "lm_head" and not options.quantize_lm_head:
-                    continue
-                if options.group_size is not None and child.in_features % options.group_size:
-                    raise ConfigError(f"quant.options.group_size: {options.group_size} does not divide "
-                                      f"{full}'s in_features {child.in_features}; choose a divisor or null")
-                setattr(parent, child_name, Int8WeightLinear(child, options.group_size, options.small_batch_rows,
-                                                             options.compile))
-                replaced += 1
-        if replaced == 0:
-            raise ConfigError(f"quant plugin {self.name!r} found no nn.Linear to quantize in {type(model).__name__}")
-        return model
+
+        def make(full: str, linear: nn.Linear) -> nn.Module:
+            if options.group_size is not None and linear.in_features % options.group_size:
+                raise ConfigError(f"quant.options.group_size: {options.group_size} does not divide "
+                                  f"{full}'s in_features {linear.in_features}; choose a divisor or null")
+            return Int8WeightLinear(linear, options.group_size, options.small_batch_rows, options.compile)
+
+        return replace_linears(model, make, options.quantize_lm_head, self.name)
 
 
 @tessellm.hookimpl

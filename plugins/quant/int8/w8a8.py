@@ -1,0 +1,112 @@
+"""Quant `w8a8`: int8 weights and int8 activations, an int8 x int8 -> int32 matmul.
+
+Weights are int8 with one scale per output channel, quantized once at load. Each forward
+quantizes its input per token (row): scale = the row's largest magnitude over 127. The
+product of the two int8 operands accumulates exactly in int32 (``torch._int_mm``) and is
+scaled back by the token's and the channel's scales. Embeddings stay in the model dtype, and
+so does ``lm_head`` unless ``quantize_lm_head`` is set.
+
+Which path runs, by measurement (bench/int8_linear.py, docs/benchmarks.md): on the CPU
+``torch._int_mm`` at every batch size (it beat float32 from 1 to 256 rows); on CUDA
+``torch._int_mm`` needs more than 16 rows and both feature counts multiples of 8, so
+decode-sized steps (16 rows or fewer), and every step of a linear whose shape it cannot take
+(logged once at load), take `int8-weight`'s Triton kernel with activations in the model
+dtype instead.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+import tessellm
+from tessellm.core.interfaces.quantizer import Quantizer
+from tessellm.core.plugin import PluginOptions
+from tessellm.plugins.quant.int8.quantize import quantize_per_channel, replace_linears
+
+CUDA_MIN_ROWS = 17
+"""torch._int_mm on CUDA takes only more than 16 rows."""
+
+logger = logging.getLogger(__name__)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(int8 [M, K], float32 scale [M, 1]) of activations x [M, K], one scale per row."""
+    scale = x.detach().float().abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
+    return (x.float() / scale).round().clamp(-127, 127).to(torch.int8), scale
+
+
+def w8a8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float @ (q [N, K] int8 * scale [N]).T with x quantized per token: an exact
+    int32 product of the int8 operands, scaled back; [M, N] in x's dtype."""
+    xq, x_scale = quantize_per_token(x)
+    acc = torch._int_mm(xq, q.T)  # [M, N] int32
+    return (acc.float() * x_scale * scale[None, :]).to(x.dtype)
+
+
+def reference_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The float64 product of the dequantized operands (what ``w8a8_matmul`` computes)."""
+    xq, x_scale = quantize_per_token(x)
+    return (xq.double() * x_scale.double()) @ (q.double() * scale.double()[:, None]).T
+
+
+class W8A8Linear(nn.Module):
+    """``nn.Linear``'s forward with int8 weights (per output channel) and activations
+    quantized per token at each call; the float weight is not kept."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        q, scale = quantize_per_channel(linear.weight, None)
+        self.register_buffer("weight_int8", q.to(linear.weight.device))
+        self.register_buffer("scale", scale.to(linear.weight.device))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.int_mm_shape = self.in_features % 8 == 0 and self.out_features % 8 == 0
+        if not self.int_mm_shape and q.device.type == "cuda":
+            logger.warning("w8a8: a %dx%d linear is not a multiple of 8 as torch._int_mm on CUDA needs; "
+                           "it runs int8 weights x %s activations (the Triton kernel)",
+                           self.out_features, self.in_features, linear.weight.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        if rows.device.type == "cuda" and (rows.shape[0] < CUDA_MIN_ROWS or not self.int_mm_shape):
+            from tessellm.plugins.quant.int8.triton_matmul import triton_int8_weight_matmul
+
+            out = triton_int8_weight_matmul(rows, self.weight_int8, self.scale)
+        else:
+            out = w8a8_matmul(rows, self.weight_int8, self.scale)
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights and activations"
+
+
+class W8A8Options(PluginOptions):
+    """Options of `w8a8`."""
+
+    quantize_lm_head: bool = False
+    """Also quantize lm_head (its error reaches every logit directly)."""
+
+
+class W8A8Quantizer(Quantizer):
+    """int8 weights per output channel and int8 activations per token for the decoder
+    layers' linears (and optionally lm_head); int32 accumulation."""
+
+    name = "w8a8"
+    api_version = "1.1"
+    description = "int8 weights (per channel) x int8 activations (per token), int32 accumulation"
+    Options = W8A8Options
+    auto_priority = None  # quantization changes results: only when named
+    max_relative_error = 0.06
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        return replace_linears(model, lambda _, linear: W8A8Linear(linear), self.options.quantize_lm_head, self.name)
+
+
+@tessellm.hookimpl
+def register_quant(register):
+    register(W8A8Quantizer)
