@@ -1,6 +1,6 @@
 """The architecture as the imports show it: core/ needs no plugin and no application library,
 a plugin needs only core and helpers of its own kind, and the library with `tessellm generate`
-runs without the apps' extras ([serve], [bench]) installed."""
+runs without the apps' extras ([serve], [bench], [eval]) installed."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-APP_LIBRARIES = ("fastapi", "uvicorn", "starlette", "prometheus_client", "httpx", "matplotlib")
+APP_LIBRARIES = ("fastapi", "uvicorn", "starlette", "prometheus_client", "httpx", "matplotlib", "lm_eval")
 
 
 def imports(folder: Path) -> list[tuple[Path, str]]:
@@ -78,7 +78,8 @@ def test_generate_runs_without_the_app_extras(tiny_model, tmp_path):
 @pytest.mark.parametrize("args, extra", [(["serve"], "serve"),
                                          (["bench", "--serve", "http://127.0.0.1:9"], "bench"),
                                          (["bench", "--plot", "out.png"], "bench"),
-                                         (["ab", "--a", "seed=1", "--b", "seed=2", "--plot", "out.png"], "bench")])
+                                         (["ab", "--a", "seed=1", "--b", "seed=2", "--plot", "out.png"], "bench"),
+                                         (["eval", "lm-eval", "--model", "tessellm", "--tasks", "x"], "eval")])
 def test_a_command_whose_extra_is_missing_says_which_to_install(tiny_model, tmp_path, args, extra):
     """One line naming the pip command, exit 2, before any model is loaded."""
     done = run_without_apps(*args, "--set", f"model={tiny_model('llama')}", cwd=tmp_path)

@@ -92,3 +92,11 @@ def test_wheel_installs_into_clean_venv_and_imports(tmp_path):
     assert made.returncode == 0, made.stderr
     assert "class FromWheelCache(tessellm.CacheManager)" in (tmp_path / "tessellm-from-wheel" / "tessellm_from_wheel"
                                                               / "cache.py").read_text()
+    # so are the bundled evaluation texts and their notice
+    texts = subprocess.run([str(py), "-c", "from tessellm.eval.texts import BUNDLED, load_text; from importlib import "
+                            "resources; print(sum(len(load_text(n)[1]) for n in BUNDLED), "
+                            "resources.files('tessellm.eval.texts').joinpath('NOTICE.md').is_file())"],
+                           capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert texts.returncode == 0, texts.stderr
+    size, notice = texts.stdout.split()
+    assert int(size) > 100_000 and notice == "True"

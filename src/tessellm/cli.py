@@ -1,6 +1,7 @@
-"""The ``tessellm`` command: ``plugins`` and ``generate`` here; ``bench`` and ``ab``
-(tessellm/bench/cli.py) and ``serve`` (tessellm/serve/cli.py) beside their apps, which need
-the ``[bench]`` and ``[serve]`` extras.
+"""The ``tessellm`` command: ``plugins``, ``generate`` and ``new-plugin`` here; ``bench`` and
+``ab`` (tessellm/bench/cli.py), ``serve`` (tessellm/serve/cli.py) and ``eval``
+(tessellm/eval/cli.py) beside their apps (``serve`` needs the ``[serve]`` extra, ``bench`` and
+``ab`` parts of ``[bench]``, ``eval lm-eval`` the ``[eval]`` extra).
 
 Bad input (config, model, request) prints one line, ``tessellm: error: ...``, and exits with
 status 2, as argparse does for bad arguments; no traceback.
@@ -16,6 +17,7 @@ from typing import Any
 
 from tessellm.bench import cli as bench_cli
 from tessellm.core.errors import InvalidRequestError, TessellmError
+from tessellm.eval import cli as eval_cli
 from tessellm.serve import cli as serve_cli
 
 
@@ -65,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_cli.add_parsers(sub, _add_config_args)
     serve_cli.add_parser(sub, _add_config_args)
+    eval_cli.add_parser(sub, _add_config_args)
     return parser
 
 
@@ -184,7 +187,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
+    if given[:2] == ["eval", "lm-eval"]:  # every later argument is lm_eval's, options included
+        args = argparse.Namespace(command="eval", eval_command="lm-eval", harness_args=given[2:], version=False)
+    else:
+        args = parser.parse_args(argv)
     args.argv = argv  # the report's command line
     if args.version:
         from tessellm.core.version import PLUGIN_API_VERSION, __version__
@@ -198,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"plugins": cmd_plugins, "generate": cmd_generate, "bench": bench_cli.cmd_bench,
                 "ab": bench_cli.cmd_ab, "serve": serve_cli.cmd_serve,
-                "new-plugin": cmd_new_plugin}[args.command](args)
+                "new-plugin": cmd_new_plugin, "eval": eval_cli.cmd_eval}[args.command](args)
     except TessellmError as exc:
         print(f"tessellm: error: {exc}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
-"""Optional dependencies of the applications: the server's (``[serve]``) and the benchmarks'
-plots and HTTP client (``[bench]``), and the conformance suites' pytest and hypothesis
-(``[conformance]``). The library and ``tessellm generate`` need none of them;
+"""Optional dependencies of the applications: the server's (``[serve]``), the benchmarks'
+plots and HTTP client (``[bench]``), the conformance suites' pytest and hypothesis
+(``[conformance]``) and lm-evaluation-harness (``[eval]``). The library and ``tessellm generate`` need none of them;
 a command that does and finds one missing stops with one line naming the extra to install."""
 
 from __future__ import annotations
