@@ -25,6 +25,7 @@ from tessellm.core.engine.batch_builder import build_batch
 from tessellm.core.engine.faults import find_culprits
 from tessellm.core.engine.outputs import StopRule, token_logprobs
 from tessellm.core.engine.request import RequestState
+from tessellm.core.engine.scoring import score_tokens
 from tessellm.core.engine.stats import WASTE_SAMPLE_STEPS, EngineStats
 from tessellm.core.errors import InvalidRequestError, RequestRejectedError
 from tessellm.core.interfaces.batch import BatchMetadata, ScheduledSeq, SchedulerOutput
@@ -343,23 +344,8 @@ class Engine:
 
     # ------------------------------------------------------------------ scoring
 
-    @torch.inference_mode()
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Logits [len(token_ids), vocab] (float32; float64 in a float64 pipeline) at every
         position of ``token_ids``, run as one prefill of its own (teacher forcing): for
         equivalence checks, KL and perplexity."""
-        if not token_ids:
-            raise InvalidRequestError("nothing to score: token_ids is empty")
-        if len(token_ids) > self.max_model_len:
-            raise InvalidRequestError(f"{len(token_ids)} tokens exceed the context window "
-                                      f"(max_model_len {self.max_model_len})")
-        seq = Sequence("score", token_ids, SamplingParams(max_tokens=1))
-        if not self.cache.can_reserve(seq, len(token_ids)):
-            raise RequestRejectedError(f"no cache room to score {len(token_ids)} tokens now")
-        self.cache.reserve(seq, len(token_ids))
-        try:
-            batch = build_batch([ScheduledSeq(seq, len(token_ids))], self.cache, self.runner.device,
-                                all_logits=True)
-            return self.runner.forward(batch)
-        finally:
-            self.cache.free(seq)
+        return score_tokens(self.runner, self.cache, token_ids, self.max_model_len)

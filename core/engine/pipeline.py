@@ -16,11 +16,13 @@ from tessellm.core.engine.batch_builder import build_batch
 from tessellm.core.engine.engine import Engine
 from tessellm.core.engine.outputs import StopRule
 from tessellm.core.engine.overlap import OverlappedEngine
+from tessellm.core.engine.scoring import score_tokens
 from tessellm.core.engine.warm_up import warm_up
 from tessellm.core.errors import ConfigError
 from tessellm.core.interfaces.batch import ScheduledSeq
 from tessellm.core.interfaces.cache import CacheSpec
 from tessellm.core.interfaces.decoder import Decoder, DecoderContext
+from tessellm.core.interfaces.quantizer import CalibrationContext, Quantizer
 from tessellm.core.interfaces.scheduler import SchedulerLimits
 from tessellm.core.model.kernel_builds import build_log
 from tessellm.core.model.loader import build_model, load_hf_config, load_state_dict, load_tokenizer
@@ -52,7 +54,9 @@ class Pipeline:
         r, c = self.resolved, self.resolved.choices
         self.tokenizer = load_tokenizer(self.model_dir)
         quantizer = c["quant"].cls(c["quant"].options, r.device, r.dtype)
-        self.model = build_model(self.spec, load_state_dict(self.model_dir), r.device, r.dtype, quantizer)
+        calibrates = type(quantizer).calibrate is not Quantizer.calibrate  # then apply waits for the runner
+        self.model = build_model(self.spec, load_state_dict(self.model_dir), r.device, r.dtype,
+                                 None if calibrates else quantizer)
         cache_spec = CacheSpec(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, r.dtype,
                                r.device, r.max_model_len)
         self.cache = c["cache"].cls(c["cache"].options, cache_spec, r.kv_layout)
@@ -61,6 +65,8 @@ class Pipeline:
         limits = SchedulerLimits(r.max_model_len, self.decoder.num_lookahead_tokens)
         self.scheduler = c["scheduler"].cls(c["scheduler"].options, self.cache, limits)
         self.runner = ModelRunner(self.model, self.spec, self.attention, self.cache, r.device)
+        if calibrates:
+            self._calibrate_and_quantize(quantizer)
         if self.runner.compiles_kernels():
             self._warm_up()
         if config.cuda_graphs and self.runner.graphs_unsupported() is None:
@@ -72,6 +78,14 @@ class Pipeline:
         self.engine = engine(self.runner, self.cache, self.scheduler, self.decoder, stop=self.stop,
                              vocab_size=self.spec.vocab_size, seed=config.seed)
         self._attach_decoder()
+
+    def _calibrate_and_quantize(self, quantizer: Quantizer) -> None:
+        """Let the quantizer observe the float model through the runner, then apply it."""
+        limit = self.resolved.max_model_len
+        ctx = CalibrationContext(self.tokenizer, lambda ids: score_tokens(self.runner, self.cache, ids, limit), limit)
+        with torch.inference_mode():
+            quantizer.calibrate(self.model, ctx)
+        self.model = self.runner.model = quantizer.apply(self.model)
 
     def _warm_up(self) -> None:
         """Compile every kernel variant now, not inside a request's step."""

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
 
 import torch
 from torch import nn
@@ -10,10 +11,24 @@ from torch import nn
 from tessellm.core.plugin import Plugin, PluginOptions
 
 
+@dataclass
+class CalibrationContext:
+    """What a quantizer may use to observe the float model (``Quantizer.calibrate``)."""
+
+    tokenizer: Any
+    """The model's tokenizer (a transformers tokenizer: ``tokenizer(text)["input_ids"]``)."""
+    run: Callable[[list[int]], torch.Tensor]
+    """Teacher-forced forward of token ids through the float model with the pipeline's own
+    attention backend and cache; returns the logits [len, vocab]."""
+    max_tokens: int
+    """The longest token list ``run`` takes (the pipeline's max_model_len)."""
+
+
 class Quantizer(Plugin):
     """Transforms a loaded model once, before the first forward.
 
-    Contract: ``apply(model)`` returns the model to run, typically with ``nn.Linear`` layers
+    Contract: ``calibrate(model, ctx)``, if the plugin overrides it, observes the float model
+    first (a calibration text run through it); then ``apply(model)`` returns the model to run, typically with ``nn.Linear`` layers
     swapped for quantized ones (gpt-fast style: walk the children, replace, keep names). It
     must leave the forward signature unchanged; it may keep a float copy of nothing it
     replaces. Quantized KV storage is a cache plugin's job, not a quantizer's.
@@ -34,6 +49,14 @@ class Quantizer(Plugin):
         self.options = options
         self.device = device
         self.dtype = dtype
+
+    def calibrate(self, model: nn.Module, ctx: CalibrationContext) -> None:
+        """Observe the float model before ``apply`` (plugin API 1.2; optional). The pipeline
+        calls it only on a quantizer that overrides it: after the float model, its cache and
+        attention backend are built, before ``apply``, warm-up and CUDA graph capture, under
+        ``torch.inference_mode``. Typically: register forward hooks on the modules ``apply``
+        will replace, run a text through ``ctx.run``, remove the hooks and keep the statistics
+        (activation ranges) for ``apply``."""
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Return the model to run (identity by default)."""

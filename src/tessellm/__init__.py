@@ -59,6 +59,7 @@ _LAZY = {
     "DecoderContext": f"{_INTERFACES}.decoder",
     "slot_logits": f"{_INTERFACES}.decoder",
     "Quantizer": f"{_INTERFACES}.quantizer",
+    "CalibrationContext": f"{_INTERFACES}.quantizer",
     # the data they exchange
     "BatchMetadata": f"{_INTERFACES}.batch",
     "SampleSlot": f"{_INTERFACES}.batch",

@@ -1,10 +1,21 @@
 """The quant conformance suite on every built-in quantizer: none; int8-weight per channel (its
-compiled decode kernel) and in groups with lm_head (its tiled path); w8a8 with lm_head."""
+compiled decode kernel) and in groups with lm_head (its tiled path); w8a8 with lm_head, and
+with SmoothQuant calibrated on text like the suite's prompts."""
 
 from __future__ import annotations
 
+import random
+import tempfile
+from pathlib import Path
 
 from tessellm.testing.conformance import QuantConformance
+
+# The suite's tiny model reads words t0..t511 and its prompts are random ids from 3 up, so the
+# calibration text is random words of the same kind: SmoothQuant's scales only hold for
+# activations like the ones they were calibrated on.
+_rng = random.Random(0)
+CALIBRATION_TEXT = Path(tempfile.mkdtemp(prefix="tessellm-calibration-")) / "random-words.txt"
+CALIBRATION_TEXT.write_text(" ".join(f"t{_rng.randrange(3, 512)}" for _ in range(512)))
 
 
 class TestNone(QuantConformance):
@@ -23,3 +34,8 @@ class TestInt8WeightGrouped(QuantConformance):
 class TestW8A8(QuantConformance):
     plugin = "w8a8"
     options = {"quantize_lm_head": True}
+
+
+class TestW8A8SmoothQuant(QuantConformance):
+    plugin = "w8a8"
+    options = {"smoothquant_alpha": 0.5, "calibration_text": str(CALIBRATION_TEXT), "calibration_tokens": 512}

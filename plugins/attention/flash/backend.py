@@ -101,7 +101,7 @@ class FlashAttention(AttentionBackend):
     """
 
     name = "flash"
-    api_version = "1.1"
+    api_version = "1.2"
     description = "Triton FlashAttention over packed varlen batches, K/V read through block tables"
     Options = FlashOptions
     auto_priority = 30

@@ -72,7 +72,7 @@ class PagedCache(CacheManager):
     """
 
     name = "paged"
-    api_version = "1.1"
+    api_version = "1.2"
     description = "fixed-size blocks with reference counts, copy-on-write forks and prefix caching"
     Options = PagedOptions
     auto_priority = 50

@@ -6,6 +6,11 @@ product of the two int8 operands accumulates exactly in int32 (``torch._int_mm``
 scaled back by the token's and the channel's scales. Embeddings stay in the model dtype, and
 so does ``lm_head`` unless ``quantize_lm_head`` is set.
 
+With ``smoothquant_alpha`` set, ``calibrate`` first runs a calibration text (smooth.py's
+default: the opening of Julius Caesar) through the float model, recording each linear's
+largest input per channel, and ``apply`` smooths every linear with SmoothQuant's scales
+before quantizing it (smooth.py).
+
 Which path runs, by measurement (bench/int8_linear.py, docs/benchmarks.md): on the CPU
 ``torch._int_mm`` at every batch size (it beat float32 from 1 to 256 rows); on CUDA
 ``torch._int_mm`` needs more than 16 rows and both feature counts multiples of 8, so
@@ -17,14 +22,20 @@ dtype instead.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
+from typing import Optional
 
 import torch
+from pydantic import Field, field_validator
 from torch import nn
 
 import tessellm
-from tessellm.core.interfaces.quantizer import Quantizer
+from tessellm.core.errors import ConfigError
+from tessellm.core.interfaces.quantizer import CalibrationContext, Quantizer
 from tessellm.core.plugin import PluginOptions
 from tessellm.plugins.quant.int8.quantize import quantize_per_channel, replace_linears
+from tessellm.plugins.quant.int8.smooth import (DEFAULT_CALIBRATION_TEXT, calibration_chunks, observe_input_ranges,
+                                                smoothing_scales)
 
 CUDA_MIN_ROWS = 17
 """torch._int_mm on CUDA takes only more than 16 rows."""
@@ -54,12 +65,16 @@ def reference_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tor
 
 class W8A8Linear(nn.Module):
     """``nn.Linear``'s forward with int8 weights (per output channel) and activations
-    quantized per token at each call; the float weight is not kept."""
+    quantized per token at each call; the float weight is not kept. With ``smooth`` (s, one
+    factor per input channel) it holds the int8 of ``W * s`` and divides its input by s
+    before quantizing it (SmoothQuant)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, smooth: torch.Tensor | None = None):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        q, scale = quantize_per_channel(linear.weight, None)
+        weight = linear.weight if smooth is None else linear.weight * smooth.to(linear.weight)[None, :]
+        self.register_buffer("inv_smooth", None if smooth is None else (1.0 / smooth).to(linear.weight))
+        q, scale = quantize_per_channel(weight, None)
         self.register_buffer("weight_int8", q.to(linear.weight.device))
         self.register_buffer("scale", scale.to(linear.weight.device))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
@@ -71,6 +86,8 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if self.inv_smooth is not None:
+            rows = rows * self.inv_smooth
         if rows.device.type == "cuda" and (rows.shape[0] < CUDA_MIN_ROWS or not self.int_mm_shape):
             from tessellm.plugins.quant.int8.triton_matmul import triton_int8_weight_matmul
 
@@ -82,7 +99,8 @@ class W8A8Linear(nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights and activations"
+        smoothed = ", smoothed" if self.inv_smooth is not None else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights and activations{smoothed}"
 
 
 class W8A8Options(PluginOptions):
@@ -90,21 +108,67 @@ class W8A8Options(PluginOptions):
 
     quantize_lm_head: bool = False
     """Also quantize lm_head (its error reaches every logit directly)."""
+    smoothquant_alpha: Optional[float] = Field(None, ge=0.0, le=1.0)
+    """SmoothQuant's migration strength: None (no smoothing), or 0 to 1 (0.5 balances the
+    activations' and the weights' ranges; larger moves more range into the weights)."""
+    calibration_text: Optional[str] = None
+    """A UTF-8 text file to calibrate the smoothing on; None: the bundled opening of Julius
+    Caesar (smooth.py)."""
+    calibration_tokens: int = Field(1024, ge=16, le=1 << 16)
+    """Tokens of the calibration text run through the float model."""
+
+    @field_validator("calibration_text")
+    @classmethod
+    def _readable(cls, path: Optional[str]) -> Optional[str]:
+        if path is not None and not Path(path).is_file():
+            raise ValueError(f"{path!r} is not a file; give a UTF-8 text file or null for the bundled text")
+        return path
 
 
 class W8A8Quantizer(Quantizer):
     """int8 weights per output channel and int8 activations per token for the decoder
-    layers' linears (and optionally lm_head); int32 accumulation."""
+    layers' linears (and optionally lm_head); int32 accumulation. With smoothquant_alpha,
+    ``calibrate`` must run before ``apply`` (a Pipeline does that)."""
 
     name = "w8a8"
-    api_version = "1.1"
+    api_version = "1.2"
     description = "int8 weights (per channel) x int8 activations (per token), int32 accumulation"
     Options = W8A8Options
     auto_priority = None  # quantization changes results: only when named
     max_relative_error = 0.06
 
+    def __init__(self, options: W8A8Options, device: torch.device, dtype: torch.dtype):
+        super().__init__(options, device, dtype)
+        self.input_ranges: dict[str, torch.Tensor] = {}
+
+    def calibrate(self, model: nn.Module, ctx: CalibrationContext) -> None:
+        """With smoothquant_alpha: record each linear's largest input per channel on the
+        calibration text."""
+        options = self.options
+        if options.smoothquant_alpha is None:
+            return
+        path = Path(options.calibration_text) if options.calibration_text else DEFAULT_CALIBRATION_TEXT
+        try:
+            ids = ctx.tokenizer(path.read_text(encoding="utf-8"))["input_ids"]
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"quant.options.calibration_text {str(path)!r} cannot be read as UTF-8 text: {exc}") from None
+        if len(ids) < 16:
+            raise ConfigError(f"quant.options.calibration_text {str(path)!r} has {len(ids)} tokens; give at least 16")
+        linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
+        chunks = calibration_chunks(ids, options.calibration_tokens, min(512, ctx.max_tokens))
+        self.input_ranges = observe_input_ranges(linears, ctx.run, chunks)
+
     def apply(self, model: nn.Module) -> nn.Module:
-        return replace_linears(model, lambda _, linear: W8A8Linear(linear), self.options.quantize_lm_head, self.name)
+        alpha = self.options.smoothquant_alpha
+        if alpha is not None and not self.input_ranges:
+            raise ConfigError(f"quant plugin {self.name!r} with smoothquant_alpha needs calibrate(model, ctx) before "
+                              f"apply (a Pipeline calls it)")
+
+        def make(name: str, linear: nn.Linear) -> nn.Module:
+            seen = self.input_ranges.get(name) if alpha is not None else None
+            return W8A8Linear(linear, None if seen is None else smoothing_scales(seen, linear.weight, alpha))
+
+        return replace_linears(model, make, self.options.quantize_lm_head, self.name)
 
 
 @tessellm.hookimpl

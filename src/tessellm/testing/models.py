@@ -18,7 +18,7 @@ def build_tiny_llama(target: Path, *, seed: int = 0, vocab_size: int = 512, **sh
     """A random Llama of ``TINY_LLAMA``'s shapes (``shapes`` override them) saved in ``target``
     with its tokenizer; weights drawn with ``seed`` at a scale that keeps logits far from ties,
     so greedy outputs do not flip on rounding. Token 1 is BOS, 2 is EOS."""
-    from tokenizers import Tokenizer, models
+    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
     config = LlamaConfig(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0,
@@ -37,6 +37,7 @@ def build_tiny_llama(target: Path, *, seed: int = 0, vocab_size: int = 512, **sh
     model.save_pretrained(target, safe_serialization=True)
     vocab = {f"t{i}": i for i in range(vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # a text is one token per word (t0 if unknown)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", bos_token="t1", eos_token="t2",
                             pad_token="t0").save_pretrained(target)
     return target

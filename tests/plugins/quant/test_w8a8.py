@@ -1,16 +1,21 @@
 """`w8a8`: per-token activation quantization bounds, the int32 product against the float64
-product of the dequantized operands, the layer's shapes and paths, and a pipeline."""
+product of the dequantized operands, the layer's shapes and paths, a pipeline, and SmoothQuant
+(the smoothed product is the same in exact arithmetic and no worse quantized, calibration
+hooks record the largest inputs and go away, bad settings are clear errors)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, strategies as st
 from torch import nn
 
 from tessellm import LLM
+from tessellm.core.errors import ConfigError
 from tessellm.plugins.quant.int8.quantize import quantize_per_channel
 from tessellm.plugins.quant.int8.w8a8 import (W8A8Linear, W8A8Options, W8A8Quantizer, quantize_per_token,
                                               reference_w8a8, w8a8_matmul)
+from tessellm.plugins.quant.int8.smooth import calibration_chunks, observe_input_ranges, smoothing_scales
 
 
 @given(rows=st.integers(1, 20), k=st.integers(1, 80), seed=st.integers(0, 2**16), outlier=st.floats(1.0, 100.0))
@@ -64,3 +69,92 @@ def test_a_pipeline_runs_it_by_config(cpu_config, tiny_model):
     llm = LLM(cpu_config(tiny_model("llama"), quant={"name": "w8a8"}))
     assert isinstance(llm.pipeline.model.model.layers[0].self_attn.o_proj, W8A8Linear)
     assert len(llm.generate([[5, 6, 7, 8]], {"max_tokens": 4, "ignore_eos": True})[0].token_ids) == 4
+
+
+# ----------------------------------------------------------------------------- SmoothQuant
+
+
+@given(rows=st.integers(2, 24), n=st.integers(1, 32), k=st.integers(8, 96), seed=st.integers(0, 2**16),
+       outlier=st.floats(20.0, 200.0), alpha=st.sampled_from([0.5, 0.7, 0.9]))
+def test_smoothing_keeps_the_product_and_shrinks_the_outlier_error(rows, n, k, seed, outlier, alpha):
+    g = torch.Generator().manual_seed(seed)
+    linear = nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k, generator=g) * 0.05)
+    x = torch.randn(rows, k, generator=g)
+    x[:, : max(k // 16, 1)] *= outlier  # a few outlier channels, as in real activations
+    s = smoothing_scales(x.abs().amax(0), linear.weight, alpha)
+    exact = x.double() @ linear.weight.double().T
+    # in exact arithmetic the smoothing changes nothing
+    assert torch.allclose((x.double() / s.double()) @ (linear.weight.double() * s.double()).T, exact, rtol=1e-9,
+                          atol=1e-9)
+    with torch.no_grad():
+        plain = (W8A8Linear(linear)(x).double() - exact).norm()
+        smoothed = (W8A8Linear(linear, s)(x).double() - exact).norm()
+    assert smoothed <= plain * 1.05 + 1e-9
+
+
+def test_smoothing_scales_follow_the_formula():
+    weight = torch.tensor([[0.5, -2.0, 0.0], [-1.0, 1.0, 0.0]])
+    ranges = torch.tensor([4.0, 9.0, 0.0])
+    s = smoothing_scales(ranges, weight, 0.5)
+    expected = torch.tensor([4.0 ** 0.5 / 1.0 ** 0.5, 9.0 ** 0.5 / 2.0 ** 0.5, (1e-5) ** 0.5 / (1e-5) ** 0.5])
+    assert torch.allclose(s, expected)
+    assert torch.allclose(smoothing_scales(ranges, weight, 1.0)[:2], ranges[:2])
+
+
+def test_observed_ranges_are_the_largest_inputs_and_hooks_go_away():
+    a, b = nn.Linear(4, 3), nn.Linear(3, 2)
+    inputs = [torch.tensor([[1.0, -5.0, 2.0, 0.0]]), torch.tensor([[-3.0, 1.0, 0.5, 0.25], [0.0, 0.0, -7.0, 0.0]])]
+
+    def run(i):
+        b(a(inputs[i[0]]))
+
+    ranges = observe_input_ranges({"a": a, "b": b}, run, [[0], [1]])
+    assert torch.equal(ranges["a"], torch.tensor([3.0, 5.0, 7.0, 0.25]))
+    assert ranges["b"].shape == (3,)
+    assert not a._forward_pre_hooks and not b._forward_pre_hooks
+
+    def boom(_):
+        raise RuntimeError("forward failed")
+
+    with pytest.raises(RuntimeError):
+        observe_input_ranges({"a": a}, boom, [[0]])
+    assert not a._forward_pre_hooks
+
+
+def test_calibration_chunks_cut_at_the_budget():
+    assert calibration_chunks(list(range(10)), 7, 3) == [[0, 1, 2], [3, 4, 5], [6]]
+    assert calibration_chunks(list(range(4)), 100, 3) == [[0, 1, 2], [3]]
+
+
+def test_a_pipeline_calibrates_before_quantizing(cpu_config, tiny_model, tmp_path):
+    text = tmp_path / "calib.txt"
+    text.write_text("The river runs past the old mill, and the baker opens her shop at dawn. " * 8)
+    llm = LLM(cpu_config(tiny_model("llama"), quant={"name": "w8a8", "options": {
+        "smoothquant_alpha": 0.5, "calibration_text": str(text), "calibration_tokens": 64}}))
+    layer = llm.pipeline.model.model.layers[0]
+    assert isinstance(layer.mlp.down_proj, W8A8Linear) and layer.mlp.down_proj.inv_smooth is not None
+    assert llm.pipeline.runner.model is llm.pipeline.model
+    assert not any(m._forward_pre_hooks for m in llm.pipeline.model.modules())
+    plain = LLM(cpu_config(tiny_model("llama"), quant={"name": "w8a8"}))
+    assert plain.pipeline.model.model.layers[0].mlp.down_proj.inv_smooth is None
+    assert len(llm.generate([[5, 6, 7, 8]], {"max_tokens": 4, "ignore_eos": True})[0].token_ids) == 4
+
+
+def test_smoothing_without_calibration_or_text_is_a_clear_error(tmp_path):
+    quantizer = W8A8Quantizer(W8A8Options(smoothquant_alpha=0.5), torch.device("cpu"), torch.float32)
+    with pytest.raises(ConfigError, match="needs calibrate"):
+        quantizer.apply(nn.Sequential(nn.Linear(4, 4)))
+    with pytest.raises(ValueError, match="is not a file; give a UTF-8 text file or null"):
+        W8A8Options(smoothquant_alpha=0.5, calibration_text=str(tmp_path / "missing.txt"))
+    with pytest.raises(ValueError):
+        W8A8Options(smoothquant_alpha=1.5)
+
+
+def test_an_unreadable_calibration_text_is_one_line(cpu_config, tiny_model, tmp_path):
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\xe9 ".encode("latin-1") * 40)
+    with pytest.raises(ConfigError, match="cannot be read as UTF-8 text"):
+        LLM(cpu_config(tiny_model("llama"), quant={"name": "w8a8", "options": {
+            "smoothquant_alpha": 0.5, "calibration_text": str(bad)}}))
