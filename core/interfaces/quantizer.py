@@ -28,10 +28,11 @@ class Quantizer(Plugin):
     """Transforms a loaded model once, before the first forward.
 
     Contract: ``calibrate(model, ctx)``, if the plugin overrides it, observes the float model
-    first (a calibration text run through it); then ``apply(model)`` returns the model to run, typically with ``nn.Linear`` layers
-    swapped for quantized ones (gpt-fast style: walk the children, replace, keep names). It
-    must leave the forward signature unchanged; it may keep a float copy of nothing it
-    replaces. Quantized KV storage is a cache plugin's job, not a quantizer's.
+    first (a calibration text run through it); then ``apply(model)`` returns the model to
+    run, typically with ``nn.Linear`` layers swapped for quantized ones (gpt-fast style: walk
+    the children, replace, keep names). It must leave the forward signature unchanged; it
+    may keep a float copy of nothing it replaces. Quantized KV storage is a cache plugin's
+    job, not a quantizer's.
 
     ``max_relative_error`` is the forward error the quantizer promises: over a batch of
     prompts, ||logits_quantized - logits_float|| / ||logits_float|| (Frobenius norms over

@@ -17,13 +17,13 @@ def add_parser(sub: Any, add_config_args: Callable[[argparse.ArgumentParser], No
     p.add_argument("--text", metavar="FILE|NAME", default=None,
                    help="a UTF-8 file, or a bundled text: the-tempest (default), paradise-lost")
     p.add_argument("--window", type=int, default=None, help="tokens per scored window (default min(max_model_len, 1024))")
-    p.add_argument("--stride", type=int, default=None, help="tokens between window starts (default window/2)")
+    p.add_argument("--stride", type=int, default=None, help="new tokens each window after the first scores, the rest of it their context (default window/2)")
     p.add_argument("--max-tokens", type=int, default=None, help="score only the text's first N tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object (key 'perplexity' and the settings)")
 
     k = kinds.add_parser("passkey", help="passkey retrieval accuracy at a context length")
     add_config_args(k)
-    k.add_argument("--context", type=int, default=1024, help="prompt length in tokens (default 1024)")
+    k.add_argument("--context", type=int, default=1024, help="prompt tokens, at most (default 1024; 128 up to max_model_len - 8)")
     k.add_argument("--trials", type=int, default=10, help="prompts, the key's depth spread from start to end (default 10)")
     k.add_argument("--seed", type=int, default=0, help="seed of the keys (default 0)")
     k.add_argument("--json", action="store_true", help="print one JSON object (key 'accuracy' and every trial)")
