@@ -64,6 +64,19 @@ class KVStorage(ABC):
         """K and V at ``slots`` (any shape S, int64): [*S, num_kv_heads, head_dim] each, in the
         compute dtype (dequantized if stored quantized)."""
 
+    @property
+    def bytes_per_slot(self) -> int | None:
+        """Bytes one slot (one token's K and V, all KV heads, scales included) takes in this
+        layer, or None if the storage does not say; ``tessellm bench`` reports it."""
+        return None
+
+    def stored_value(self, x: torch.Tensor) -> torch.Tensor:
+        """What ``gather`` reads back for K or V ``x`` [..., num_kv_heads, head_dim] after
+        ``store``: x in the storage dtype, or its quantize-dequantize round trip for quantized
+        storage (a function of x alone: quantization scales belong to one token). The cache
+        conformance suite expects exactly this."""
+        return x.to(self.layout.dtype)
+
     def kv_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V as [num_slots, num_kv_heads, head_dim] tensors that kernels read and write
         in place (see the class contract)."""
@@ -108,6 +121,10 @@ class DenseKVStorage(KVStorage):
 
     def kv_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k, self.v
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return 2 * self.k[0].numel() * self.k.element_size()
 
     def blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K, V viewed as [num_blocks, block_size, num_kv_heads, head_dim]."""

@@ -1,5 +1,5 @@
 """The cache conformance suite on every built-in cache: contiguous, and paged with and
-without prefix caching."""
+without prefix caching, and with int8 K/V."""
 
 from __future__ import annotations
 
@@ -19,3 +19,8 @@ class TestPaged(CacheConformance):
 class TestPagedWithoutPrefixCaching(CacheConformance):
     plugin = "paged"
     options = {"block_size": 4, "num_blocks": 96, "prefix_caching": False}
+
+
+class TestPagedInt8(CacheConformance):
+    plugin = "paged"
+    options = {"block_size": 4, "num_blocks": 96, "kv_dtype": "int8"}

@@ -13,6 +13,8 @@ space, least recently released first (block_pool.py).
 from __future__ import annotations
 
 import torch
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from tessellm.core.interfaces.cache import CacheManager, CacheSpec, PrefixCacheStats
@@ -20,6 +22,7 @@ from tessellm.core.interfaces.kv import DenseKVStorage, KVLayout, KVStorage
 from tessellm.core.interfaces.sequence import Sequence
 from tessellm.core.plugin import PluginOptions, SelectionContext
 from tessellm.plugins.cache.paged.block_pool import BlockPool
+from tessellm.plugins.cache.paged.int8_kv import Int8KVStorage, bytes_per_token_head
 from tessellm.plugins.cache.paged.prefix_cache import PrefixCache
 
 
@@ -37,6 +40,10 @@ class PagedOptions(PluginOptions):
     """On CPU: bytes the cache takes (allocated lazily by the OS as blocks are written)."""
     prefix_caching: bool = True
     """Reuse full blocks across requests whose prompts share a prefix (same cache_salt)."""
+    kv_dtype: Literal["auto", "int8"] = "auto"
+    """auto: K/V in the compute dtype; int8: int8 values with a float16 scale per token and
+    KV head (int8_kv.py), about half the bytes of bfloat16; read by backends that read
+    through ``KVStorage.gather`` (sdpa, cascade)."""
 
     @model_validator(mode="after")
     def _power_of_two(self):
@@ -46,9 +53,15 @@ class PagedOptions(PluginOptions):
 
 
 def bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
-    """K and V bytes of one block across all layers (``model``: a ModelSpec or CacheSpec)."""
+    """K and V bytes of one block across all layers (``model``: a ModelSpec or CacheSpec) in
+    storage dtype ``dtype`` (torch.int8: values and their scales)."""
     m = model
-    return 2 * block_size * m.num_layers * m.num_kv_heads * m.head_dim * dtype.itemsize
+    per_head = bytes_per_token_head(m.head_dim) if dtype == torch.int8 else m.head_dim * dtype.itemsize
+    return 2 * block_size * m.num_layers * m.num_kv_heads * per_head
+
+
+def storage_dtype(options: PagedOptions, compute_dtype: torch.dtype) -> torch.dtype:
+    return torch.int8 if options.kv_dtype == "int8" else compute_dtype
 
 
 def _budget_blocks(options: PagedOptions, model, device: torch.device, dtype: torch.dtype) -> int:
@@ -60,7 +73,7 @@ def _budget_blocks(options: PagedOptions, model, device: torch.device, dtype: to
     else:
         budget = options.cpu_memory_bytes
     # one block of the budget is the scratch block (see PagedCache.scratch_block)
-    return budget // bytes_per_block(model, options.block_size, dtype) - 1
+    return budget // bytes_per_block(model, options.block_size, storage_dtype(options, dtype)) - 1
 
 
 class PagedCache(CacheManager):
@@ -79,7 +92,7 @@ class PagedCache(CacheManager):
 
     @classmethod
     def kv_layout(cls, options: PagedOptions, ctx: SelectionContext) -> KVLayout:
-        return KVLayout("kv", options.block_size, ctx.dtype)
+        return KVLayout("kv", options.block_size, storage_dtype(options, ctx.dtype))
 
     @classmethod
     def unsupported_reasons(cls, ctx: SelectionContext) -> list[str]:
@@ -90,7 +103,7 @@ class PagedCache(CacheManager):
             reasons.append(f"stores K/V in a floating-point compute dtype, not {ctx.dtype}")
         blocks = _budget_blocks(ctx.options, ctx.model, ctx.device, ctx.dtype)
         if blocks < 1:
-            per = bytes_per_block(ctx.model, ctx.options.block_size, ctx.dtype)
+            per = bytes_per_block(ctx.model, ctx.options.block_size, storage_dtype(ctx.options, ctx.dtype))
             reasons.append(f"the memory budget holds no block ({per} bytes each); raise cpu_memory_bytes "
                            f"or gpu_memory_fraction, or set num_blocks")
         return reasons
@@ -100,8 +113,13 @@ class PagedCache(CacheManager):
         num_blocks = _budget_blocks(options, spec, spec.device, spec.dtype)
         self.pool = BlockPool(num_blocks)
         slots = (num_blocks + 1) * layout.block_size  # + the scratch block, never handed out
-        self._layers = [DenseKVStorage(layout, slots, spec.num_kv_heads, spec.head_dim, spec.device)
-                        for _ in range(spec.num_layers)]
+        if layout.dtype == torch.int8:
+            self._layers: list[KVStorage] = [
+                Int8KVStorage(layout, slots, spec.num_kv_heads, spec.head_dim, spec.device, spec.dtype)
+                for _ in range(spec.num_layers)]
+        else:
+            self._layers = [DenseKVStorage(layout, slots, spec.num_kv_heads, spec.head_dim, spec.device)
+                            for _ in range(spec.num_layers)]
         self.prefix = PrefixCache(self.pool, layout.block_size, options.prefix_caching)
         self._tables: dict[int, list[int]] = {}  # seq_id -> blocks
         self._computed: dict[int, int] = {}  # seq_id -> tokens with valid KV (commit)

@@ -31,11 +31,11 @@ def slots(cache: CacheManager, seq: Sequence, start: int, end: int) -> torch.Ten
 def write(cache: CacheManager, seq: Sequence, start: int, end: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Store random K/V for tokens [start, end) of ``seq`` in layer 0; return what was stored."""
     g = torch.Generator().manual_seed(seed)
-    dtype = cache.layer(0).layout.dtype
-    k = torch.randn(end - start, HEADS, HEAD_DIM, generator=g).to(dtype)
-    v = torch.randn(end - start, HEADS, HEAD_DIM, generator=g).to(dtype)
-    cache.layer(0).store(k, v, slots(cache, seq, start, end))
-    return k, v
+    storage = cache.layer(0)
+    k = torch.randn(end - start, HEADS, HEAD_DIM, generator=g)
+    v = torch.randn(end - start, HEADS, HEAD_DIM, generator=g)
+    storage.store(k, v, slots(cache, seq, start, end))
+    return storage.stored_value(k), storage.stored_value(v)
 
 
 def read(cache: CacheManager, seq: Sequence, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,8 +82,8 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache.reserve(seq, end)
         if end > start:
             kv = [token_kv(seq.cache_salt, tuple(seq.token_ids[:p + 1])) for p in range(start, end)]
-            k = torch.stack([a for a, _ in kv]).to(self.cache.layer(0).layout.dtype)
-            v = torch.stack([b for _, b in kv]).to(self.cache.layer(0).layout.dtype)
+            k = torch.stack([a for a, _ in kv])
+            v = torch.stack([b for _, b in kv])
             self.cache.layer(0).store(k, v, slots(self.cache, seq, start, end))
         seq.num_computed_tokens = end
         self.cache.commit(seq)
@@ -160,9 +160,9 @@ class CacheMachine(RuleBasedStateMachine):
             n = seq.num_computed_tokens
             k, v = read(self.cache, seq, n)
             kv = [token_kv(seq.cache_salt, tuple(seq.token_ids[:p + 1])) for p in range(n)]
-            dtype = self.cache.layer(0).layout.dtype
-            expected_k = torch.stack([a for a, _ in kv]).to(dtype) if kv else k
-            expected_v = torch.stack([b for _, b in kv]).to(dtype) if kv else v
+            storage = self.cache.layer(0)
+            expected_k = storage.stored_value(torch.stack([a for a, _ in kv])) if kv else k
+            expected_v = storage.stored_value(torch.stack([b for _, b in kv])) if kv else v
             bad = [p for p in range(n) if not (torch.equal(k[p], expected_k[p]) and torch.equal(v[p], expected_v[p]))]
             assert not bad, (f"{self.suite.label()}: sequence {seq.seq_id} (salt {seq.cache_salt!r}, {n} computed "
                              f"tokens) reads other K/V than it wrote at positions {bad[:8]}: a write reached it "
@@ -181,7 +181,9 @@ class CacheConformance(ConformanceSuite):
     plugin named by ``plugin`` (or ``plugin_class``) with ``options``, a float32 CPU cache of
     one layer:
 
-    - K/V stored through a layer's storage read back bit-exact through ``gather``;
+    - K/V stored through a layer's storage read back bit-exact through ``gather`` (as
+      ``KVStorage.stored_value`` says: the storage dtype, or the quantize-dequantize round
+      trip of quantized storage);
     - free gives everything back: after any mix of reserves, commits, forks, truncates and
       frees (aborts), the free blocks return to their number at the start, and while
       sequences live their block tables share no block unless a fork or a prefix match made
