@@ -44,6 +44,9 @@ class TessellmLM(TemplateLM):
     def __init__(self, config: str | None = None, set: str | None = None, max_length: int | None = None,
                  llm: LLM | None = None, **ignored: Any):
         super().__init__()
+        unknown = sorted(k for k, v in ignored.items() if v is not None and k not in HARNESS_ARGS)
+        if unknown:  # before a model loads
+            raise ConfigError(f"tessellm model_args take config, set and max_length; unknown: {', '.join(unknown)}")
         overrides = [s.strip() for s in (set or "").split(";") if s.strip()]
         self.llm = llm or LLM(config, overrides=overrides)
         self.tokenizer = self.llm.tokenizer
@@ -51,9 +54,6 @@ class TessellmLM(TemplateLM):
         if max_length is not None and not 2 <= int(max_length) <= limit:
             raise ConfigError(f"tessellm model_args max_length must be in 2..{limit} (max_model_len), got {max_length}")
         self._max_length = int(max_length or limit)
-        unknown = sorted(k for k, v in ignored.items() if v is not None and k not in HARNESS_ARGS)
-        if unknown:
-            raise ConfigError(f"tessellm model_args take config, set and max_length; unknown: {', '.join(unknown)}")
 
     # ---------------------------------------------------------------- tokens
 
