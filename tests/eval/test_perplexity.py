@@ -66,6 +66,8 @@ def test_bad_windows_are_config_errors(tiny_llm):
     limit = tiny_llm.engine.max_model_len
     for kwargs, message in [({"window": limit + 1}, f"--window must be in 2..{limit}"),
                             ({"window": 8, "stride": 9}, "--stride must be in 1..8"),
+                            ({"window": 0}, f"--window must be in 2..{limit}"),
+                            ({"window": 8, "stride": 0}, "--stride must be in 1..8"),
                             ({"max_tokens": 1}, "--max-tokens must be at least 2")]:
         with pytest.raises(ConfigError, match=message):
             perplexity(tiny_llm, "a few words of text", **kwargs)

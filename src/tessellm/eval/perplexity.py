@@ -69,8 +69,8 @@ def perplexity(llm: LLM, text: str, *, window: int | None = None, stride: int | 
     (max_model_len, at most 1024) and ``stride`` to half the window; ``max_tokens`` scores only
     the text's first tokens."""
     limit = llm.engine.max_model_len
-    window = window or min(limit, 1024)
-    stride = stride or max(window // 2, 1)
+    window = min(limit, 1024) if window is None else window
+    stride = max(window // 2, 1) if stride is None else stride
     if not 2 <= window <= limit:
         raise ConfigError(f"--window must be in 2..{limit} (the pipeline's max_model_len), got {window}")
     if not 1 <= stride <= window:
