@@ -138,6 +138,18 @@ def cpu_config():
 
 
 @pytest.fixture
+def authors_plugins(request, monkeypatch):
+    """The calling test module's hookimpls, registered as a third-party package
+    ('authors-package') in a registry that pipelines built during the test use."""
+    from tessellm.core.registry import PluginRegistry
+
+    registry = PluginRegistry()
+    registry.add_module(request.module, package="authors-package")
+    monkeypatch.setattr("tessellm.core.registry._default", registry)
+    return registry
+
+
+@pytest.fixture
 def install_plugin_folder(tmp_path, monkeypatch):
     """Factory: ``install_plugin_folder(folder)`` installs a plugin package folder (one with a
     pyproject.toml, as examples/tessellm-plugin-example) as a real distribution: a dist-info

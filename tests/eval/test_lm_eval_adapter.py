@@ -98,6 +98,8 @@ def test_generate_until_stops_and_cuts_context_from_the_left(lm, tiny_llm):
 def test_bad_model_args_are_one_line_config_errors(tiny_llm):
     with pytest.raises(ConfigError, match="take config, set and max_length; unknown: pretrained"):
         TessellmLM(llm=tiny_llm, pretrained="gpt2")
+    with pytest.raises(ConfigError, match="max_length must be a whole number of tokens, got 'long'"):
+        TessellmLM(llm=tiny_llm, max_length="long")
     with pytest.raises(ConfigError, match="max_length must be in 2.."):
         TessellmLM(llm=tiny_llm, max_length=10 ** 6)
     TessellmLM(llm=tiny_llm, batch_size=8, device="cpu", max_batch_size=None)  # the harness's own: accepted

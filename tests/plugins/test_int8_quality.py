@@ -1,8 +1,7 @@
-"""Quality bounds of the int8 variants on the real SmolLM2-135M against float32 (issue 20):
-perplexity on the first 1,024 tokens of both bundled texts, windows of 512 with stride 256.
-int8-weight and the int8 KV cache stay within +1%, w8a8 with SmoothQuant within +3%; on
-these cases they measure about +0.6%, +0.2 to +0.4% and +0.1 to +1.3% (docs/benchmarks.md
-has the whole texts)."""
+"""Quality bounds of the int8 variants on the real SmolLM2-135M against float32: perplexity
+on the first 1,024 tokens of both bundled texts, windows of 512 with stride 256. int8-weight
+and the int8 KV cache stay within +1%, w8a8 with SmoothQuant within +3% (docs/benchmarks.md
+has the measured figures, on these cases and on the whole texts)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""``Int8WeightLinear``: a linear layer holding int8 weights and their scales."""
+"""Linear layers holding int8 weights and their scales: the shared ``Int8Linear`` and
+`int8-weight`'s ``Int8WeightLinear``."""
 
 from __future__ import annotations
 
@@ -9,7 +10,32 @@ from tessellm.plugins.quant.int8.cpu import int8_weight_matmul, tiled_matmul
 from tessellm.plugins.quant.int8.quantize import quantize_per_channel
 
 
-class Int8WeightLinear(nn.Module):
+class Int8Linear(nn.Module):
+    """``nn.Linear``'s interface over int8 weights quantized once from ``weight`` (default: the
+    linear's own) with ``group_size``; the float weight is not kept. ``forward`` flattens the
+    input to rows, calls the subclass's ``matmul(rows)`` (x @ dequantized weight.T, in x's
+    dtype), adds the bias and restores the leading shape."""
+
+    def __init__(self, linear: nn.Linear, group_size: int | None = None, weight: torch.Tensor | None = None):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.group_size = group_size
+        q, scale = quantize_per_channel(linear.weight if weight is None else weight, group_size)
+        self.register_buffer("weight_int8", q.to(linear.weight.device))
+        self.register_buffer("scale", scale.to(linear.weight.device))
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.matmul(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            out = out + self.bias.to(out.dtype)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class Int8WeightLinear(Int8Linear):
     """``nn.Linear``'s forward over int8 weights: y = x @ (q * scale).T + bias, in x's dtype.
 
     The weight is quantized once, at construction (symmetric, per output channel or per group
@@ -21,29 +47,18 @@ class Int8WeightLinear(nn.Module):
     """
 
     def __init__(self, linear: nn.Linear, group_size: int | None, small_batch_rows: int, compile: bool):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.group_size = group_size
+        super().__init__(linear, group_size)
         self.small_batch_rows = small_batch_rows
         self.compile = compile
-        q, scale = quantize_per_channel(linear.weight, group_size)
-        self.register_buffer("weight_int8", q.to(linear.weight.device))
-        self.register_buffer("scale", scale.to(linear.weight.device))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if rows.device.type == "cuda":
             from tessellm.plugins.quant.int8.triton_matmul import triton_int8_weight_matmul
 
-            out = triton_int8_weight_matmul(rows, self.weight_int8, self.scale)
-        elif rows.device.type == "cpu" and self.compile and rows.shape[0] <= self.small_batch_rows:
-            out = int8_weight_matmul(rows, self.weight_int8, self.scale)
-        else:
-            out = tiled_matmul(rows, self.weight_int8, self.scale)
-        if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
-        return out.view(*x.shape[:-1], self.out_features)
+            return triton_int8_weight_matmul(rows, self.weight_int8, self.scale)
+        if rows.device.type == "cpu" and self.compile and rows.shape[0] <= self.small_batch_rows:
+            return int8_weight_matmul(rows, self.weight_int8, self.scale)
+        return tiled_matmul(rows, self.weight_int8, self.scale)
 
     def extra_repr(self) -> str:
         group = "per channel" if self.group_size is None else f"group_size={self.group_size}"

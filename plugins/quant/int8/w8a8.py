@@ -12,7 +12,7 @@ largest input per channel, and ``apply`` smooths every linear with SmoothQuant's
 before quantizing it (smooth.py).
 
 Which path runs, by measurement (bench/int8_linear.py, docs/benchmarks.md): on the CPU
-``torch._int_mm`` at every batch size (it beat float32 from 1 to 256 rows); on CUDA
+``torch._int_mm`` at every batch size (faster than float32 at every size measured); on CUDA
 ``torch._int_mm`` needs more than 16 rows and both feature counts multiples of 8, so
 decode-sized steps (16 rows or fewer), and every step of a linear whose shape it cannot take
 (logged once at load), take `int8-weight`'s Triton kernel with activations in the model
@@ -33,7 +33,8 @@ import tessellm
 from tessellm.core.errors import ConfigError
 from tessellm.core.interfaces.quantizer import CalibrationContext, Quantizer
 from tessellm.core.plugin import PluginOptions
-from tessellm.plugins.quant.int8.quantize import quantize_per_channel, replace_linears
+from tessellm.plugins.quant.int8.linear import Int8Linear
+from tessellm.plugins.quant.int8.quantize import replace_linears
 from tessellm.plugins.quant.int8.smooth import (DEFAULT_CALIBRATION_TEXT, calibration_chunks, observe_input_ranges,
                                                 smoothing_scales)
 
@@ -63,40 +64,30 @@ def reference_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tor
     return (xq.double() * x_scale.double()) @ (q.double() * scale.double()[:, None]).T
 
 
-class W8A8Linear(nn.Module):
+class W8A8Linear(Int8Linear):
     """``nn.Linear``'s forward with int8 weights (per output channel) and activations
     quantized per token at each call; the float weight is not kept. With ``smooth`` (s, one
     factor per input channel) it holds the int8 of ``W * s`` and divides its input by s
     before quantizing it (SmoothQuant)."""
 
     def __init__(self, linear: nn.Linear, smooth: torch.Tensor | None = None):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight if smooth is None else linear.weight * smooth.to(linear.weight)[None, :]
+        weight = None if smooth is None else linear.weight * smooth.to(linear.weight)[None, :]
+        super().__init__(linear, None, weight)
         self.register_buffer("inv_smooth", None if smooth is None else (1.0 / smooth).to(linear.weight))
-        q, scale = quantize_per_channel(weight, None)
-        self.register_buffer("weight_int8", q.to(linear.weight.device))
-        self.register_buffer("scale", scale.to(linear.weight.device))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
         self.int_mm_shape = self.in_features % 8 == 0 and self.out_features % 8 == 0
-        if not self.int_mm_shape and q.device.type == "cuda":
+        if not self.int_mm_shape and self.weight_int8.device.type == "cuda":
             logger.warning("w8a8: a %dx%d linear is not a multiple of 8 as torch._int_mm on CUDA needs; "
                            "it runs int8 weights x %s activations (the Triton kernel)",
                            self.out_features, self.in_features, linear.weight.dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, self.in_features)
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self.inv_smooth is not None:
             rows = rows * self.inv_smooth
         if rows.device.type == "cuda" and (rows.shape[0] < CUDA_MIN_ROWS or not self.int_mm_shape):
             from tessellm.plugins.quant.int8.triton_matmul import triton_int8_weight_matmul
 
-            out = triton_int8_weight_matmul(rows, self.weight_int8, self.scale)
-        else:
-            out = w8a8_matmul(rows, self.weight_int8, self.scale)
-        if self.bias is not None:
-            out = out + self.bias.to(out.dtype)
-        return out.view(*x.shape[:-1], self.out_features)
+            return triton_int8_weight_matmul(rows, self.weight_int8, self.scale)
+        return w8a8_matmul(rows, self.weight_int8, self.scale)
 
     def extra_repr(self) -> str:
         smoothed = ", smoothed" if self.inv_smooth is not None else ""

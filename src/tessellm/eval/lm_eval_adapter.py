@@ -47,6 +47,8 @@ class TessellmLM(TemplateLM):
         unknown = sorted(k for k, v in ignored.items() if v is not None and k not in HARNESS_ARGS)
         if unknown:  # before a model loads
             raise ConfigError(f"tessellm model_args take config, set and max_length; unknown: {', '.join(unknown)}")
+        if max_length is not None and (isinstance(max_length, bool) or not str(max_length).isdigit()):
+            raise ConfigError(f"tessellm model_args max_length must be a whole number of tokens, got {max_length!r}")
         overrides = [s.strip() for s in (set or "").split(";") if s.strip()]
         self.llm = llm or LLM(config, overrides=overrides)
         self.tokenizer = self.llm.tokenizer

@@ -10,7 +10,6 @@ from torch import nn
 
 import tessellm
 from tessellm import LLM
-from tessellm.core.registry import PluginRegistry
 
 EVENTS: list[tuple] = []
 
@@ -49,16 +48,12 @@ def register_quant(register):
     register(PlainQuantizer)
 
 
-@pytest.fixture
-def registry(monkeypatch):
-    registry = PluginRegistry()
-    registry.add_module(__import__(__name__, fromlist=["_"]), package="authors-package")
-    monkeypatch.setattr("tessellm.core.registry._default", registry)
+@pytest.fixture(autouse=True)
+def _fresh_events():
     EVENTS.clear()
-    return registry
 
 
-def test_calibrate_runs_the_float_model_before_apply(registry, cpu_config, tiny_model):
+def test_calibrate_runs_the_float_model_before_apply(authors_plugins, cpu_config, tiny_model):
     llm = LLM(cpu_config(tiny_model("llama"), quant={"name": "recording"}))
     (kind, shape, inference, max_tokens, linears), applied = EVENTS
     assert kind == "calibrate" and applied == ("apply",)
@@ -68,6 +63,6 @@ def test_calibrate_runs_the_float_model_before_apply(registry, cpu_config, tiny_
     assert llm.generate([[5, 6, 7]], {"max_tokens": 2, "ignore_eos": True})[0].token_ids
 
 
-def test_a_quantizer_without_calibrate_is_applied_at_load(registry, cpu_config, tiny_model):
+def test_a_quantizer_without_calibrate_is_applied_at_load(authors_plugins, cpu_config, tiny_model):
     LLM(cpu_config(tiny_model("llama"), quant={"name": "plain"}))
     assert EVENTS == [("plain apply",)]

@@ -12,7 +12,6 @@ from pydantic import Field
 import tessellm
 from tessellm import LLM
 from tessellm.core.errors import InvalidRequestError
-from tessellm.core.registry import PluginRegistry
 
 
 class AvoidArgs(tessellm.PluginOptions):
@@ -43,10 +42,7 @@ def register_decoding(register):
 
 
 @pytest.fixture
-def llms(monkeypatch, cpu_config, tiny_model):
-    registry = PluginRegistry()
-    registry.add_module(__import__(__name__, fromlist=["_"]), package="authors-package")
-    monkeypatch.setattr("tessellm.core.registry._default", registry)
+def llms(authors_plugins, cpu_config, tiny_model):
     folder = tiny_model("llama")
     return (LLM(cpu_config(folder, decoding={"name": "avoiding"})),
             LLM(cpu_config(folder, decoding={"name": "sample"})))

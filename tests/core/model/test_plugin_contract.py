@@ -11,7 +11,6 @@ from tessellm import LLM
 from tessellm.cli import main
 from tessellm.core.errors import PluginCallError
 from tessellm.core.model.llama import Attention
-from tessellm.core.registry import PluginRegistry
 from tessellm.plugins.attention.sdpa import SdpaAttention
 
 
@@ -45,21 +44,13 @@ def register_attention(register):
         register(cls)
 
 
-@pytest.fixture
-def registry(monkeypatch):
-    registry = PluginRegistry()
-    registry.add_module(__import__(__name__, fromlist=["_"]), package="authors-package")
-    monkeypatch.setattr("tessellm.core.registry._default", registry)
-    return registry
-
-
 @pytest.mark.parametrize("name, expected", [
     ("contract-raises", "forward raised ValueError: the author's bug"),
     ("contract-shape", "forward returned (4, 1, 16) torch.float32; the contract is q's shape and dtype, "
                        "(4, 4, 16) torch.float32"),
     ("contract-dtype", "forward returned (4, 4, 16) torch.float64"),
 ])
-def test_a_broken_forward_is_named_in_one_line(registry, tiny_model, cpu_config, capsys, name, expected):
+def test_a_broken_forward_is_named_in_one_line(authors_plugins, tiny_model, cpu_config, capsys, name, expected):
     config = cpu_config(tiny_model("llama"), attention={"name": name})
     with pytest.raises(PluginCallError) as info:
         LLM(config).generate([[5, 6, 7, 8]], {"max_tokens": 2})
