@@ -34,13 +34,22 @@ from tessellm.testing.triton_variants import compile_launch, recorded_launches, 
 SMEM_LIMIT = 227 * 1024  # H100: shared memory a block can opt into
 
 
-def prefill_launches(head_dim: int, shapes: list[tuple[int, int, int, int]], packed: bool):
+def int8_scales(slots: int, heads: int, int8: bool) -> dict:
+    """The scale arguments of an int8 cache (empty for a bf16 one)."""
+    if not int8:
+        return {}
+    return {"k_scale": torch.zeros(slots, heads, 1, dtype=torch.float16),
+            "v_scale": torch.zeros(slots, heads, 1, dtype=torch.float16)}
+
+
+def prefill_launches(head_dim: int, shapes: list[tuple[int, int, int, int]], packed: bool, int8: bool = False):
     """One prefill launch per shape: bf16, MHA 2048 wide, one 4k sequence, K/V as views of a
-    stacked q/k/v projection (as the engine hands them over)."""
+    stacked q/k/v projection (as the engine hands them over); ``int8``: over an int8 cache."""
     heads, n, dt = 2048 // head_dim, 4096, torch.bfloat16
     qkv = torch.zeros(n, 3 * heads * head_dim, dtype=dt)
     q, k, v = (qkv[:, i * heads * head_dim:(i + 1) * heads * head_dim].view(n, heads, head_dim) for i in range(3))
-    cache_k, cache_v = torch.zeros(n, heads, head_dim, dtype=dt), torch.zeros(n, heads, head_dim, dtype=dt)
+    cache_dt = torch.int8 if int8 else dt
+    cache_k, cache_v = torch.zeros(n, heads, head_dim, dtype=cache_dt), torch.zeros(n, heads, head_dim, dtype=cache_dt)
     tables = torch.arange(n // 16, dtype=torch.int32).view(1, -1)
     starts, lens = torch.zeros(1, dtype=torch.int32), torch.full((1,), n, dtype=torch.int32)
     out = torch.empty(n, heads, head_dim, dtype=dt)
@@ -48,22 +57,32 @@ def prefill_launches(head_dim: int, shapes: list[tuple[int, int, int, int]], pac
         for bm, bn, warps, stages in shapes:
             prefill.paged_flash_attention(q.contiguous(), cache_k, cache_v, out, tables, starts, lens, lens, n,
                                      head_dim ** -0.5, 16, config=common.KernelConfig(bm, bn, warps, stages),
-                                     k_new=k if packed else None, v_new=v if packed else None)
+                                     k_new=k if packed else None, v_new=v if packed else None,
+                                     **int8_scales(n, heads, int8))
     return launches
 
 
-def decode_launches():
-    """The split-K decode, single split (direct) and split with its merge, Llama-3.2-1B's shape."""
+def decode_launches(int8: bool = False):
+    """The split-K decode, single split (direct) and split with its merge, Llama-3.2-1B's shape;
+    ``int8``: over an int8 cache."""
     hq, hkv, d, dt = 32, 8, 64, torch.bfloat16
     q = torch.zeros(64, hq, d, dtype=dt)
-    cache_k, cache_v = torch.zeros(64 * 1024, hkv, d, dtype=dt), torch.zeros(64 * 1024, hkv, d, dtype=dt)
+    cache_dt = torch.int8 if int8 else dt
+    cache_k, cache_v = (torch.zeros(64 * 1024, hkv, d, dtype=cache_dt) for _ in range(2))
     tables = torch.arange(64 * 1024 // 16, dtype=torch.int32).view(64, -1)
     rows, lens = torch.arange(64, dtype=torch.int32), torch.full((64,), 1024, dtype=torch.int32)
     out = torch.empty_like(q)
     with recorded_launches() as launches:
         for splits in (1, 4):
             decode.paged_decode_attention(q, cache_k, cache_v, out, rows, tables, lens, 1024, d ** -0.5, 16,
-                                      num_splits=splits, config=decode.decode_config(d, torch.device("cuda")))
+                                      num_splits=splits, config=decode.decode_config(d, torch.device("cuda")),
+                                      **int8_scales(64 * 1024, hkv, int8))
+        # QUEST's sparse decode: per-KV-head tables of chosen blocks and per-head lengths
+        per_head_tables = tables[:, None, :8].expand(64, hkv, 8).contiguous()
+        per_head_lens = torch.full((64, hkv), 8 * 16, dtype=torch.int32)
+        decode.paged_decode_attention(q, cache_k, cache_v, out, rows, per_head_tables, per_head_lens, 128, d ** -0.5, 16,
+                                      num_splits=4, config=decode.decode_config(d, torch.device("cuda")),
+                                      **int8_scales(64 * 1024, hkv, int8))
     return launches
 
 
@@ -77,12 +96,14 @@ def fused_launches():
         q, k, v = qk.split([32, 8, 8], dim=1)  # Llama-3.2-1B's heads, views of one QKV output
         cache = torch.zeros(4096, 8, 64, dtype=torch.bfloat16)
         rope_store.rope_store(q, k, v, cos, sin, cache, cache.clone(), torch.arange(256))
+        int8 = torch.zeros(4096, 8, 64, dtype=torch.int8)
+        rope_store.rope_store(q, k, v, cos, sin, int8, int8.clone(), torch.arange(256), **int8_scales(4096, 8, True))
         fused_ops.silu_mul_packed(torch.zeros(256, 2 * 8192, dtype=torch.bfloat16))
     return launches
 
 
 def describe(kernel, kwargs) -> str:
-    keys = ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "PACKED", "DIRECT")
+    keys = ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "PACKED", "DIRECT", "QUANT")
     return kernel.fn.__name__ + " " + " ".join(f"{k}={kwargs[k]}" for k in keys if k in kwargs)
 
 
@@ -100,7 +121,8 @@ def main() -> int:
         shapes = [(bm, bn, w, st) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
         head_dims = args.head_dims
     launches = [launch for d in head_dims for packed in (False, True) for launch in prefill_launches(d, shapes, packed)]
-    launches += decode_launches() + fused_launches()
+    launches += [launch for d in head_dims for launch in prefill_launches(d, shapes, False, int8=True)]
+    launches += decode_launches() + decode_launches(int8=True) + fused_launches()
     rows, failed = [], 0
     for kernel, largs, kwargs in launches:
         row = {"launch": describe(kernel, kwargs)}

@@ -16,6 +16,10 @@ What it measures (on CUDA, bf16)
   copy bandwidth measured in the same run (bytes read + written by a 1 GiB device copy).
   Timed as CUDA-graph replays (``*_gbps``, how the engine runs decode steps) and as eager
   launches (``*_eager_gbps``, where small points measure the host's launch overhead).
+- **int8 K/V decode**: the same decode kernel over the `paged` cache's ``kv_dtype: int8``
+  storage (int8 values and a float16 scale per token and head, dequantized in the kernel):
+  GB/s of the int8 bytes read, microseconds per call and ``int8_speedup`` (bf16 time / int8
+  time) at every decode point.
 - **Correctness** at every point: max |flash - SDPA-math in float32| next to SDPA-flash's own.
 
 How to run
@@ -49,6 +53,7 @@ import torch.nn.functional as F
 from tessellm.plugins.attention.flash.common import KernelConfig
 from tessellm.plugins.attention.flash.decode import default_num_splits, paged_decode_attention
 from tessellm.plugins.attention.flash.prefill import paged_flash_attention
+from tessellm.plugins.cache.paged.int8_kv import quantize_heads
 
 
 def timed(fn, device: torch.device, reps: int, warmup_ms: int = 25) -> float:
@@ -149,23 +154,36 @@ def decode_point(ctx: int, batch: int, device, dtype, reps: int, smoke: bool,
     q = torch.randn(batch, hq, d, device=device, dtype=dtype)
     k, v = (torch.randn(batch, ctx, hkv, d, device=device, dtype=dtype) for _ in range(2))
     kc, vc, tables = paged(k, v, 16)
+    (kq, ks), (vq, vs) = quantize_heads(kc), quantize_heads(vc)  # the int8 cache (kv_dtype: int8)
     rows = torch.arange(batch, dtype=torch.int32, device=device)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
-    out = torch.empty_like(q)
+    out, out_int8 = torch.empty_like(q), torch.empty_like(q)
     scale = d ** -0.5
     nbytes = 2 * batch * ctx * hkv * d * k.element_size()
     qt, kt, vt = q[:, :, None], k.transpose(1, 2), v.transpose(1, 2)
     runs = {"tessellm_decode": lambda: paged_decode_attention(q, kc, vc, out, rows, tables, lens, ctx, scale, 16,
                                                               block_n=16 if smoke else None, config=config),
+            "tessellm_decode_int8": lambda: paged_decode_attention(
+                q, kq, vq, out_int8, rows, tables, lens, ctx, scale, 16, block_n=16 if smoke else None, config=config,
+                k_scale=ks, v_scale=vs),
             "sdpa": lambda: F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)}
-    point = {"context": ctx, "batch": batch, "kv_bytes": nbytes}
+    run_bytes = {"tessellm_decode_int8": 2 * batch * ctx * hkv * (d * kq.element_size() + ks.element_size())}
+    point = {"context": ctx, "batch": batch, "kv_bytes": nbytes, "kv_bytes_int8": run_bytes["tessellm_decode_int8"]}
     for name, fn in runs.items():
-        if (name == "tessellm_decode" or graph_sdpa) and not EAGER_ONLY:
-            point[f"{name}_gbps"] = round(nbytes / timed_graph(fn, device, reps) / 1e9, 1)
-        point[f"{name}_eager_gbps"] = round(nbytes / timed(fn, device, reps) / 1e9, 1)
+        if (name.startswith("tessellm_decode") or graph_sdpa) and not EAGER_ONLY:
+            seconds = timed_graph(fn, device, reps)
+            point[f"{name}_gbps"] = round(run_bytes.get(name, nbytes) / seconds / 1e9, 1)
+            point[f"{name}_us"] = round(seconds * 1e6, 2)
+        seconds = timed(fn, device, reps)
+        point[f"{name}_eager_gbps"] = round(run_bytes.get(name, nbytes) / seconds / 1e9, 1)
+        point[f"{name}_eager_us"] = round(seconds * 1e6, 2)
+    key = "_us" if not EAGER_ONLY else "_eager_us"
+    point["int8_speedup"] = round(point[f"tessellm_decode{key}"] / point[f"tessellm_decode_int8{key}"], 3)
     runs["tessellm_decode"]()
+    runs["tessellm_decode_int8"]()
     ref = F.scaled_dot_product_attention(qt.float(), kt.float(), vt.float(), enable_gqa=True)[:, :, 0]
     point["decode_max_err"] = float((out.float() - ref).abs().max())
+    point["decode_int8_max_err"] = float((out_int8.float() - ref).abs().max())  # includes the quantization error
     return point
 
 

@@ -59,6 +59,8 @@ class SelectionContext:
     - ``options``: this plugin's validated options.
     - ``max_model_len``: the resolved context length.
     - ``kv_layout``: the chosen cache's ``KVLayout``; None while quant and cache resolve.
+    - ``kv_extras``: the side data the configured attention backend needs the cache to keep
+      (its ``kv_extras``, e.g. "key_bounds"); a cache puts those it keeps into its layout.
     - ``chosen``: the plugins already selected for earlier kinds, kind -> (class, options);
       selection goes quant, cache, attention, scheduler, decoding.
     - ``auto``: whether the plugin is being considered because the config says ``auto``
@@ -71,13 +73,14 @@ class SelectionContext:
     def __init__(self, *, device: torch.device, dtype: torch.dtype, model: ModelSpec, options: PluginOptions,
                  max_model_len: int, kv_layout: KVLayout | None = None,
                  chosen: dict[str, tuple[type, PluginOptions]] | None = None, auto: bool = False,
-                 config: Any = None):
+                 config: Any = None, kv_extras: frozenset[str] = frozenset()):
         self.device = device
         self.dtype = dtype
         self.model = model
         self.options = options
         self.max_model_len = max_model_len
         self.kv_layout = kv_layout
+        self.kv_extras = frozenset(kv_extras)
         self.chosen = chosen if chosen is not None else {}
         self.auto = auto
         self._config = config

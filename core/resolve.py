@@ -5,7 +5,8 @@ reasons it cannot serve this pipeline. ``auto`` takes the first plugin in priori
 (``tessellm plugins`` shows it) with no reasons, given the choices for the other kinds; a
 plugin named explicitly that has reasons fails with them, never falling back to another.
 Kinds are chosen in the order quant, cache, attention, scheduler, decoding, so a later kind
-sees the earlier choices (an attention backend sees the cache's layout).
+sees the earlier choices (an attention backend sees the cache's layout); a named attention
+backend's ``kv_extras`` reach the cache first, so its layout can include them.
 """
 
 from __future__ import annotations
@@ -136,6 +137,14 @@ def resolve(config: PipelineConfig, registry: PluginRegistry, model: ModelSpec) 
     return resolved
 
 
+def _requested_extras(config: PipelineConfig, candidates: dict[str, list[PluginEntry]]) -> frozenset[str]:
+    """The cache side data a named attention backend asks for (``kv_extras``); none under
+    ``auto``, where every candidate must read a plain layout."""
+    if config.section("attention").name == "auto":
+        return frozenset()
+    return frozenset(getattr(candidates["attention"][0].cls, "kv_extras", frozenset()))
+
+
 def _choose(depth: int, resolved: ResolvedPipeline, candidates: dict[str, list[PluginEntry]],
             registry: PluginRegistry) -> None:
     if depth == len(ORDER):
@@ -153,7 +162,8 @@ def _choose(depth: int, resolved: ResolvedPipeline, candidates: dict[str, list[P
         ctx = SelectionContext(device=resolved.device, dtype=resolved.dtype, model=resolved.model, options=options,
                                max_model_len=resolved.max_model_len, kv_layout=resolved.kv_layout,
                                chosen={k: (c.cls, c.options) for k, c in resolved.choices.items()},
-                               auto=section.name == "auto", config=resolved.config)
+                               auto=section.name == "auto", config=resolved.config,
+                               kv_extras=_requested_extras(resolved.config, candidates))
         reasons = entry.cls.unsupported_reasons(ctx)
         if reasons:
             rejected.append(f"{entry.name}: {'; '.join(reasons)}")

@@ -20,7 +20,9 @@ class AttentionBackend(Plugin):
     Contract:
     - ``cache_formats`` / ``cache_dtypes`` name the ``KVLayout`` formats and storage dtypes
       it can read (checked by the default ``unsupported_reasons``); ``head_dims`` the head
-      sizes it supports (None: any).
+      sizes it supports (None: any); ``kv_extras`` the side data it needs the cache to keep
+      (plugin API 1.3; e.g. "key_bounds"): the pipeline asks the cache for them and declines
+      the backend over a layout without them.
     - ``plan(batch, cache)`` runs once per engine step and returns whatever per-step state
       every layer shares (gather indices, split-K partitions, page selections); it must not
       depend on layer weights.
@@ -40,13 +42,15 @@ class AttentionBackend(Plugin):
       prefill step and a one-token decode, that the runner must run at start-up on a GPU so
       every kernel variant the backend launches is built then, not inside a request's step.
     - A KV storage is read through ``gather`` or, for a kernel that reads it in place, its
-      ``kv_tensors()``; nothing else of a storage is part of the contract.
+      ``kv_tensors()`` (and ``kv_scales()``), and ``key_bounds()`` where the backend asked
+      for them; nothing else of a storage is part of the contract.
     """
 
     kind: ClassVar[str] = "attention"
     cache_formats: ClassVar[frozenset[str]] = frozenset({"kv"})
     cache_dtypes: ClassVar[frozenset[torch.dtype] | None] = None
     head_dims: ClassVar[frozenset[int] | None] = None
+    kv_extras: ClassVar[frozenset[str]] = frozenset()
     supports_cuda_graphs: ClassVar[bool] = False
 
     def __init__(self, options: PluginOptions, model: ModelSpec, device: torch.device, dtype: torch.dtype):
@@ -65,6 +69,11 @@ class AttentionBackend(Plugin):
             reasons.append(f"reads cache formats {sorted(cls.cache_formats)}, but the cache stores {layout.format!r}")
         if layout is not None and cls.cache_dtypes is not None and layout.dtype not in cls.cache_dtypes:
             reasons.append(f"reads cache dtypes {sorted(str(d) for d in cls.cache_dtypes)}, not {layout.dtype}")
+        missing = cls.kv_extras - (layout.extras if layout is not None else frozenset())
+        if layout is not None and missing:
+            reasons.append(f"needs the cache to keep {', '.join(sorted(missing))}, which its layout does not "
+                           f"(it keeps {', '.join(sorted(layout.extras)) or 'no extras'}); the paged cache keeps "
+                           f"key_bounds")
         if cls.head_dims is not None and ctx.model.head_dim not in cls.head_dims:
             reasons.append(f"supports head dims {sorted(cls.head_dims)}, the model has {ctx.model.head_dim}")
         return reasons

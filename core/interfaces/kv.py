@@ -24,8 +24,9 @@ class KVLayout:
       compressed vector per token, MLA). Quantized storage keeps its format and sets ``dtype``.
     - ``block_size``: tokens per block (a contiguous cache: max_model_len).
     - ``dtype``: the storage dtype; torch.int8 means values plus per-token scales.
-    - ``extras``: side data the cache keeps current on every store, e.g. "key_bounds"
-      (per-block key min/max, for QUEST).
+    - ``extras``: side data the cache keeps current on every store. "key_bounds": per
+      block, the elementwise minimum and maximum of its keys (``KVStorage.key_bounds``),
+      which query-aware sparse attention (QUEST) scores blocks by.
     """
 
     format: str
@@ -42,10 +43,11 @@ class KVStorage(ABC):
       any slots back in the compute dtype (dequantized if stored quantized): the reference
       path every backend can use.
     - ``kv_tensors()`` hands a fast kernel the raw tensors it reads in place, K and V as
-      [num_slots, num_kv_heads, head_dim] in the storage dtype (``layout.dtype``); storage
-      that has no such tensors (quantized, latent) raises TypeError naming itself, so a
-      backend that needs them declares the layouts it reads (``cache_formats``,
-      ``cache_dtypes``) and is never selected for one without them.
+      [num_slots, num_kv_heads, head_dim] in the storage dtype (``layout.dtype``); for int8
+      storage ``kv_scales()`` adds the per-token scales they are multiplied by. Storage that
+      has no such tensors (latent) raises TypeError naming itself, so a backend that needs
+      them declares the layouts it reads (``cache_formats``, ``cache_dtypes``) and is never
+      selected for one without them.
     - A slot that was never written may hold anything, NaN included: backends must not read
       it, not even under a mask (a zero weight times NaN is NaN).
 
@@ -82,6 +84,21 @@ class KVStorage(ABC):
         in place (see the class contract)."""
         raise TypeError(f"{type(self).__name__} keeps no plain K/V tensors (layout {self.layout}); "
                         f"read it through gather()")
+
+    def kv_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For int8 storage (plugin API 1.3): the scales of K and V, [num_slots, num_kv_heads, 1]
+        float16, one per token and head; what a slot holds is ``kv_tensors()``' int8 values
+        times its scale. Storage that is not quantized raises TypeError."""
+        raise TypeError(f"{type(self).__name__} keeps no quantization scales (layout {self.layout})")
+
+    def key_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For layouts with the "key_bounds" extra (plugin API 1.3): per block, the elementwise
+        minimum and maximum of the keys it holds, two [num_blocks, num_kv_heads, head_dim]
+        tensors in the dtype ``gather`` returns, indexed by block id. Exact for every block over
+        the tokens written to it (and not since truncated away); a block's bounds are current
+        after each ``store``. Storage without them raises TypeError."""
+        raise TypeError(f"{type(self).__name__} keeps no key bounds (layout {self.layout}); an attention "
+                        f"backend that needs them lists 'key_bounds' in its kv_extras")
 
     def read(self, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """K and V of one sequence's first ``length`` tokens, [length, num_kv_heads, head_dim]."""

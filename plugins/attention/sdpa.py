@@ -66,7 +66,7 @@ class SdpaAttention(AttentionBackend):
     """
 
     name = "sdpa"
-    api_version = "1.2"
+    api_version = "1.3"
     description = "torch scaled_dot_product_attention over the KV cache (reference, CPU and CUDA)"
     Options = SdpaOptions
     auto_priority = 10
@@ -76,20 +76,21 @@ class SdpaAttention(AttentionBackend):
     # ---------------------------------------------------------------- per step
 
     def plan(self, batch: BatchMetadata, cache: CacheManager) -> SdpaPlan:
-        device = batch.input_ids.device
-        bs = batch.block_size
         qsl = [0]
         for q in batch.query_lens_cpu:
             qsl.append(qsl[-1] + q)
-        decodes = [i for i, q in enumerate(batch.query_lens_cpu) if q == 1]
-        if not self.options.batch_decode:
-            decodes = []
+        return SdpaPlan(batch.slot_mapping, self._groups(batch, list(range(batch.num_seqs)), qsl))
+
+    def _groups(self, batch: BatchMetadata, members: list[int], qsl: list[int]) -> list:
+        """The SDPA calls for sequences ``members`` of the batch (``qsl``: its query starts)."""
+        device = batch.input_ids.device
+        decodes = [i for i in members if batch.query_lens_cpu[i] == 1] if self.options.batch_decode else []
         batched = set(decodes)
-        others = [i for i in range(batch.num_seqs) if i not in batched]
         groups = self._decode_groups(batch, decodes, qsl, device)
-        for i in others:
-            groups.append(self._group(batch, [i], qsl, bs, device))
-        return SdpaPlan(batch.slot_mapping, groups)
+        for i in members:
+            if i not in batched:
+                groups.append(self._group(batch, [i], qsl, batch.block_size, device))
+        return groups
 
     def _decode_groups(self, batch: BatchMetadata, decodes: list[int], qsl: list[int],
                        device: torch.device) -> list:

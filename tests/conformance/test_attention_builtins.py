@@ -30,3 +30,14 @@ class TestFlash(AttentionConformance):
     plugin = "flash"
     max_examples = 3
     dtypes = (torch.float32,)  # bfloat16 under the interpreter adds minutes and no coverage a GPU run lacks
+
+
+class TestQuest(AttentionConformance):
+    """QUEST is exact where every context fits its token budget (the suite's contexts are at
+    most 48 tokens, under the default 2048); its sparse cases are approximate by design and
+    tested against the reference restricted to the chosen blocks in
+    tests/plugins/attention/quest/."""
+
+    plugin = "quest"
+    options = {"dense_layers": 0}
+    max_examples = 8

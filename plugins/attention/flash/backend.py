@@ -87,6 +87,11 @@ class FlashPlan:
     """Fixed split count of the decode kernel (a captured graph); None: per step."""
 
 
+def _scales(kv: KVStorage) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """An int8 storage's K and V scales, (None, None) for a floating-point one."""
+    return kv.kv_scales() if kv.layout.dtype == torch.int8 else (None, None)
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -94,19 +99,21 @@ def _interpreting() -> bool:
 class FlashAttention(AttentionBackend):
     """Triton varlen FlashAttention over the paged cache's raw K/V tensors.
 
-    Reads a ``DenseKVStorage`` ("kv" format, float16/bfloat16/float32). Tested against the
+    Reads "kv" storage in float16/bfloat16/float32 or int8 with per-token scales (the
+    `paged` cache's ``kv_dtype: int8``; dequantized tile by tile inside the kernels, the
+    packed prefill off so every key is read as stored). Tested against the
     float64 reference (``tessellm.testing.attention``) under the Triton interpreter on CPU and
     compiled on a GPU. ``auto`` picks it on CUDA (it beats SDPA's flash backend there, see
     docs/benchmarks.md), never on a CPU, where it only runs interpreted. Supports CUDA graphs.
     """
 
     name = "flash"
-    api_version = "1.2"
+    api_version = "1.3"
     description = "Triton FlashAttention over packed varlen batches, K/V read through block tables"
     Options = FlashOptions
     auto_priority = 30
     cache_formats = frozenset({"kv"})
-    cache_dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32})
+    cache_dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.int8})
     head_dims = None
     supports_cuda_graphs = True
 
@@ -171,7 +178,8 @@ class FlashAttention(AttentionBackend):
         from tessellm.plugins.attention.flash.rope_store import rope_store
 
         k_cache, v_cache = kv.kv_tensors()
-        return self._attend(rope_store(q, k, v, cos, sin, k_cache, v_cache, plan.slot_mapping), k, v, kv, plan)
+        q = rope_store(q, k, v, cos, sin, k_cache, v_cache, plan.slot_mapping, *_scales(kv))
+        return self._attend(q, k, v, kv, plan)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVStorage,
                 plan: FlashPlan) -> torch.Tensor:
@@ -183,15 +191,17 @@ class FlashAttention(AttentionBackend):
         out = torch.empty_like(q)
         o = self.options
         k_cache, v_cache = kv.kv_tensors()
+        k_scale, v_scale = _scales(kv)
         if plan.others is not None:
             s = plan.others
             packed = o.packed_prefill and k.dtype == k_cache.dtype  # the cache may store another dtype
             paged_flash_attention(q, k_cache, v_cache, out, s.block_tables, s.query_start, s.query_lens, s.seq_lens,
                                   s.max_query_len, self.scale, plan.block_size, self.sliding_window,
-                                  o.block_m, o.block_n, k_new=k if packed else None, v_new=v if packed else None)
+                                  o.block_m, o.block_n, k_new=k if packed else None, v_new=v if packed else None,
+                                  k_scale=k_scale, v_scale=v_scale)
         if plan.decodes is not None:
             s = plan.decodes
             paged_decode_attention(q, k_cache, v_cache, out, s.query_start, s.block_tables, s.seq_lens, s.max_seq_len,
                                    self.scale, plan.block_size, self.sliding_window,
-                                   plan.decode_splits or o.decode_splits, o.block_n)
+                                   plan.decode_splits or o.decode_splits, o.block_n, k_scale=k_scale, v_scale=v_scale)
         return out

@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tessellm.plugins.attention.flash.common import LOG2E, KernelConfig, _dot, _fold, interpreting
+from tessellm.plugins.attention.flash.common import (LOG2E, TL_DTYPES, KernelConfig, _dequantize, _dot, _fold,
+                                                     interpreting, scale_args)
 
 
 def decode_config(head_dim: int, device: torch.device, block_n: int | None = None) -> KernelConfig:
@@ -22,24 +23,29 @@ def decode_config(head_dim: int, device: torch.device, block_n: int | None = Non
     return KernelConfig(16, block_n or 64, 2, 4)
 
 
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "stride_bh"])
 def _paged_decode_split(
-    Q, K, V, OutPart, LsePart, Out, BlockTables, Rows, SeqLens,
+    Q, K, V, KScale, VScale, OutPart, LsePart, Out, BlockTables, Rows, SeqLens,
     scale_log2,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_bt, stride_pb, stride_ph, stride_ps, stride_ot, stride_oh,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_st, stride_sh, stride_bt, stride_bh, stride_ls, stride_lh,
+    stride_pb, stride_ph, stride_ps, stride_ot, stride_oh,
     GROUP: tl.constexpr, WINDOW: tl.constexpr, KV_BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP32_DOT: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr,
+    FP32_DOT: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr, QUANT: tl.constexpr, COMPUTE: tl.constexpr,
 ):
     """One program: one decoding sequence, one KV head (all GROUP query heads that read it,
     so each K/V block is loaded once per KV head), one split of the context. ``DIRECT`` (a
-    single split) writes the final output, with no partials to merge."""
+    single split) writes the final output, with no partials to merge. ``QUANT``: K and V are
+    int8, dequantized with their per-token scales (``KScale``, ``VScale``) to ``COMPUTE``.
+    Block tables and lengths may differ per KV head (``stride_bh``, ``stride_lh`` nonzero:
+    sparse attention, each head reading its own chosen blocks)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
     row = tl.load(Rows + seq)
-    kv_len = tl.load(SeqLens + seq)
+    kv_len = tl.load(SeqLens + seq * stride_ls + kv_head * stride_lh)
+    table = BlockTables + seq * stride_bt + kv_head * stride_bh
     lo = 0
     if WINDOW > 0:
         lo = tl.maximum(kv_len - WINDOW, 0)
@@ -62,11 +68,15 @@ def _paged_decode_split(
     for n0 in range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         key_ok = offs_n < end
-        block = tl.load(BlockTables + seq * stride_bt + offs_n // KV_BLOCK, mask=key_ok, other=0)
+        block = tl.load(table + offs_n // KV_BLOCK, mask=key_ok, other=0)
         slot = block.to(tl.int64) * KV_BLOCK + offs_n % KV_BLOCK
         kv_ptr = slot[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
         k = tl.load(K + kv_ptr, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
         v = tl.load(V + kv_ptr, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
+        if QUANT:
+            scale_ptr = slot * stride_st + kv_head * stride_sh
+            k = _dequantize(k, tl.load(KScale + scale_ptr, mask=key_ok, other=0.0), COMPUTE, UPCAST)
+            v = _dequantize(v, tl.load(VScale + scale_ptr, mask=key_ok, other=0.0), COMPUTE, UPCAST)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -134,10 +144,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            rows: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
                            max_kv_len: int, scale: float, kv_block_size: int, window: int | None = None,
                            num_splits: int | None = None, block_n: int | None = None,
-                           config: KernelConfig | None = None) -> None:
+                           config: KernelConfig | None = None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> None:
     """Flash-decoding: attention of one query row per sequence (packed rows ``rows`` [B] of
     ``q``) over its paged context, the context split ``num_splits`` ways and merged; the
-    result is written into ``out`` at the same rows.
+    result is written into ``out`` at the same rows. An int8 cache comes with its scales
+    ``k_scale``, ``v_scale`` [num_slots, Hkv, 1].
+
+    ``block_tables`` [B, max_blocks] and ``seq_lens`` [B] serve every KV head; per-head ones,
+    [B, Hkv, max_blocks] and [B, Hkv], give each KV head its own blocks and length (QUEST's
+    chosen blocks, in position order, the newest last: only those are read).
 
     The launch depends on the batch only through ``num_splits`` and the shapes, so a caller
     that fixes both (a CUDA graph) can replay it for any lengths up to ``max_kv_len``."""
@@ -157,13 +173,18 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part = target if direct else torch.empty(num_seqs, num_heads, splits, block_d, dtype=torch.float32, device=q.device)
     lse = target if direct else torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
     part_strides = (0, 0, 0) if direct else (part.stride(0), part.stride(1), part.stride(2))
+    k_scales, v_scales, stride_st, stride_sh = scale_args(k_scale, v_scale, k_cache)
+    per_head = block_tables.dim() == 3
+    table_strides = (block_tables.stride(0), block_tables.stride(1) if per_head else 0)
+    len_strides = (seq_lens.stride(0), seq_lens.stride(1) if per_head else 0)
     _paged_decode_split[(num_seqs, num_kv_heads, splits)](
-        q, k_cache, v_cache, part, lse, target, block_tables, rows, seq_lens, scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        *part_strides, target.stride(0), target.stride(1),
+        q, k_cache, v_cache, k_scales, v_scales, part, lse, target, block_tables, rows, seq_lens, scale * LOG2E,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), stride_st, stride_sh, *table_strides,
+        *len_strides, *part_strides, target.stride(0), target.stride(1),
         GROUP=group, WINDOW=window or 0, KV_BLOCK=kv_block_size, HEAD_DIM=head_dim,
         BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
         FP32_DOT=q.dtype == torch.float32 or upcast, UPCAST=upcast, DIRECT=direct,
+        QUANT=k_scale is not None, COMPUTE=TL_DTYPES[q.dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not direct:

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from tessellm.plugins.attention.flash.common import LOG2E, KernelConfig, _dot, _fold, interpreting
+from tessellm.plugins.attention.flash.common import (LOG2E, TL_DTYPES, KernelConfig, _dequantize, _dot, _fold,
+                                                     interpreting, scale_args)
 
 
 def prefill_config(head_dim: int, device: torch.device, block_m: int | None = None,
@@ -68,11 +69,13 @@ def _score_tile(acc, l_i, m_i, q, k, v, offs_n, kv_len, q_pos, scale_log2,
 
 
 @triton.jit
-def _attend_tile(acc, l_i, m_i, q, K, V, BlockTables, start, seq, kv_head, kv_len, q_pos, scale_log2,
-                 stride_kt, stride_kh, stride_bt, offs_d,
+def _attend_tile(acc, l_i, m_i, q, K, V, KScale, VScale, BlockTables, start, seq, kv_head, kv_len, q_pos,
+                 scale_log2, stride_kt, stride_kh, stride_st, stride_sh, stride_bt, offs_d,
                  MASKED: tl.constexpr, WINDOW: tl.constexpr, KV_BLOCK: tl.constexpr, PAD_D: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr, UPCAST: tl.constexpr):
-    """One key tile read from the paged cache through the block table."""
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr, UPCAST: tl.constexpr,
+                 QUANT: tl.constexpr, COMPUTE: tl.constexpr):
+    """One key tile read from the paged cache through the block table (``QUANT``: int8,
+    dequantized with its per-token scales to ``COMPUTE``)."""
     offs_n = start + tl.arange(0, BLOCK_N)
     if MASKED:
         key_ok = offs_n < kv_len
@@ -93,6 +96,16 @@ def _attend_tile(acc, l_i, m_i, q, K, V, BlockTables, start, seq, kv_head, kv_le
     else:
         k = tl.load(K + kv_ptr)
         v = tl.load(V + kv_ptr)
+    if QUANT:
+        scale_ptr = slot * stride_st + kv_head * stride_sh
+        if MASKED:
+            k_scale = tl.load(KScale + scale_ptr, mask=key_ok, other=0.0)
+            v_scale = tl.load(VScale + scale_ptr, mask=key_ok, other=0.0)
+        else:
+            k_scale = tl.load(KScale + scale_ptr)
+            v_scale = tl.load(VScale + scale_ptr)
+        k = _dequantize(k, k_scale, COMPUTE, UPCAST)
+        v = _dequantize(v, v_scale, COMPUTE, UPCAST)
     return _score_tile(acc, l_i, m_i, q, k, v, offs_n, kv_len, q_pos, scale_log2, MASKED, WINDOW, FP32_DOT, UPCAST)
 
 
@@ -115,17 +128,18 @@ def _attend_packed_tile(acc, l_i, m_i, q, k_desc, v_desc, start, first_row, ctx0
 # multiples of 16), it would recompile the kernels mid-run as tables grow
 @triton.jit(do_not_specialize=["stride_bt"])
 def _paged_flash_fwd(
-    Q, K, V, Out, BlockTables, QueryStart, QueryLens, SeqLens, KNew, VNew,
+    Q, K, V, KScale, VScale, Out, BlockTables, QueryStart, QueryLens, SeqLens, KNew, VNew,
     scale_log2,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_bt,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_st, stride_sh, stride_ot, stride_oh, stride_bt,
     GROUP: tl.constexpr, WINDOW: tl.constexpr, KV_BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    FP32_DOT: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr,
+    FP32_DOT: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr, QUANT: tl.constexpr, COMPUTE: tl.constexpr,
 ):
     """``PACKED``: key tiles wholly among the step's new tokens are read from ``KNew`` /
     ``VNew``, TMA descriptors over the packed K/V rows [tokens, KV heads x HEAD_DIM] (whole
     prompts: every tile), the rest through the block table; otherwise every tile through the
-    block table (``KNew``, ``VNew`` unused)."""
+    block table (``KNew``, ``VNew`` unused). ``QUANT``: the cache is int8 with per-token
+    scales ``KScale``, ``VScale`` (never with ``PACKED``: every key is read as stored)."""
     # the longest tiles (last rows of the causal triangle) start first
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
@@ -161,24 +175,24 @@ def _paged_flash_fwd(
         lo = tl.maximum(first_pos - WINDOW + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
         for start in range(lo, hi, BLOCK_N):
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, BlockTables, start, seq, kv_head, kv_len, q_pos, scale_log2,
-                                         stride_kt, stride_kh, stride_bt, offs_d, True, WINDOW, KV_BLOCK, PAD_D,
-                                         HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, KScale, VScale, BlockTables, start, seq, kv_head, kv_len,
+                                         q_pos, scale_log2, stride_kt, stride_kh, stride_st, stride_sh, stride_bt, offs_d, True, WINDOW, KV_BLOCK, PAD_D,
+                                         HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST, QUANT, COMPUTE)
     elif PACKED:
         full = ((first_pos + 1) // BLOCK_N) * BLOCK_N
         ctx0 = kv_len - q_len  # the step's first new position
         split = tl.cdiv(ctx0, BLOCK_N) * BLOCK_N  # the first key tile wholly among the new tokens
         for start in range(0, tl.minimum(full, split), BLOCK_N):
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, BlockTables, start, seq, kv_head, kv_len, q_pos, scale_log2,
-                                         stride_kt, stride_kh, stride_bt, offs_d, False, WINDOW, KV_BLOCK, PAD_D,
-                                         HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, KScale, VScale, BlockTables, start, seq, kv_head, kv_len,
+                                         q_pos, scale_log2, stride_kt, stride_kh, stride_st, stride_sh, stride_bt, offs_d, False, WINDOW, KV_BLOCK, PAD_D,
+                                         HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST, QUANT, COMPUTE)
         for start in range(split, full, BLOCK_N):
             acc, l_i, m_i = _attend_packed_tile(acc, l_i, m_i, q, KNew, VNew, start, q_start, ctx0, kv_head, kv_len,
                                                 q_pos, scale_log2, False, HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST)
         for start in range(full, tl.minimum(hi, tl.maximum(full, split)), BLOCK_N):
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, BlockTables, start, seq, kv_head, kv_len, q_pos, scale_log2,
-                                         stride_kt, stride_kh, stride_bt, offs_d, True, WINDOW, KV_BLOCK, PAD_D,
-                                         HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, KScale, VScale, BlockTables, start, seq, kv_head, kv_len,
+                                         q_pos, scale_log2, stride_kt, stride_kh, stride_st, stride_sh, stride_bt, offs_d, True, WINDOW, KV_BLOCK, PAD_D,
+                                         HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST, QUANT, COMPUTE)
         for start in range(tl.maximum(full, split), hi, BLOCK_N):
             acc, l_i, m_i = _attend_packed_tile(acc, l_i, m_i, q, KNew, VNew, start, q_start, ctx0, kv_head, kv_len,
                                                 q_pos, scale_log2, True, HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST)
@@ -186,13 +200,13 @@ def _paged_flash_fwd(
         # key tiles wholly at or before the first row's position are seen in full by every row
         full = ((first_pos + 1) // BLOCK_N) * BLOCK_N
         for start in range(0, full, BLOCK_N):
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, BlockTables, start, seq, kv_head, kv_len, q_pos, scale_log2,
-                                         stride_kt, stride_kh, stride_bt, offs_d, False, WINDOW, KV_BLOCK, PAD_D,
-                                         HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, KScale, VScale, BlockTables, start, seq, kv_head, kv_len,
+                                         q_pos, scale_log2, stride_kt, stride_kh, stride_st, stride_sh, stride_bt, offs_d, False, WINDOW, KV_BLOCK, PAD_D,
+                                         HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST, QUANT, COMPUTE)
         for start in range(full, hi, BLOCK_N):
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, BlockTables, start, seq, kv_head, kv_len, q_pos, scale_log2,
-                                         stride_kt, stride_kh, stride_bt, offs_d, True, WINDOW, KV_BLOCK, PAD_D,
-                                         HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, KScale, VScale, BlockTables, start, seq, kv_head, kv_len,
+                                         q_pos, scale_log2, stride_kt, stride_kh, stride_st, stride_sh, stride_bt, offs_d, True, WINDOW, KV_BLOCK, PAD_D,
+                                         HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST, QUANT, COMPUTE)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=q_mask)
@@ -220,7 +234,8 @@ def paged_flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           seq_lens: torch.Tensor, max_query_len: int, scale: float, kv_block_size: int,
                           window: int | None = None, block_m: int | None = None, block_n: int | None = None,
                           config: KernelConfig | None = None, k_new: torch.Tensor | None = None,
-                          v_new: torch.Tensor | None = None) -> None:
+                          v_new: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                          v_scale: torch.Tensor | None = None) -> None:
     """Attention of packed queries ``q`` [T, Hq, D] over each sequence's cached context,
     written into ``out`` at the same rows.
 
@@ -234,13 +249,18 @@ def paged_flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     row with ``q`` (views into a stacked projection are fine). Where ``packed_source_ok``,
     key tiles wholly among a sequence's new tokens are read from them, as contiguous rows
     through TMA descriptors, rather than gathered from the cache through the block table.
+
+    ``k_scale``, ``v_scale`` [num_slots, Hkv, 1]: the caches are int8 with these per-token
+    scales, dequantized in the kernel; every key then comes from the cache (``k_new`` and
+    ``v_new`` are ignored), so new tokens are seen exactly as stored.
     """
     num_seqs = seq_lens.shape[0]
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     if num_tokens == 0 or num_seqs == 0:
         return
-    packed = (k_new is not None and v_new is not None and packed_source_ok(k_new, head_dim, window)
+    quant = k_scale is not None
+    packed = (not quant and k_new is not None and v_new is not None and packed_source_ok(k_new, head_dim, window)
               and packed_source_ok(v_new, head_dim, window))
     cfg = config or prefill_config(head_dim, q.device, block_m, block_n, packed)
     # Triton's interpreter multiplies bfloat16 dot operands as raw bits (triton-lang/triton
@@ -250,13 +270,15 @@ def paged_flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     target = out if not upcast else torch.empty_like(out, dtype=torch.float32)
     k_src, v_src = (_row_descriptor(k_new, cfg.block_n), _row_descriptor(v_new, cfg.block_n)) if packed else (k_cache, v_cache)
     grid = (triton.cdiv(max_query_len, cfg.block_m), num_seqs, num_heads)
+    k_scales, v_scales, stride_st, stride_sh = scale_args(k_scale, v_scale, k_cache)
     _paged_flash_fwd[grid](
-        q, k_cache, v_cache, target, block_tables, query_start, query_lens, seq_lens, k_src, v_src, scale * LOG2E,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), target.stride(0), target.stride(1),
-        block_tables.stride(0),
+        q, k_cache, v_cache, k_scales, v_scales, target, block_tables, query_start, query_lens, seq_lens, k_src, v_src,
+        scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), stride_st, stride_sh,
+        target.stride(0), target.stride(1), block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, WINDOW=window or 0, KV_BLOCK=kv_block_size,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-        FP32_DOT=q.dtype == torch.float32 or upcast, UPCAST=upcast, PACKED=packed,
+        FP32_DOT=q.dtype == torch.float32 or upcast, UPCAST=upcast, PACKED=packed, QUANT=quant,
+        COMPUTE=TL_DTYPES[q.dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if upcast:  # only this call's rows: others may belong to the decode kernel

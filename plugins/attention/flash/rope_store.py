@@ -3,7 +3,8 @@ one pass, one program per token. Per layer that is four kernels and a copy fewer
 q and k apart (``tessellm.core.model.fused_ops.rotary_`` twice), the two index copies of
 ``DenseKVStorage.store`` and making q contiguous. The rotation is the same formula as
 ``rotary_``'s: the same results under the interpreter, within a rounding compiled (the
-compiler may fuse it into FMAs differently in the two kernels).
+compiler may fuse it into FMAs differently in the two kernels). An int8 cache is written as
+``Int8KVStorage.store`` writes it: per token and head, int8 values and a float16 scale.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import triton
 import triton.language as tl
 
 from tessellm.core.model.fused_ops import rotary_reference
+from tessellm.plugins.attention.flash.common import scale_args
 
 
 def rope_store_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -26,10 +28,43 @@ def rope_store_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos:
 
 
 @triton.jit
-def _rope_store_kernel(Q, K, V, Cos, Sin, QOut, KCache, VCache, Slots, stride_qt, stride_qh, stride_kt, stride_kh,
-                       stride_vt, stride_vh, stride_c, stride_ot, stride_oh, stride_cs, stride_ch,
+def _round_half_even(x):
+    """x rounded to the nearest integer, ties to even (torch.round's rule), in float32."""
+    down = tl.floor(x)
+    frac = x - down
+    odd = down - 2.0 * tl.floor(down * 0.5)
+    return tl.where((frac > 0.5) | ((frac == 0.5) & (odd == 1.0)), down + 1.0, down)
+
+
+@triton.jit
+def _store_heads(Cache, Scale, slot, hk, d, x1, x2, ok, head_ok, stride_cs, stride_ch, stride_ss, stride_sh,
+                 HALF: tl.constexpr, QUANT: tl.constexpr):
+    """Write one token's heads (halves ``x1``, ``x2`` [BLOCK_HKV, BLOCK_D]) into the cache row
+    ``slot``; ``QUANT``: as int8 with one float16 scale per head, the cache's formula (scale =
+    largest |value| / 127, values rounded half to even)."""
+    dst = Cache + slot * stride_cs + hk * stride_ch + d[None, :]
+    if QUANT:
+        a1 = x1.to(tl.float32)
+        a2 = x2.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(a1), 1), tl.max(tl.abs(a2), 1))
+        scale = (amax / 127.0).to(tl.float16)
+        safe = tl.maximum(scale.to(tl.float32), 6.103515625e-05)[:, None]  # float16's smallest normal
+        q1 = tl.minimum(tl.maximum(_round_half_even(a1 / safe), -127.0), 127.0)
+        q2 = tl.minimum(tl.maximum(_round_half_even(a2 / safe), -127.0), 127.0)
+        tl.store(dst, q1.to(tl.int8), mask=ok)
+        tl.store(dst + HALF, q2.to(tl.int8), mask=ok)
+        tl.store(Scale + slot * stride_ss + hk * stride_sh, scale[:, None], mask=head_ok)
+    else:
+        tl.store(dst, x1.to(Cache.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, x2.to(Cache.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_store_kernel(Q, K, V, Cos, Sin, QOut, KCache, VCache, KScale, VScale, Slots, stride_qt, stride_qh,
+                       stride_kt, stride_kh, stride_vt, stride_vh, stride_c, stride_ot, stride_oh, stride_cs,
+                       stride_ch, stride_ss, stride_sh,
                        HQ: tl.constexpr, HKV: tl.constexpr, HALF: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                       BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr):
+                       BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HALF
@@ -56,29 +91,35 @@ def _rope_store_kernel(Q, K, V, Cos, Sin, QOut, KCache, VCache, Slots, stride_qt
     r2 = (x2 * c2 + x1 * s2).to(K.dtype.element_ty)
     tl.store(src, r1, mask=ok)  # rotated in place too: a prefill reads its new keys from these rows
     tl.store(src + HALF, r2, mask=ok)
-    row = hk * stride_ch + d[None, :]
-    tl.store(KCache + slot * stride_cs + row, r1.to(KCache.dtype.element_ty), mask=ok)
-    tl.store(KCache + slot * stride_cs + row + HALF, r2.to(KCache.dtype.element_ty), mask=ok)
+    _store_heads(KCache, KScale, slot, hk, d, r1, r2, ok, hk < HKV, stride_cs, stride_ch, stride_ss, stride_sh, HALF, QUANT)
     src = V + t * stride_vt + hk * stride_vh + d[None, :]
-    tl.store(VCache + slot * stride_cs + row, tl.load(src, mask=ok).to(VCache.dtype.element_ty), mask=ok)
-    tl.store(VCache + slot * stride_cs + row + HALF, tl.load(src + HALF, mask=ok).to(VCache.dtype.element_ty), mask=ok)
+    _store_heads(VCache, VScale, slot, hk, d, tl.load(src, mask=ok, other=0.0), tl.load(src + HALF, mask=ok, other=0.0),
+                 ok, hk < HKV, stride_cs, stride_ch, stride_ss, stride_sh, HALF, QUANT)
 
 
 def rope_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+               k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Fused ``rope_store_reference``: q [T, Hq, D], k, v [T, Hkv, D] (last dim contiguous;
     the rows may be strided views of one QKV output), cos, sin [T, D], caches [slots, Hkv, D]
-    (contiguous, any float dtype), ``slots`` [T] distinct rows. Returns the rotated q."""
+    (contiguous, any float dtype, or int8 with float16 scales ``k_scale``, ``v_scale``
+    [slots, Hkv, 1]), ``slots`` [T] distinct rows. Returns the rotated q."""
     t, hq, d = q.shape
     hkv = k.shape[1]
     if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride() or k_cache.stride(-1) != 1:
         raise ValueError(f"k and v caches must have one contiguous layout, got {tuple(k_cache.shape)} "
                          f"{k_cache.stride()} and {tuple(v_cache.shape)} {v_cache.stride()}")
+    quant = k_cache.dtype == torch.int8
+    if quant != (k_scale is not None and v_scale is not None):
+        raise ValueError(f"an int8 cache needs its k and v scales and only an int8 cache takes them "
+                         f"(cache dtype {k_cache.dtype}, scales given: {k_scale is not None and v_scale is not None})")
+    k_scales, v_scales, stride_ss, stride_sh = scale_args(k_scale, v_scale, k_cache)
     out = torch.empty(t, hq, d, dtype=q.dtype, device=q.device)
     if t:
-        _rope_store_kernel[(t,)](q, k, v, cos, sin, out, k_cache, v_cache, slots, q.stride(0), q.stride(1),
-                                 k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0), out.stride(0),
-                                 out.stride(1), k_cache.stride(0), k_cache.stride(1), HQ=hq, HKV=hkv, HALF=d // 2,
-                                 BLOCK_HQ=triton.next_power_of_2(hq), BLOCK_HKV=triton.next_power_of_2(hkv),
-                                 BLOCK_D=triton.next_power_of_2(d // 2))
+        _rope_store_kernel[(t,)](q, k, v, cos, sin, out, k_cache, v_cache, k_scales, v_scales, slots, q.stride(0),
+                                 q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
+                                 out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1), stride_ss,
+                                 stride_sh, HQ=hq, HKV=hkv, HALF=d // 2, BLOCK_HQ=triton.next_power_of_2(hq),
+                                 BLOCK_HKV=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d // 2),
+                                 QUANT=quant)
     return out

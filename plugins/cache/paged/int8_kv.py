@@ -8,9 +8,9 @@ what was written for it (``stored_value``). Per head and token, int8 plus a floa
 is ``head_dim + 2`` bytes against ``2 * head_dim`` in bfloat16: 1.94x the tokens in the
 same memory at head_dim 64, 1.97x at 128.
 
-Reading is ``gather``: it dequantizes into the compute dtype, so every backend that reads
-through ``gather`` (sdpa, cascade) reads this storage. ``kv_tensors`` raises, so backends
-that need plain tensors (flash) declare floating-point cache dtypes and are not selected.
+Backends read it through ``gather``, which dequantizes into the compute dtype (sdpa,
+cascade), or in place: ``kv_tensors`` hands a kernel the int8 values and ``kv_scales`` their
+scales, and the kernel dequantizes each tile as it loads it (flash).
 """
 
 from __future__ import annotations
@@ -60,6 +60,12 @@ class Int8KVStorage(KVStorage):
     @property
     def bytes_per_slot(self) -> int:
         return 2 * (self.k[0].numel() + self.k_scale[0].numel() * SCALE_DTYPE.itemsize)
+
+    def kv_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k, self.v
+
+    def kv_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k_scale, self.v_scale
 
     def store(self, k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
         assert v is not None and k.shape == v.shape and k.shape[0] == slot_mapping.shape[0], (k.shape, slot_mapping.shape)

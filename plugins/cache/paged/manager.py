@@ -18,11 +18,12 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from tessellm.core.interfaces.cache import CacheManager, CacheSpec, PrefixCacheStats
-from tessellm.core.interfaces.kv import DenseKVStorage, KVLayout, KVStorage
+from tessellm.core.interfaces.kv import KVLayout, KVStorage
 from tessellm.core.interfaces.sequence import Sequence
 from tessellm.core.plugin import PluginOptions, SelectionContext
 from tessellm.plugins.cache.paged.block_pool import BlockPool
-from tessellm.plugins.cache.paged.int8_kv import Int8KVStorage, bytes_per_token_head
+from tessellm.plugins.cache.paged.int8_kv import bytes_per_token_head
+from tessellm.plugins.cache.paged.key_bounds import KEY_BOUNDS, bounds_bytes_per_block, make_layer_storage
 from tessellm.plugins.cache.paged.prefix_cache import PrefixCache
 
 
@@ -42,8 +43,8 @@ class PagedOptions(PluginOptions):
     """Reuse full blocks across requests whose prompts share a prefix (same cache_salt)."""
     kv_dtype: Literal["auto", "int8"] = "auto"
     """auto: K/V in the compute dtype; int8: int8 values with a float16 scale per token and
-    KV head (int8_kv.py), about half the bytes of bfloat16; read by backends that read
-    through ``KVStorage.gather`` (sdpa, cascade)."""
+    KV head (int8_kv.py), about half the bytes of bfloat16; every built-in attention backend
+    reads it."""
 
     @model_validator(mode="after")
     def _power_of_two(self):
@@ -52,19 +53,28 @@ class PagedOptions(PluginOptions):
         return self
 
 
-def bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
+def bytes_per_block(model, block_size: int, dtype: torch.dtype, bounds_dtype: torch.dtype | None = None) -> int:
     """K and V bytes of one block across all layers (``model``: a ModelSpec or CacheSpec) in
-    storage dtype ``dtype`` (torch.int8: values and their scales)."""
+    storage dtype ``dtype`` (torch.int8: values and their scales), plus its key bounds in
+    ``bounds_dtype`` where the layout keeps them."""
     m = model
     per_head = bytes_per_token_head(m.head_dim) if dtype == torch.int8 else m.head_dim * dtype.itemsize
-    return 2 * block_size * m.num_layers * m.num_kv_heads * per_head
+    bounds = bounds_bytes_per_block(m.num_kv_heads, m.head_dim, bounds_dtype) if bounds_dtype is not None else 0
+    return m.num_layers * (2 * block_size * m.num_kv_heads * per_head + bounds)
 
 
 def storage_dtype(options: PagedOptions, compute_dtype: torch.dtype) -> torch.dtype:
     return torch.int8 if options.kv_dtype == "int8" else compute_dtype
 
 
-def _budget_blocks(options: PagedOptions, model, device: torch.device, dtype: torch.dtype) -> int:
+def _block_bytes(options: PagedOptions, model, dtype: torch.dtype, extras: frozenset[str]) -> int:
+    """One block's bytes for this pipeline (``dtype``: the compute dtype, which bounds use)."""
+    return bytes_per_block(model, options.block_size, storage_dtype(options, dtype),
+                           dtype if KEY_BOUNDS in extras else None)
+
+
+def _budget_blocks(options: PagedOptions, model, device: torch.device, dtype: torch.dtype,
+                   extras: frozenset[str] = frozenset()) -> int:
     if options.num_blocks is not None:
         return options.num_blocks
     if device.type == "cuda":
@@ -73,7 +83,7 @@ def _budget_blocks(options: PagedOptions, model, device: torch.device, dtype: to
     else:
         budget = options.cpu_memory_bytes
     # one block of the budget is the scratch block (see PagedCache.scratch_block)
-    return budget // bytes_per_block(model, options.block_size, storage_dtype(options, dtype)) - 1
+    return budget // _block_bytes(options, model, dtype, extras) - 1
 
 
 class PagedCache(CacheManager):
@@ -85,14 +95,15 @@ class PagedCache(CacheManager):
     """
 
     name = "paged"
-    api_version = "1.2"
+    api_version = "1.3"
     description = "fixed-size blocks with reference counts, copy-on-write forks and prefix caching"
     Options = PagedOptions
     auto_priority = 50
 
     @classmethod
     def kv_layout(cls, options: PagedOptions, ctx: SelectionContext) -> KVLayout:
-        return KVLayout("kv", options.block_size, storage_dtype(options, ctx.dtype))
+        """Plain K/V (or int8), with per-block key bounds when the attention backend asks."""
+        return KVLayout("kv", options.block_size, storage_dtype(options, ctx.dtype), ctx.kv_extras & {KEY_BOUNDS})
 
     @classmethod
     def unsupported_reasons(cls, ctx: SelectionContext) -> list[str]:
@@ -101,25 +112,22 @@ class PagedCache(CacheManager):
             return reasons
         if ctx.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             reasons.append(f"stores K/V in a floating-point compute dtype, not {ctx.dtype}")
-        blocks = _budget_blocks(ctx.options, ctx.model, ctx.device, ctx.dtype)
+        extras = ctx.kv_extras & {KEY_BOUNDS}
+        blocks = _budget_blocks(ctx.options, ctx.model, ctx.device, ctx.dtype, extras)
         if blocks < 1:
-            per = bytes_per_block(ctx.model, ctx.options.block_size, storage_dtype(ctx.options, ctx.dtype))
+            per = _block_bytes(ctx.options, ctx.model, ctx.dtype, extras)
             reasons.append(f"the memory budget holds no block ({per} bytes each); raise cpu_memory_bytes "
                            f"or gpu_memory_fraction, or set num_blocks")
         return reasons
 
     def __init__(self, options: PagedOptions, spec: CacheSpec, layout: KVLayout):
         super().__init__(options, spec, layout)
-        num_blocks = _budget_blocks(options, spec, spec.device, spec.dtype)
+        num_blocks = _budget_blocks(options, spec, spec.device, spec.dtype, layout.extras)
         self.pool = BlockPool(num_blocks)
         slots = (num_blocks + 1) * layout.block_size  # + the scratch block, never handed out
-        if layout.dtype == torch.int8:
-            self._layers: list[KVStorage] = [
-                Int8KVStorage(layout, slots, spec.num_kv_heads, spec.head_dim, spec.device, spec.dtype)
-                for _ in range(spec.num_layers)]
-        else:
-            self._layers = [DenseKVStorage(layout, slots, spec.num_kv_heads, spec.head_dim, spec.device)
-                            for _ in range(spec.num_layers)]
+        self._layers: list[KVStorage] = [
+            make_layer_storage(layout, slots, spec.num_kv_heads, spec.head_dim, spec.device, spec.dtype)
+            for _ in range(spec.num_layers)]
         self.prefix = PrefixCache(self.pool, layout.block_size, options.prefix_caching)
         self._tables: dict[int, list[int]] = {}  # seq_id -> blocks
         self._computed: dict[int, int] = {}  # seq_id -> tokens with valid KV (commit)
@@ -212,9 +220,17 @@ class PagedCache(CacheManager):
         table = self._tables.get(seq.seq_id)
         if table is None:
             return
-        keep = -(-num_tokens // self.layout.block_size)
+        bs = self.layout.block_size
+        keep = -(-num_tokens // bs)
         while len(table) > keep:
             self.pool.decref(table.pop())
+        if (KEY_BOUNDS in self.layout.extras and num_tokens % bs and self.pool.ref_counts[table[-1]] == 1
+                and not self.pool.is_cached(table[-1])):
+            # the new last block keeps fewer tokens: its bounds shrink to them (a block other
+            # tables or the prefix index still hold keeps its bounds; it is copied before this
+            # sequence writes to it)
+            for storage in self._layers:
+                storage.refresh_bounds(table[-1], num_tokens % bs)
         if seq.seq_id in self._computed:
             self._computed[seq.seq_id] = min(self._computed[seq.seq_id], num_tokens)
         self.prefix.truncate(seq, num_tokens)

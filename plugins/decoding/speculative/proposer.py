@@ -65,6 +65,7 @@ class DraftView:
     def __init__(self, seq: Sequence):
         self.seq_id = seq.seq_id
         self.token_ids = list(seq.token_ids)
+        self.num_prompt_tokens = seq.num_prompt_tokens
         self.num_computed_tokens = seq.num_computed_tokens
         self.num_pending = 0  # speculative steps never leave tokens on the device
 

@@ -37,6 +37,26 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
 
+class ReferenceKeyBoundsStorage(DenseKVStorage):
+    """``DenseKVStorage`` with the "key_bounds" extra computed by brute force: per block, the
+    minimum and maximum over every slot written so far. The reference for backends that read
+    key bounds (QUEST), and for caches that keep them incrementally."""
+
+    def __init__(self, layout: KVLayout, num_slots: int, num_kv_heads: int, head_dim: int, device: torch.device):
+        super().__init__(layout, num_slots, num_kv_heads, head_dim, device)
+        self.written = torch.zeros(num_slots, dtype=torch.bool, device=device)
+
+    def store(self, k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
+        super().store(k, v, slot_mapping)
+        self.written[slot_mapping] = True
+
+    def key_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, _ = self.blocks()
+        unwritten = ~self.written.view(keys.shape[0], -1)[:, :, None, None]
+        return (keys.masked_fill(unwritten, float("inf")).amin(dim=1),
+                keys.masked_fill(unwritten, float("-inf")).amax(dim=1))
+
+
 @dataclass
 class PackedCase:
     """A random packed batch: per-sequence full K/V, query lengths, and a scattered cache."""
@@ -53,13 +73,15 @@ class PackedCase:
 
 
 def make_case(kv_lens: list[int], q_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
-              block_size: int, dtype: torch.dtype, seed: int, shared_blocks: int = 0) -> PackedCase:
+              block_size: int, dtype: torch.dtype, seed: int, shared_blocks: int = 0,
+              extras: frozenset[str] = frozenset()) -> PackedCase:
     """Sequences of context ``kv_lens`` whose last ``q_lens`` tokens are this step's queries;
     earlier tokens are already in a cache whose blocks are scattered at random.
 
     ``shared_blocks``: every sequence whose cached context covers that many whole blocks
     starts with the same blocks (the same physical ids and K/V), as prefix caching and
-    parallel sampling leave them."""
+    parallel sampling leave them. ``extras``: layout extras the storage keeps ("key_bounds":
+    ``ReferenceKeyBoundsStorage``)."""
     g = torch.Generator().manual_seed(seed)
     blocks_per_seq = [math.ceil(n / block_size) for n in kv_lens]
     sharing = [n - q >= shared_blocks * block_size > 0 for n, q in zip(kv_lens, q_lens)]
@@ -74,8 +96,9 @@ def make_case(kv_lens: list[int], q_lens: list[int], num_heads: int, num_kv_head
     prefix = shared_blocks * block_size
     prefix_k = torch.randn(prefix, num_kv_heads, head_dim, generator=g).to(dtype)
     prefix_v = torch.randn(prefix, num_kv_heads, head_dim, generator=g).to(dtype)
-    storage = DenseKVStorage(KVLayout("kv", block_size, dtype), num_blocks * block_size, num_kv_heads, head_dim,
-                             torch.device("cpu"))
+    layout = KVLayout("kv", block_size, dtype, frozenset(extras))
+    storage_cls = ReferenceKeyBoundsStorage if "key_bounds" in extras else DenseKVStorage
+    storage = storage_cls(layout, num_blocks * block_size, num_kv_heads, head_dim, torch.device("cpu"))
     storage.k.fill_(float("nan"))  # unwritten slots must never be read, not even masked
     storage.v.fill_(float("nan"))
     k_full, v_full, qs, k_new, v_new, slots, positions = [], [], [], [], [], [], []
@@ -106,6 +129,30 @@ def make_case(kv_lens: list[int], q_lens: list[int], num_heads: int, num_kv_head
         seq_lens_cpu=list(kv_lens), block_tables_cpu=tables, block_size=block_size, seqs=[], samples=[])
     return PackedCase(torch.cat(qs), torch.cat(k_new), torch.cat(v_new), k_full, v_full, list(q_lens),
                       list(kv_lens), batch, storage)
+
+
+def int8_case(case: PackedCase, key_bounds: bool = False) -> PackedCase:
+    """The same batch over the `paged` cache's int8 storage (with key bounds if asked): the
+    cached context stored quantized, the scales of unwritten slots NaN (a kernel that reads
+    one fails), and ``k_full``/``v_full`` what the cache holds (each token's quantize-
+    dequantize round trip), so the float64 reference reads what the backend reads."""
+    import dataclasses
+
+    from tessellm.plugins.cache.paged.int8_kv import Int8KVStorage
+    from tessellm.plugins.cache.paged.key_bounds import BoundedInt8KVStorage
+
+    slots, heads, dim = case.storage.k.shape
+    bs = case.batch.block_size
+    extras = frozenset({"key_bounds"}) if key_bounds else frozenset()
+    cls = BoundedInt8KVStorage if key_bounds else Int8KVStorage
+    storage = cls(KVLayout("kv", bs, torch.int8, extras), slots, heads, dim, torch.device("cpu"), case.q.dtype)
+    storage.k_scale.fill_(float("nan"))
+    storage.v_scale.fill_(float("nan"))
+    for table, n_kv, n_q, k, v in zip(case.batch.block_tables_cpu, case.kv_lens, case.q_lens, case.k_full, case.v_full):
+        past = torch.arange(n_kv - n_q)
+        storage.store(k[past], v[past], torch.tensor(table, dtype=torch.long)[past // bs] * bs + past % bs)
+    return dataclasses.replace(case, storage=storage, k_full=[storage.stored_value(k) for k in case.k_full],
+                               v_full=[storage.stored_value(v) for v in case.v_full])
 
 
 def reference_packed(case: PackedCase, scale: float, window: int | None = None) -> torch.Tensor:

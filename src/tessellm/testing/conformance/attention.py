@@ -20,6 +20,9 @@ from tessellm.core.plugin import SelectionContext
 from tessellm.testing import attention as ref
 from tessellm.testing.conformance.base import ConformanceSuite, property_settings
 
+KEPT_EXTRAS = frozenset({"key_bounds"})
+"""Layout extras the suite's reference storage keeps for a backend that asks for them."""
+
 ERROR_FLOOR = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 4e-3}
 """Absolute error always allowed in each dtype, beside twice torch's own error."""
 
@@ -89,6 +92,11 @@ class AttentionConformance(ConformanceSuite):
     - cache slots no sequence has written hold NaN, and none of it reaches the output;
     - ``forward`` stores the step's new K and V at the batch's slot mapping.
 
+    A backend that asks for layout extras (``kv_extras``, e.g. "key_bounds") gets them from
+    the reference storage. An approximate backend (sparse attention) is checked where its
+    options make it exact (for QUEST: a token budget above every context the suite draws);
+    its approximate cases belong in its own tests.
+
     Each case runs in each of ``dtypes``. A shape, window or dtype the plugin declares
     unsupported (its ``unsupported_reasons``, or ``head_dims``) is skipped with its reasons.
     ``max_examples`` caps hypothesis' cases per property (None: the loaded profile's).
@@ -110,13 +118,14 @@ class AttentionConformance(ConformanceSuite):
         num_heads, num_kv_heads = heads
         spec = model_spec(num_heads, num_kv_heads, head_dim, window)
         device = torch.device(self.device)
+        plugin = self.under_test()
+        extras = frozenset(getattr(plugin, "kv_extras", frozenset())) & KEPT_EXTRAS
         ctx = SelectionContext(device=device, dtype=dtype, model=spec, options=self.plugin_options(),
                                max_model_len=spec.max_position_embeddings,
-                               kv_layout=KVLayout("kv", self.block_size, dtype))
+                               kv_layout=KVLayout("kv", self.block_size, dtype, extras))
         self.require(ctx, f"heads {num_heads}/{num_kv_heads}, head dim {head_dim}, window {window}, {dtype}")
-        plugin = self.under_test()
         case = ref.make_case(contexts, queries, num_heads, num_kv_heads, head_dim, self.block_size, dtype, seed,
-                             shared_blocks=shared_blocks)
+                             shared_blocks=shared_blocks, extras=extras)
         backend = plugin(self.plugin_options(), spec, device, dtype)
         what = (f"{self.label()}, contexts {contexts}, queries {queries}, heads {num_heads}/{num_kv_heads}, "
                 f"head dim {head_dim}, window {window}, {dtype}")

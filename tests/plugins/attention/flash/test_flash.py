@@ -37,7 +37,9 @@ def on_device(case: ref.PackedCase) -> ref.PackedCase:
     if DEVICE.type == "cpu":
         return case
     storage = case.storage
-    storage.k, storage.v = storage.k.to(DEVICE), storage.v.to(DEVICE)
+    for name in ("k", "v", "k_scale", "v_scale"):
+        if hasattr(storage, name):
+            setattr(storage, name, getattr(storage, name).to(DEVICE))
     batch = dataclasses.replace(case.batch, **{f.name: getattr(case.batch, f.name).to(DEVICE)
                                                for f in dataclasses.fields(case.batch)
                                                if isinstance(getattr(case.batch, f.name), torch.Tensor)})
@@ -80,7 +82,8 @@ def run_flash(case, p, dtype):
     q, k, v = stacked_views(case.q, case.k_new, case.v_new) if options.packed_prefill else (case.q, case.k_new, case.v_new)
     out = backend.forward(0, q, k, v, case.storage, plan)
     k_back, v_back = case.storage.gather(case.batch.slot_mapping)  # the new tokens went where mapped
-    assert torch.equal(k_back, case.k_new) and torch.equal(v_back, case.v_new)
+    stored = case.storage.stored_value
+    assert torch.equal(k_back, stored(case.k_new)) and torch.equal(v_back, stored(case.v_new))
     return out.cpu()
 
 
@@ -101,13 +104,36 @@ def test_flash_bfloat16_error_within_twice_torch_sdpa(p):
     check_bfloat16(p)
 
 
-def check_bfloat16(p):
+@settings(max_examples=10)
+@given(packed_batches())
+def test_flash_reads_an_int8_cache_float32(p):
+    """An int8 cache (``kv_dtype: int8``), dequantized tile by tile inside the prefill and
+    decode kernels: the float64 reference over the values the cache holds, within float32
+    rounding (an int8 value times a float16 scale is exact in float32)."""
+    case = ref.int8_case(ref.make_case(p["kv_lens"], p["q_lens"], p["num_heads"], p["num_kv_heads"], p["head_dim"],
+                                       p["block_size"], torch.float32, p["seed"], shared_blocks=p["shared_blocks"]))
+    out = run_flash(case, p, torch.float32)
+    expected = ref.reference_packed(case, p["head_dim"] ** -0.5, p["window"])
+    err = (out.double() - expected).abs().max().item()
+    assert err <= TOLERANCE[torch.float32], f"max abs error {err:.3g}"
+
+
+@settings(max_examples=8)
+@given(packed_batches())
+def test_flash_reads_an_int8_cache_bfloat16(p):
+    check_bfloat16(p, int8=True)
+
+
+def check_bfloat16(p, int8: bool = False):
     """flash-attention's own rule: the kernel's error against float64 is at most twice what
     torch's SDPA makes in bf16 on the same inputs (plus a small absolute floor). Under the
     interpreter the kernel's dots run in float32 (the interpreter cannot multiply bfloat16),
-    so this checks bf16 loads, stores and the algorithm; the GPU run checks bf16 dots."""
+    so this checks bf16 loads, stores and the algorithm; the GPU run checks bf16 dots.
+    ``int8``: both read the same int8 cache (SDPA through ``gather``)."""
     case = ref.make_case(p["kv_lens"], p["q_lens"], p["num_heads"], p["num_kv_heads"], p["head_dim"],
                          p["block_size"], torch.bfloat16, p["seed"], shared_blocks=p["shared_blocks"])
+    if int8:
+        case = ref.int8_case(case)
     expected = ref.reference_packed(case, p["head_dim"] ** -0.5, p["window"])
     out = run_flash(case, p, torch.bfloat16)
     from tessellm.plugins.attention.sdpa import SdpaAttention, SdpaOptions
@@ -129,7 +155,7 @@ def test_flash_large_shapes_on_gpu(kv_lens, heads, head_dim, block_size, seed, d
     check_bfloat16(dict(kv_lens=kv_lens, q_lens=q_lens, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
                         block_size=block_size, shared_blocks=data.draw(st.sampled_from([0, 4])), window=None,
                         block_n=64, seed=seed, split_decode=True, decode_splits=None,
-                        packed_prefill=data.draw(st.booleans())))
+                        packed_prefill=data.draw(st.booleans())), int8=data.draw(st.booleans()))
 
 
 def _ctx(device: str, auto: bool, dtype: torch.dtype = torch.float32) -> SelectionContext:
@@ -144,17 +170,20 @@ def test_flash_is_refused_on_cpu_without_the_interpreter(monkeypatch):
     assert any("TRITON_INTERPRET=1" in r for r in reasons)
 
 
-@pytest.mark.parametrize("options", [{"packed_prefill": False}, {"packed_prefill": True}])
-def test_whole_model_matches_sdpa(tiny_model, cpu_config, options):
+@pytest.mark.parametrize("options,kv_dtype", [({"packed_prefill": False}, "auto"), ({"packed_prefill": True}, "auto"),
+                                              ({"packed_prefill": True}, "int8")])
+def test_whole_model_matches_sdpa(tiny_model, cpu_config, options, kv_dtype):
     """`--set attention.name=flash` on a machine without a GPU: the tiny model through the
     paged cache and continuous batching (prompts in chunks) gives sdpa's tokens and logits;
-    also with the prompts' own K/V read as packed rows (``packed_prefill``)."""
+    also with the prompts' own K/V read as packed rows (``packed_prefill``), and over an int8
+    cache (both read the same quantized K/V; flash turns the packed rows off there)."""
     from tessellm import LLM
 
     def llm(attention, options=None):
         return LLM(cpu_config(tiny_model("llama"), device=DEVICE.type,
                               attention={"name": attention, "options": options or {}},
-                              cache={"name": "paged", "options": {"block_size": 16, "num_blocks": 64}},
+                              cache={"name": "paged", "options": {"block_size": 16, "num_blocks": 64,
+                                                                  "kv_dtype": kv_dtype}},
                               scheduler={"name": "continuous", "options": {"max_num_batched_tokens": 24}}))
 
     flash, sdpa = llm("flash", options), llm("sdpa")

@@ -85,6 +85,57 @@ def test_rope_store(tokens, heads, head_dim, dtype, float32_cache, seed):
     assert not caches[0][untouched].any() and not caches[1][untouched].any()  # no other row written
 
 
+@settings(max_examples=10)
+@given(st.integers(1, 7), st.sampled_from([(1, 1), (4, 2), (6, 1), (8, 8)]), st.sampled_from([16, 48, 64]),
+       st.sampled_from(DTYPES), st.integers(0, 2**16))
+def test_rope_store_into_an_int8_cache(tokens, heads, head_dim, dtype, seed):
+    """Into an int8 cache, the kernel writes what the two-step path (``rotary_`` on k, then
+    ``Int8KVStorage.store``) writes: the same int8 values and float16 scales under the
+    interpreter (compiled: values within one step of rounding, scales equal), rows of zeros
+    and outliers included; no other slot is touched."""
+    from tessellm.core.interfaces.kv import KVLayout
+    from tessellm.plugins.cache.paged.int8_kv import Int8KVStorage
+
+    hq, hkv = heads
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * head_dim, generator=g)
+    qkv[0, -head_dim:] = 0.0  # the last V head of the first token: all zeros (scale 0)
+    qkv[-1, hq * head_dim] = 40.0  # an outlier channel in a key
+    qkv = qkv.to(DEVICE, dtype)
+    q, k, v = (part.view(tokens, -1, head_dim) for part in qkv.split([hq * head_dim, hkv * head_dim, hkv * head_dim], -1))
+    angles = torch.rand(tokens, head_dim // 2, generator=g) * 6.28
+    cos, sin = (f(torch.cat((angles, angles), dim=-1)).to(DEVICE, dtype) for f in (torch.cos, torch.sin))
+    num_slots = 3 * tokens + 4
+    slots = torch.randperm(num_slots, generator=g)[:tokens].to(DEVICE)
+
+    def storage():
+        made = Int8KVStorage(KVLayout("kv", 4, torch.int8), num_slots, hkv, head_dim, DEVICE, dtype)
+        for t in (made.k, made.v, made.k_scale, made.v_scale):
+            t.zero_()
+        return made
+
+    two_step = storage()
+    two_step_k = fused_ops.rotary_(k.clone(), cos, sin)
+    two_step.store(two_step_k, v, slots)
+    ours = storage()
+    out = flash_rope.rope_store(q, k, v, cos, sin, *ours.kv_tensors(), slots, *ours.kv_scales())
+    assert same_as_two_step(out, fused_ops.rotary_(q.clone(), cos, sin)) and same_as_two_step(k, two_step_k)
+    for a, b in zip(ours.kv_scales(), two_step.kv_scales()):
+        assert torch.equal(a, b) if not CUDA else torch.allclose(a.float(), b.float(), rtol=2 ** -10)
+    for a, b in zip(ours.kv_tensors(), two_step.kv_tensors()):
+        assert (a.int() - b.int()).abs().max().item() <= (0 if not CUDA else 1)
+    untouched = torch.ones(num_slots, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert not ours.k[untouched].any() and not ours.v_scale[untouched].any()
+
+
+def test_rope_store_needs_scales_exactly_for_an_int8_cache():
+    q = torch.zeros(1, 1, 16, device=DEVICE)
+    int8 = torch.zeros(4, 1, 16, dtype=torch.int8, device=DEVICE)
+    with pytest.raises(ValueError, match="int8 cache needs its k and v scales"):
+        flash_rope.rope_store(q, q, q, q[0], q[0], int8, int8, torch.zeros(1, dtype=torch.long, device=DEVICE))
+
+
 def test_rope_store_rejects_mismatched_caches():
     q = torch.zeros(1, 1, 16, device=DEVICE)
     with pytest.raises(ValueError, match="one contiguous layout"):
@@ -92,16 +143,19 @@ def test_rope_store_rejects_mismatched_caches():
                              torch.zeros(1, dtype=torch.long, device=DEVICE))
 
 
-def test_model_with_rope_store_matches_eager(tiny_model, cpu_config):
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_model_with_rope_store_matches_eager(tiny_model, cpu_config, kv_dtype):
     """A tiny model fused (kernels, stacked projections) through `flash`, which folds RoPE
     into its KV store (``forward_rotary``), against the eager model through `sdpa` on the CPU:
-    equal greedy tokens, logits within float32 rounding."""
+    equal greedy tokens, logits within float32 rounding; also over an int8 cache, which the
+    kernel quantizes as the storage's own ``store`` does."""
     from tessellm import LLM
 
     def llm(fused):
         engine = LLM(cpu_config(tiny_model("llama3"), device=DEVICE.type if fused else "cpu",
                                 decoding={"name": "greedy"}, attention={"name": "flash" if fused else "sdpa"},
-                                cache={"name": "paged", "options": {"block_size": 4, "num_blocks": 64}},
+                                cache={"name": "paged", "options": {"block_size": 4, "num_blocks": 64,
+                                                                    "kv_dtype": kv_dtype}},
                                 scheduler={"name": "continuous"}, cuda_graphs=False))
         model = engine.pipeline.model
         if fused:

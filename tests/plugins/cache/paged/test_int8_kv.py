@@ -5,12 +5,14 @@ too, the memory per token is about half of bfloat16's, and a pipeline runs on it
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
 from tessellm import LLM
-from tessellm.core.errors import ConfigError
+from tessellm.core.plugin import SelectionContext
 from tessellm.core.interfaces.kv import KVLayout
 from tessellm.plugins.cache.paged.int8_kv import Int8KVStorage, quantize_heads
 from tessellm.plugins.cache.paged.manager import PagedOptions, bytes_per_block
@@ -94,10 +96,17 @@ def test_kv_dtype_is_validated():
         PagedOptions(kv_dtype="fp8")
 
 
-def test_flash_declines_int8_kv(cpu_config, tiny_model):
-    with pytest.raises(ConfigError, match="int8"):
-        LLM(cpu_config(tiny_model("llama"), cache={"name": "paged", "options": {"num_blocks": 64, "kv_dtype": "int8"}},
-                       attention={"name": "flash"}))
+def test_a_backend_that_reads_only_float_caches_is_declined_with_the_reason():
+    """Backends say which storage dtypes they read; one that reads only floating-point K/V
+    is not selected over an int8 cache, and the error names the dtypes."""
+    from tessellm.plugins.attention.sdpa import SdpaAttention
+
+    class FloatOnly(SdpaAttention):
+        cache_dtypes = frozenset({torch.float32, torch.bfloat16})
+
+    ctx = SelectionContext(device=torch.device("cpu"), dtype=torch.float32, model=SimpleNamespace(head_dim=16),
+                           options=FloatOnly.Options(), max_model_len=64, kv_layout=KVLayout("kv", 16, torch.int8))
+    assert any("torch.int8" in r and "reads cache dtypes" in r for r in FloatOnly.unsupported_reasons(ctx))
 
 
 def test_bench_reports_what_the_int8_cache_holds_in_the_same_budget(cpu_config, tiny_model):

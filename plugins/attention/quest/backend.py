@@ -1,0 +1,215 @@
+"""Attention `quest`: query-aware sparse attention for long-context decode (Tang et al., ICML
+2024), over the `paged` cache's per-block key bounds.
+
+Per step and layer:
+- prompts and prompt chunks (however short), query runs longer than ``max_query_len`` and
+  every sequence whose context fits the token budget run dense, through `sdpa` (this
+  backend extends it), exactly;
+- the first ``dense_layers`` layers run dense for every sequence;
+- any other sequence (a decode, a speculative verification of k drafts, the recomputed
+  outputs of a resumed sequence in runs of at most ``max_query_len``) attends sparsely: its blocks are scored per KV head by the upper
+  bound of q . k that their key bounds give (select.py), and each KV head attends over its
+  own chosen blocks only: the first block, the blocks holding the step's query positions
+  (the newest), and the best-scored others, ``token_budget // block_size`` blocks in all.
+
+All query rows of one sequence see the same chosen blocks, scored by the largest bound over
+those rows and the KV head's query heads, each row under its causal mask; a speculative
+verification therefore attends as its last position's decode would, plus the blocks its
+earlier positions rank highest.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from pydantic import Field
+
+from tessellm.core.interfaces.batch import BatchMetadata
+from tessellm.core.interfaces.cache import CacheManager
+from tessellm.core.interfaces.kv import KVStorage
+from tessellm.core.plugin import SelectionContext
+from tessellm.plugins.attention.quest.select import block_scores, gather_heads, select_blocks, sparse_attention
+from tessellm.plugins.attention.sdpa import SdpaAttention, SdpaOptions, SdpaPlan
+
+
+class QuestOptions(SdpaOptions):
+    """Options of the `quest` attention backend."""
+
+    token_budget: int = Field(2048, ge=1)
+    """Tokens each sparse query attends: ``token_budget // block_size`` whole blocks (the
+    first and the newest always among them, even where they alone exceed the budget). A
+    context of at most this many tokens runs dense, exactly."""
+    kernel: Literal["auto", "torch", "triton"] = "auto"
+    """Sparse decode (one query row) through `flash`'s split-K Triton decode kernel, each KV
+    head reading only its chosen blocks ("triton"; on a CPU only under TRITON_INTERPRET=1),
+    or gathered in torch ("torch"); auto: triton on CUDA, torch elsewhere. Scoring and
+    selection run in torch either way."""
+    dense_layers: int = Field(2, ge=0)
+    """The first layers, which attend densely (QUEST's own default keeps two)."""
+    max_query_len: int = Field(16, ge=1)
+    """Sequences past their prompt with at most this many query rows in a step (decodes,
+    speculative verification) attend sparsely; longer runs attend densely."""
+
+
+@dataclass
+class _QuestGroup:
+    """Sequences attended sparsely, padded to R query rows and N blocks.
+
+    rows [B, R] packed query rows (padding repeats the last); valid_rows [B, R]; q_pos [B, R]
+    absolute positions; tables [B, N] block ids (padding repeats the first); block_ok,
+    forced [B, N]; kv_lens [B]; num_chosen [B]."""
+
+    rows: torch.Tensor
+    valid_rows: torch.Tensor
+    q_pos: torch.Tensor
+    tables: torch.Tensor
+    block_ok: torch.Tensor
+    forced: torch.Tensor
+    kv_lens: torch.Tensor
+    block_size: int
+    num_chosen: torch.Tensor  # [B] blocks each sequence attends
+    kernel: bool  # decodes through the Triton split-K kernel
+
+    def attend(self, q: torch.Tensor, kv: KVStorage, scale: float, out: torch.Tensor) -> None:
+        b, r = self.rows.shape
+        kmin, kmax = kv.key_bounds()
+        hkv = kmin.shape[1]
+        query = q[self.rows].view(b, r, hkv, -1, q.shape[-1])  # [B, R, Hkv, G, D]
+        scores = block_scores(query, kmin[self.tables], kmax[self.tables])
+        index, chosen_ok = select_blocks(scores, self.block_ok, self.forced, self.num_chosen)
+        if self.kernel and r == 1:
+            self._decode_kernel(q, kv, index, chosen_ok, scale, out)
+            return
+        bs = self.block_size
+        offs = torch.arange(bs, device=q.device)
+        blocks = self.tables[:, None, :].expand(b, hkv, -1).gather(-1, index)  # [B, Hkv, K]
+        slots = (blocks[..., None] * bs + offs).flatten(2)  # [B, Hkv, K*bs]
+        key_pos = (index[..., None] * bs + offs).flatten(2)
+        key_ok = chosen_ok[..., None].expand(-1, -1, -1, bs).flatten(2) & (key_pos < self.kv_lens[:, None, None])
+        # a slot past the context (the newest block's tail) may hold NaN: read a real one instead
+        slots = torch.where(key_ok, slots, slots[..., :1])
+        k, v = gather_heads(kv, slots, q.dtype)
+        o = sparse_attention(query, k, v, key_pos, key_ok, self.q_pos, scale)  # [B, R, Hkv, G, D]
+        o = o.reshape(b, r, -1, q.shape[-1]).to(out.dtype)
+        out[self.rows[self.valid_rows]] = o[self.valid_rows]
+
+    def _decode_kernel(self, q: torch.Tensor, kv: KVStorage, index: torch.Tensor, chosen_ok: torch.Tensor,
+                       scale: float, out: torch.Tensor) -> None:
+        """One query row per sequence: `flash`'s split-K decode over per-KV-head tables of the
+        chosen blocks (real ones first, in position order, so the newest, partly filled block
+        is last and each head's length is its chosen blocks' tokens)."""
+        from tessellm.plugins.attention.flash.decode import paged_decode_attention
+
+        bs, width = self.block_size, index.shape[-1]
+        order = torch.where(chosen_ok, index, index + width * bs).sort(dim=-1).indices
+        cols, ok = index.gather(-1, order), chosen_ok.gather(-1, order)
+        count = ok.sum(dim=-1)  # [B, Hkv]
+        blocks = self.tables[:, None, :].expand(-1, cols.shape[1], -1).gather(-1, cols)
+        newest = cols.gather(-1, (count - 1)[..., None]).squeeze(-1)
+        lengths = (count - 1) * bs + (self.kv_lens[:, None] - newest * bs)
+        k_cache, v_cache = kv.kv_tensors()
+        k_scale, v_scale = kv.kv_scales() if k_cache.dtype == torch.int8 else (None, None)
+        paged_decode_attention(q if q.is_contiguous() else q.contiguous(), k_cache, v_cache, out,
+                               self.rows[:, 0].to(torch.int32), blocks.to(torch.int32).contiguous(),
+                               lengths.to(torch.int32).contiguous(), width * bs, scale, bs,
+                               k_scale=k_scale, v_scale=v_scale)
+
+
+def _in_prompt(batch: BatchMetadata, i: int) -> bool:
+    """Whether sequence ``i``'s query rows are (a chunk of) its prompt: prefill runs dense."""
+    return bool(batch.seqs) and batch.seq_lens_cpu[i] <= batch.seqs[i].num_prompt_tokens
+
+
+@dataclass
+class QuestPlan:
+    """The step's dense plan (the first ``dense_layers`` layers) and sparse plan (the rest)."""
+
+    dense: SdpaPlan
+    sparse: SdpaPlan
+
+
+class QuestAttention(SdpaAttention):
+    """QUEST sparse decode attention over per-block key bounds; dense (`sdpa`) elsewhere.
+
+    Contract: for every sequence whose context fits ``token_budget``, for prefill chunks
+    longer than ``max_query_len`` and in the first ``dense_layers`` layers it equals `sdpa`
+    (exact); otherwise it is approximate by design: each query attends only its chosen
+    blocks, and equals the reference attention restricted to them. Needs the cache's
+    "key_bounds" (the `paged` cache keeps them when this backend is named). No sliding
+    windows (a window already bounds the context).
+    """
+
+    name = "quest"
+    api_version = "1.3"
+    description = "QUEST query-aware sparse decode attention: top-K blocks by key-bound scores"
+    Options = QuestOptions
+    auto_priority = None  # approximate by design: only when named
+    kv_extras = frozenset({"key_bounds"})
+    cache_formats = frozenset({"kv"})
+    cache_dtypes = None
+
+    @classmethod
+    def unsupported_reasons(cls, ctx: SelectionContext) -> list[str]:
+        reasons = super().unsupported_reasons(ctx)
+        if getattr(ctx.model, "sliding_window", None):
+            reasons.append("sliding-window models are not supported (the window already bounds each query's keys)")
+        if ctx.options.kernel == "triton":
+            if importlib.util.find_spec("triton") is None:
+                reasons.append("kernel: triton needs triton, which is not installed")
+            elif ctx.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+                reasons.append("kernel: triton runs on a CPU only under TRITON_INTERPRET=1 (slow; for testing)")
+        return reasons
+
+    def plan(self, batch: BatchMetadata, cache: CacheManager) -> QuestPlan:
+        dense = super().plan(batch, cache)
+        device = batch.input_ids.device
+        bs = batch.block_size
+        num_chosen = max(self.options.token_budget // bs, 1)  # blocks per sparse query
+        qsl = [0]
+        for n in batch.query_lens_cpu:
+            qsl.append(qsl[-1] + n)
+        sparse = [i for i in range(batch.num_seqs)
+                  if batch.query_lens_cpu[i] <= self.options.max_query_len and not _in_prompt(batch, i)
+                  and -(-batch.seq_lens_cpu[i] // bs) > num_chosen and batch.seq_lens_cpu[i] > self.options.token_budget]
+        if not sparse:
+            return QuestPlan(dense, dense)
+        chosen = set(sparse)
+        rest = self._groups(batch, [i for i in range(batch.num_seqs) if i not in chosen], qsl)
+        group = self._quest_group(batch, sparse, qsl, num_chosen, device)
+        return QuestPlan(dense, SdpaPlan(batch.slot_mapping, [group, *rest]))
+
+    def _quest_group(self, batch: BatchMetadata, members: list[int], qsl: list[int], num_chosen: int,
+                     device: torch.device) -> _QuestGroup:
+        bs = batch.block_size
+        q_lens = torch.tensor([batch.query_lens_cpu[i] for i in members])
+        kv_lens = torch.tensor([batch.seq_lens_cpu[i] for i in members])
+        num_blocks = -(-kv_lens // bs)
+        width, rows_max = int(num_blocks.max()), int(q_lens.max())
+        tables = batch.padded_tables(members, width)
+        col = torch.arange(width)[None, :]
+        block_ok = col < num_blocks[:, None]
+        tables = torch.where(block_ok, tables, tables[:, :1])
+        first_query_block = (kv_lens - q_lens) // bs
+        forced = block_ok & ((col == 0) | (col >= first_query_block[:, None]))
+        chosen = forced.sum(dim=1).clamp(min=num_chosen)  # forced blocks beyond the budget stay
+        r = torch.arange(rows_max)[None, :]
+        rows = torch.tensor([qsl[i] for i in members])[:, None] + torch.minimum(r, q_lens[:, None] - 1)
+        q_pos = (kv_lens - q_lens)[:, None] + torch.minimum(r, q_lens[:, None] - 1)
+        return _QuestGroup(rows.to(device), (r < q_lens[:, None]).to(device), q_pos.to(device), tables.to(device),
+                           block_ok.to(device), forced.to(device), kv_lens.to(device), bs, chosen.to(device),
+                           self._use_kernel())
+
+    def _use_kernel(self) -> bool:
+        if self.options.kernel == "auto":
+            return self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+        return self.options.kernel == "triton"
+
+    def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv: KVStorage, plan: QuestPlan) -> torch.Tensor:
+        return super().forward(layer, q, k, v, kv, plan.dense if layer < self.options.dense_layers else plan.sparse)
+

@@ -1,0 +1,132 @@
+"""Per-block key bounds for the `paged` cache (the "key_bounds" layout extra, which QUEST
+asks for): per block, KV head and channel, the minimum and maximum of the keys it holds.
+
+A block is written in position order by the one sequence that owns it (a shared block is
+copied before anyone writes to it), so after a store the block's valid tokens are its
+offsets 0 up to the largest offset just written. The bounds are recomputed over exactly
+those tokens, read back as stored (dequantized for int8), so they are exact, not merely
+grown: tokens past a rollback that a later step overwrites never linger in them. Per store
+that reads at most one block's tokens per written block (decode: one block per sequence).
+
+Copy-on-write copies a block's bounds with its tokens; ``refresh_bounds`` recomputes a
+block that a truncation left partly filled (the manager calls it for blocks it owns alone).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tessellm.core.interfaces.kv import DenseKVStorage, KVLayout, KVStorage
+from tessellm.plugins.cache.paged.int8_kv import Int8KVStorage
+
+KEY_BOUNDS = "key_bounds"
+
+
+class KeyBoundsMixin:
+    """Adds ``key_bounds()`` to a paged layer storage: ``kmin``, ``kmax`` [num_blocks,
+    num_kv_heads, head_dim], refreshed by every ``store`` for the blocks it writes."""
+
+    layout: KVLayout
+    kmin: torch.Tensor
+    kmax: torch.Tensor
+
+    def _init_bounds(self, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                     device: torch.device) -> None:
+        num_blocks = num_slots // self.layout.block_size
+        # a block never written has empty bounds: +inf / -inf (no key lies inside them)
+        self.kmin = torch.full((num_blocks, num_kv_heads, head_dim), float("inf"), dtype=dtype, device=device)
+        self.kmax = torch.full((num_blocks, num_kv_heads, head_dim), float("-inf"), dtype=dtype, device=device)
+
+    def key_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kmin, self.kmax
+
+    def store(self, k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
+        super().store(k, v, slot_mapping)  # type: ignore[misc]
+        self.update_bounds(slot_mapping)
+
+    def update_bounds(self, slots: torch.Tensor) -> None:
+        """Recompute the bounds of every block ``slots`` wrote, over its offsets 0 .. the
+        largest offset written. For kernels that store K/V themselves (fused RoPE + store)."""
+        if slots.numel() == 0:
+            return
+        bs = self.layout.block_size
+        blocks, offsets = slots // bs, slots % bs
+        if not (slots.is_cuda and torch.cuda.is_current_stream_capturing()):
+            # only the token that ends a run of its block needs to recompute: its prefix
+            # covers the run's earlier tokens (the block's largest offset always ends a run)
+            ends = torch.ones_like(blocks, dtype=torch.bool)
+            ends[:-1] = (blocks[1:] != blocks[:-1]) | (offsets[1:] <= offsets[:-1])
+            blocks, offsets = blocks[ends], offsets[ends]
+        lo, hi = self._prefix_bounds(blocks, offsets)
+        index = blocks[:, None, None].expand_as(lo)
+        self.kmin.scatter_reduce_(0, index, lo, "amin", include_self=False)
+        self.kmax.scatter_reduce_(0, index, hi, "amax", include_self=False)
+
+    def _prefix_bounds(self, blocks: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bounds of each block's tokens at offsets 0..ends (inclusive): [n, Hkv, D] each."""
+        bs = self.layout.block_size
+        offs = torch.arange(bs, device=blocks.device)
+        keys = self._keys(blocks[:, None] * bs + offs)  # [n, bs, Hkv, D]
+        outside = (offs[None, :] > ends[:, None])[:, :, None, None]
+        # masked_fill, not arithmetic: an unwritten slot may hold NaN
+        return (keys.masked_fill(outside, float("inf")).amin(dim=1),
+                keys.masked_fill(outside, float("-inf")).amax(dim=1))
+
+    def _keys(self, slots: torch.Tensor) -> torch.Tensor:
+        return self.gather(slots)[0]  # type: ignore[attr-defined]
+
+    def refresh_bounds(self, block: int, num_tokens: int) -> None:
+        """Recompute block ``block``'s bounds over its first ``num_tokens`` tokens (a truncation
+        left it partly filled); empty bounds for 0."""
+        if num_tokens <= 0:
+            self.kmin[block] = float("inf")
+            self.kmax[block] = float("-inf")
+            return
+        index = torch.tensor([block], device=self.kmin.device)
+        lo, hi = self._prefix_bounds(index, torch.tensor([num_tokens - 1], device=self.kmin.device))
+        self.kmin[block], self.kmax[block] = lo[0], hi[0]
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy-on-write of whole blocks (the manager's only use): the tokens and their bounds."""
+        super().copy_slots(src, dst)  # type: ignore[misc]
+        bs = self.layout.block_size
+        src_blocks, dst_blocks = src[::bs] // bs, dst[::bs] // bs
+        self.kmin[dst_blocks] = self.kmin[src_blocks]
+        self.kmax[dst_blocks] = self.kmax[src_blocks]
+
+
+class BoundedDenseKVStorage(KeyBoundsMixin, DenseKVStorage):
+    """``DenseKVStorage`` that also keeps per-block key bounds (the "key_bounds" extra)."""
+
+    def __init__(self, layout: KVLayout, num_slots: int, num_kv_heads: int, head_dim: int, device: torch.device):
+        super().__init__(layout, num_slots, num_kv_heads, head_dim, device)
+        self._init_bounds(num_slots, num_kv_heads, head_dim, layout.dtype, device)
+
+    def _keys(self, slots: torch.Tensor) -> torch.Tensor:
+        return self.k.index_select(0, slots.reshape(-1)).view(*slots.shape, *self.k.shape[1:])
+
+
+class BoundedInt8KVStorage(KeyBoundsMixin, Int8KVStorage):
+    """``Int8KVStorage`` that also keeps per-block key bounds, over the dequantized keys."""
+
+    def __init__(self, layout: KVLayout, num_slots: int, num_kv_heads: int, head_dim: int,
+                 device: torch.device, compute_dtype: torch.dtype):
+        super().__init__(layout, num_slots, num_kv_heads, head_dim, device, compute_dtype)
+        self._init_bounds(num_slots, num_kv_heads, head_dim, compute_dtype, device)
+
+
+def make_layer_storage(layout: KVLayout, num_slots: int, num_kv_heads: int, head_dim: int, device: torch.device,
+                       compute_dtype: torch.dtype) -> KVStorage:
+    """One layer's storage for ``layout``: int8 or the compute dtype, with key bounds if the
+    layout's extras ask for them."""
+    bounded = KEY_BOUNDS in layout.extras
+    if layout.dtype == torch.int8:
+        cls = BoundedInt8KVStorage if bounded else Int8KVStorage
+        return cls(layout, num_slots, num_kv_heads, head_dim, device, compute_dtype)
+    cls = BoundedDenseKVStorage if bounded else DenseKVStorage
+    return cls(layout, num_slots, num_kv_heads, head_dim, device)
+
+
+def bounds_bytes_per_block(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one block's key bounds take per layer (a minimum and a maximum per channel)."""
+    return 2 * num_kv_heads * head_dim * dtype.itemsize

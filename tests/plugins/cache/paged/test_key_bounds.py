@@ -1,0 +1,144 @@
+"""The `paged` cache's per-block key bounds (the "key_bounds" layout extra, for QUEST): the
+cache state machine of test_paged.py run again with bounds kept, checking after every
+operation (prefix hits, chunked writes, copy-on-write forks, truncation and rollback,
+preemption and resets) that each block a live sequence holds in full has exactly the bounds
+recomputed from its stored keys, and that a partly filled block's bounds contain every key
+a holder wrote; plus the layout request, int8 storage and the budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from hypothesis.stateful import initialize, invariant
+
+from tessellm.core.interfaces.cache import CacheSpec
+from tessellm.core.interfaces.kv import KVLayout
+from tessellm.core.plugin import SelectionContext
+from tessellm.plugins.cache.paged import PagedCache, PagedOptions
+from tessellm.plugins.cache.paged.key_bounds import BoundedDenseKVStorage, BoundedInt8KVStorage
+
+
+def _paged_machine():
+    """test_paged.py's state machine (tests are not a package: load the module by path)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("paged_state_machine", Path(__file__).with_name("test_paged.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.PagedMachine
+
+
+PagedMachine = _paged_machine()
+
+BOUNDS = frozenset({"key_bounds"})
+
+
+def make_bounded_cache(block_size: int, num_blocks: int, prefix_caching: bool) -> PagedCache:
+    opts = PagedOptions(block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching)
+    spec = CacheSpec(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float64, device=torch.device("cpu"),
+                     max_model_len=4096)
+    return PagedCache(opts, spec, KVLayout("kv", block_size, torch.float64, BOUNDS))
+
+
+class KeyBoundsMachine(PagedMachine):
+    @initialize(block_size=st.sampled_from([1, 2, 4, 16]), slots=st.sampled_from([32, 64, 128]),
+                prefix_caching=st.booleans())
+    def start(self, block_size, slots, prefix_caching):
+        super().start(block_size, slots, prefix_caching)
+        self.cache = make_bounded_cache(block_size, slots // block_size, prefix_caching)
+        assert isinstance(self.cache.layer(0), BoundedDenseKVStorage)
+
+    @invariant()
+    def bounds_hold_the_keys(self):
+        storage = self.cache.layer(0)
+        kmin, kmax = storage.key_bounds()
+        keys = storage.k.flatten()
+        bs = self.bs
+        for i in self.tabled:
+            seq = self.live[i]
+            for n, block in enumerate(self.cache.block_table(seq)):
+                fill = min(bs, seq.num_computed_tokens - n * bs)
+                if fill <= 0:
+                    continue
+                mine = keys[block * bs:block * bs + fill]
+                lo, hi = kmin[block].item(), kmax[block].item()
+                if fill == bs:  # a full block: exact
+                    assert (lo, hi) == (mine.min().item(), mine.max().item()), (seq, n, block)
+                else:  # a partial one: every key this holder wrote lies inside
+                    assert lo <= mine.min().item() and hi >= mine.max().item(), (seq, n, block)
+
+
+TestKeyBoundsMachine = KeyBoundsMachine.TestCase
+TestKeyBoundsMachine.settings = settings(max_examples=150, stateful_step_count=40)
+
+
+@settings(max_examples=25)
+@given(st.integers(2, 40), st.integers(1, 39), st.sampled_from([torch.float32, torch.bfloat16]),
+       st.booleans(), st.integers(0, 2**16))
+def test_bounds_after_rollback_and_rewrite_equal_bounds_from_scratch(length, keep, dtype, int8, seed):
+    """Many heads and channels, float or int8 storage: write a sequence, roll it back (its
+    last block now partial and its own), rewrite other keys; every block's bounds equal the
+    bounds recomputed from what ``gather`` reads back (dequantized for int8)."""
+    keep = min(keep, length)
+    bs, heads, dim = 4, 2, 8
+    opts = PagedOptions(block_size=bs, num_blocks=32, kv_dtype="int8" if int8 else "auto")
+    spec = CacheSpec(num_layers=1, num_kv_heads=heads, head_dim=dim, dtype=dtype, device=torch.device("cpu"),
+                     max_model_len=256)
+    cache = PagedCache(opts, spec, KVLayout("kv", bs, torch.int8 if int8 else dtype, BOUNDS))
+    storage = cache.layer(0)
+    assert isinstance(storage, BoundedInt8KVStorage if int8 else BoundedDenseKVStorage)
+    from tessellm.core.interfaces.sequence import SamplingParams, Sequence
+
+    g = torch.Generator().manual_seed(seed)
+    seq = Sequence("r", list(range(length)), SamplingParams(max_tokens=4))
+
+    def write(start: int, stop: int) -> None:
+        cache.reserve(seq, stop)
+        table = cache.block_table(seq)
+        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(start, stop)], dtype=torch.long)
+        k = (torch.randn(stop - start, heads, dim, generator=g) * 3).to(dtype)
+        storage.store(k, k.clone(), slots)
+        seq.num_computed_tokens = stop
+
+    write(0, length)
+    cache.truncate(seq, keep)
+    seq.num_computed_tokens = keep
+    write(keep, length)
+    kmin, kmax = storage.key_bounds()
+    table = cache.block_table(seq)
+    for n, block in enumerate(table):
+        fill = min(bs, length - n * bs)
+        keys = storage.gather(torch.arange(block * bs, block * bs + fill))[0]
+        assert torch.equal(kmin[block], keys.amin(0)) and torch.equal(kmax[block], keys.amax(0)), (n, fill)
+    cache.truncate(seq, keep)  # an own partial block: its bounds shrink to what it keeps
+    if keep % bs:
+        block, fill = table[keep // bs], keep % bs
+        keys = storage.gather(torch.arange(block * bs, block * bs + fill))[0]
+        assert torch.equal(kmin[block], keys.amin(0)) and torch.equal(kmax[block], keys.amax(0))
+
+
+def test_the_layout_has_bounds_only_when_the_backend_asks():
+    model = CacheSpec(num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"),
+                      max_model_len=64)
+
+    def layout(extras):
+        ctx = SelectionContext(device=torch.device("cpu"), dtype=torch.float32, model=model, options=PagedOptions(),
+                               max_model_len=64, kv_extras=extras)
+        return PagedCache.kv_layout(PagedOptions(), ctx)
+
+    assert layout(frozenset()).extras == frozenset()
+    assert layout(BOUNDS).extras == BOUNDS
+    assert layout(frozenset({"something_else"})).extras == frozenset()  # a cache keeps only what it can
+
+
+def test_the_memory_budget_pays_for_the_bounds():
+    from tessellm.plugins.cache.paged.manager import bytes_per_block
+
+    spec = CacheSpec(num_layers=2, num_kv_heads=3, head_dim=64, dtype=torch.bfloat16, device=torch.device("cpu"),
+                     max_model_len=64)
+    plain = bytes_per_block(spec, 16, torch.bfloat16)
+    bounded = bytes_per_block(spec, 16, torch.bfloat16, torch.bfloat16)
+    assert bounded - plain == 2 * 2 * 3 * 64 * 2  # per layer a min and a max per channel
+    assert bounded / plain == pytest.approx(1 + 1 / 16)  # one block's bounds: 1/block_size of its K/V
