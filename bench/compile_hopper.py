@@ -86,6 +86,22 @@ def decode_launches(int8: bool = False):
     return launches
 
 
+def quest_launches():
+    """QUEST's block scoring and selection for 16 decodes at 32k context (2048 blocks of 16),
+    Llama-3.2-1B's heads, a budget of 128 blocks."""
+    from tessellm.plugins.attention.quest import kernels as quest_kernels
+
+    b, hq, hkv, d, n = 16, 32, 8, 64, 2048
+    q = torch.zeros(b, hq, d, dtype=torch.bfloat16)
+    bounds = torch.zeros(b * n, hkv, d, dtype=torch.bfloat16)
+    tables = torch.arange(b * n).view(b, n)
+    with recorded_launches() as launches:
+        quest_kernels.select_decode_blocks(q, torch.arange(b, dtype=torch.int32), tables,
+                                           torch.full((b,), n, dtype=torch.int32), torch.full((b,), 16 * n, dtype=torch.int32),
+                                           torch.full((b,), 128, dtype=torch.int32), 128, bounds, bounds, 16)
+    return launches
+
+
 def fused_launches():
     x, r, w = torch.zeros(256, 2048, dtype=torch.bfloat16), torch.zeros(256, 2048, dtype=torch.bfloat16), torch.ones(2048)
     qk = torch.zeros(256, 48, 64, dtype=torch.bfloat16)
@@ -122,7 +138,7 @@ def main() -> int:
         head_dims = args.head_dims
     launches = [launch for d in head_dims for packed in (False, True) for launch in prefill_launches(d, shapes, packed)]
     launches += [launch for d in head_dims for launch in prefill_launches(d, shapes, False, int8=True)]
-    launches += decode_launches() + decode_launches(int8=True) + fused_launches()
+    launches += decode_launches() + decode_launches(int8=True) + quest_launches() + fused_launches()
     rows, failed = [], 0
     for kernel, largs, kwargs in launches:
         row = {"launch": describe(kernel, kwargs)}

@@ -45,10 +45,10 @@ class QuestOptions(SdpaOptions):
     first and the newest always among them, even where they alone exceed the budget). A
     context of at most this many tokens runs dense, exactly."""
     kernel: Literal["auto", "torch", "triton"] = "auto"
-    """Sparse decode (one query row) through `flash`'s split-K Triton decode kernel, each KV
-    head reading only its chosen blocks ("triton"; on a CPU only under TRITON_INTERPRET=1),
-    or gathered in torch ("torch"); auto: triton on CUDA, torch elsewhere. Scoring and
-    selection run in torch either way."""
+    """Decodes (one query row) in Triton: block scoring and top-K selection (kernels.py), then
+    `flash`'s split-K decode kernel with each KV head reading only its chosen blocks
+    ("triton"; on a CPU only under TRITON_INTERPRET=1); or all in torch ("torch"); auto:
+    triton on CUDA, torch elsewhere. Speculative verification (several rows) runs in torch."""
     dense_layers: int = Field(2, ge=0)
     """The first layers, which attend densely (QUEST's own default keeps two)."""
     max_query_len: int = Field(16, ge=1)
@@ -73,18 +73,20 @@ class _QuestGroup:
     kv_lens: torch.Tensor
     block_size: int
     num_chosen: torch.Tensor  # [B] blocks each sequence attends
-    kernel: bool  # decodes through the Triton split-K kernel
+    max_chosen: int  # the largest of them
+    num_blocks: torch.Tensor  # [B] int32 blocks each sequence has
+    kernel: bool  # decodes through the Triton kernels
 
     def attend(self, q: torch.Tensor, kv: KVStorage, scale: float, out: torch.Tensor) -> None:
         b, r = self.rows.shape
+        if self.kernel and r == 1:
+            self._decode_kernel(q, kv, scale, out)
+            return
         kmin, kmax = kv.key_bounds()
         hkv = kmin.shape[1]
         query = q[self.rows].view(b, r, hkv, -1, q.shape[-1])  # [B, R, Hkv, G, D]
         scores = block_scores(query, kmin[self.tables], kmax[self.tables])
         index, chosen_ok = select_blocks(scores, self.block_ok, self.forced, self.num_chosen)
-        if self.kernel and r == 1:
-            self._decode_kernel(q, kv, index, chosen_ok, scale, out)
-            return
         bs = self.block_size
         offs = torch.arange(bs, device=q.device)
         blocks = self.tables[:, None, :].expand(b, hkv, -1).gather(-1, index)  # [B, Hkv, K]
@@ -98,26 +100,22 @@ class _QuestGroup:
         o = o.reshape(b, r, -1, q.shape[-1]).to(out.dtype)
         out[self.rows[self.valid_rows]] = o[self.valid_rows]
 
-    def _decode_kernel(self, q: torch.Tensor, kv: KVStorage, index: torch.Tensor, chosen_ok: torch.Tensor,
-                       scale: float, out: torch.Tensor) -> None:
-        """One query row per sequence: `flash`'s split-K decode over per-KV-head tables of the
-        chosen blocks (real ones first, in position order, so the newest, partly filled block
-        is last and each head's length is its chosen blocks' tokens)."""
+    def _decode_kernel(self, q: torch.Tensor, kv: KVStorage, scale: float, out: torch.Tensor) -> None:
+        """One query row per sequence, all in Triton: score and choose blocks (kernels.py),
+        then `flash`'s split-K decode over each KV head's chosen blocks, so only their K/V
+        are read."""
         from tessellm.plugins.attention.flash.decode import paged_decode_attention
+        from tessellm.plugins.attention.quest.kernels import select_decode_blocks
 
-        bs, width = self.block_size, index.shape[-1]
-        order = torch.where(chosen_ok, index, index + width * bs).sort(dim=-1).indices
-        cols, ok = index.gather(-1, order), chosen_ok.gather(-1, order)
-        count = ok.sum(dim=-1)  # [B, Hkv]
-        blocks = self.tables[:, None, :].expand(-1, cols.shape[1], -1).gather(-1, cols)
-        newest = cols.gather(-1, (count - 1)[..., None]).squeeze(-1)
-        lengths = (count - 1) * bs + (self.kv_lens[:, None] - newest * bs)
+        kmin, kmax = kv.key_bounds()
+        q = q if q.is_contiguous() else q.contiguous()
+        rows = self.rows[:, 0].to(torch.int32)
+        blocks, lengths = select_decode_blocks(q, rows, self.tables, self.num_blocks, self.kv_lens, self.num_chosen,
+                                               self.max_chosen, kmin, kmax, self.block_size)
         k_cache, v_cache = kv.kv_tensors()
         k_scale, v_scale = kv.kv_scales() if k_cache.dtype == torch.int8 else (None, None)
-        paged_decode_attention(q if q.is_contiguous() else q.contiguous(), k_cache, v_cache, out,
-                               self.rows[:, 0].to(torch.int32), blocks.to(torch.int32).contiguous(),
-                               lengths.to(torch.int32).contiguous(), width * bs, scale, bs,
-                               k_scale=k_scale, v_scale=v_scale)
+        paged_decode_attention(q, k_cache, v_cache, out, rows, blocks, lengths, blocks.shape[-1] * self.block_size,
+                               scale, self.block_size, k_scale=k_scale, v_scale=v_scale)
 
 
 def _in_prompt(batch: BatchMetadata, i: int) -> bool:
@@ -201,8 +199,9 @@ class QuestAttention(SdpaAttention):
         rows = torch.tensor([qsl[i] for i in members])[:, None] + torch.minimum(r, q_lens[:, None] - 1)
         q_pos = (kv_lens - q_lens)[:, None] + torch.minimum(r, q_lens[:, None] - 1)
         return _QuestGroup(rows.to(device), (r < q_lens[:, None]).to(device), q_pos.to(device), tables.to(device),
-                           block_ok.to(device), forced.to(device), kv_lens.to(device), bs, chosen.to(device),
-                           self._use_kernel())
+                           block_ok.to(device), forced.to(device), kv_lens.to(torch.int32).to(device), bs,
+                           chosen.to(torch.int32).to(device), int(chosen.max()),
+                           num_blocks.to(torch.int32).to(device), self._use_kernel())
 
     def _use_kernel(self) -> bool:
         if self.options.kernel == "auto":

@@ -180,6 +180,36 @@ def test_the_triton_decode_reads_the_chosen_blocks_as_the_torch_path_does(kv_len
     assert (outs[0].float() - outs[1].float()).abs().max() <= tol
 
 
+@settings(max_examples=15)
+@given(st.lists(st.integers(9, 90), min_size=1, max_size=3), st.sampled_from([(4, 2), (8, 1), (2, 2)]),
+       st.sampled_from([4, 8, 24]), st.integers(0, 2**16))
+def test_the_triton_scoring_and_selection_choose_what_torch_chooses(kv_lens, heads, budget, seed):
+    """For decodes, the Triton score and select kernels pick, per KV head, the blocks the
+    torch reference picks (``block_scores`` then ``select_blocks``), hand them over in
+    position order, and give each head's token count."""
+    from tessellm.plugins.attention.quest.kernels import select_decode_blocks
+
+    case = bounded_case(kv_lens, [1] * len(kv_lens), heads=heads, seed=seed)
+    backend = quest(budget, kernel="triton")
+    backend.forward(4, case.q, case.k_new, case.v_new, case.storage, backend.plan(case.batch, None))  # stores
+    group = backend.plan(case.batch, None).sparse.groups[0]
+    if not hasattr(group, "num_chosen"):
+        return  # every context within the budget: nothing sparse
+    kmin, kmax = case.storage.key_bounds()
+    b, hkv = group.rows.shape[0], heads[1]
+    query = case.q[group.rows].view(b, 1, hkv, -1, 16)
+    index, ok = select_blocks(block_scores(query, kmin[group.tables], kmax[group.tables]), group.block_ok,
+                              group.forced, group.num_chosen)
+    blocks, lengths = select_decode_blocks(case.q, group.rows[:, 0].to(torch.int32), group.tables, group.num_blocks,
+                                           group.kv_lens, group.num_chosen, group.max_chosen, kmin, kmax, 4)
+    for i in range(b):
+        for h in range(hkv):
+            expected = group.tables[i][index[i, h][ok[i, h]]].tolist()
+            count = len(expected)
+            assert blocks[i, h, :count].tolist() == expected, (i, h)  # position order, the same blocks
+            assert lengths[i, h].item() == (count - 1) * 4 + int(group.kv_lens[i]) - (int(group.num_blocks[i]) - 1) * 4
+
+
 def test_dense_layers_and_long_chunks_run_dense():
     """Layers below ``dense_layers`` attend densely even beyond the budget; so does a query
     longer than ``max_query_len`` (a prefill chunk)."""
