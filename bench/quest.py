@@ -5,7 +5,8 @@ What it measures: the time of one decode step's attention (storing the new token
 then attending) for a batch of sequences of one context length, Llama-3.2-1B's attention
 shape (32 query heads, 8 KV heads, head dim 64), block size 16:
 
-- ``dense``: `sdpa` over the whole context (the reference QUEST falls back to);
+- ``dense``: `sdpa` over the whole context (the reference QUEST falls back to); on CUDA
+  also ``flash``, `flash`'s split-K decode over the whole context (``speedup_vs_flash_*``);
 - ``quest``: `quest` at each token budget: score every block from its key bounds, take the
   top-K, attend over the chosen blocks only (``--kernel``: on CUDA by default the sparse
   decode runs in `flash`'s split-K Triton kernel over per-head tables of the chosen blocks;
@@ -23,6 +24,7 @@ How to run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import sys
@@ -73,11 +75,19 @@ def point(context: int, batch: int, budgets: list[int], dtype: torch.dtype, devi
           kernel: str) -> dict:
     case, storage = bounded_case(context, batch, dtype, device, seed=0)
     q, k, v = (t.to(device) for t in (case.q, case.k_new, case.v_new))
-    batch_meta = case.batch
+    batch_meta = dataclasses.replace(case.batch, **{f.name: getattr(case.batch, f.name).to(device)
+                                                    for f in dataclasses.fields(case.batch)
+                                                    if isinstance(getattr(case.batch, f.name), torch.Tensor)})
     dense = SdpaAttention(SdpaOptions(), ref.model_stub(HEAD_DIM), device, dtype)
     dense_plan = dense.plan(batch_meta, None)
     out = {"context": context, "batch": batch, "kernel": kernel,
            "dense_ms": round(1e3 * timed(lambda: dense.forward(5, q, k, v, storage, dense_plan), device, reps), 3)}
+    if device.type == "cuda":  # the fast dense decode: flash's split-K kernel over the whole context
+        from tessellm.plugins.attention.flash import FlashAttention, FlashOptions
+
+        flash = FlashAttention(FlashOptions(), ref.model_stub(HEAD_DIM), device, dtype)
+        flash_plan = flash.plan(batch_meta, None)
+        out["flash_ms"] = round(1e3 * timed(lambda: flash.forward(5, q, k, v, storage, flash_plan), device, reps), 3)
     for budget in budgets:
         quest = QuestAttention(QuestOptions(token_budget=budget, dense_layers=0, kernel=kernel),
                                ref.model_stub(HEAD_DIM), device, dtype)
@@ -85,6 +95,8 @@ def point(context: int, batch: int, budgets: list[int], dtype: torch.dtype, devi
         ms = 1e3 * timed(lambda: quest.forward(5, q, k, v, storage, plan), device, reps)
         out[f"quest_{budget}_ms"] = round(ms, 3)
         out[f"speedup_{budget}"] = round(out["dense_ms"] / ms, 2)
+        if "flash_ms" in out:
+            out[f"speedup_vs_flash_{budget}"] = round(out["flash_ms"] / ms, 2)
         plan_ms = 1e3 * timed(lambda: quest.plan(batch_meta, None), device, reps)
         out[f"quest_{budget}_plan_ms"] = round(plan_ms, 3)  # host planning per step, shared by all layers
     return out

@@ -137,12 +137,18 @@ class FlashAttention(AttentionBackend):
         return reasons
 
     def plan(self, batch: BatchMetadata, cache: CacheManager) -> FlashPlan:
+        return self.plan_members(batch, range(batch.num_seqs))
+
+    def plan_members(self, batch: BatchMetadata, members) -> FlashPlan:
+        """The plan for the batch's sequences ``members`` only: ``attend`` then writes their
+        rows alone (for a backend, such as `quest`, that attends the others itself)."""
         qsl = [0]
         for n in batch.query_lens_cpu:
             qsl.append(qsl[-1] + n)
         split = self.options.split_decode
-        decodes = [i for i, n in enumerate(batch.query_lens_cpu) if n == 1 and split]
-        others = [i for i, n in enumerate(batch.query_lens_cpu) if not (n == 1 and split)]
+        lens = batch.query_lens_cpu
+        decodes = [i for i in members if lens[i] == 1 and split]
+        others = [i for i in members if not (lens[i] == 1 and split)]
         return FlashPlan(batch.slot_mapping, _Seqs.of(batch, decodes, qsl) if decodes else None,
                          _Seqs.of(batch, others, qsl) if others else None, batch.block_size)
 
@@ -169,7 +175,7 @@ class FlashAttention(AttentionBackend):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: KVStorage, plan: FlashPlan) -> torch.Tensor:
         kv.store(k, v, plan.slot_mapping)
-        return self._attend(q.contiguous(), k, v, kv, plan)
+        return self.attend(q.contiguous(), k, v, kv, plan)
 
     def forward_rotary(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                        sin: torch.Tensor, kv: KVStorage, plan: FlashPlan) -> torch.Tensor:
@@ -179,16 +185,18 @@ class FlashAttention(AttentionBackend):
 
         k_cache, v_cache = kv.kv_tensors()
         q = rope_store(q, k, v, cos, sin, k_cache, v_cache, plan.slot_mapping, *_scales(kv))
-        return self._attend(q, k, v, kv, plan)
+        return self.attend(q, k, v, kv, plan)
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVStorage,
-                plan: FlashPlan) -> torch.Tensor:
-        """Attention over the cache, the step's k, v already stored; q contiguous."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVStorage, plan: FlashPlan,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention over the cache for the plan's sequences, the step's k, v already stored;
+        q contiguous. Their rows are written into ``out`` (a new tensor if None), others'
+        rows are left as they are."""
         # late: Triton reads TRITON_INTERPRET when the kernels are defined
         from tessellm.plugins.attention.flash.decode import paged_decode_attention
         from tessellm.plugins.attention.flash.prefill import paged_flash_attention
 
-        out = torch.empty_like(q)
+        out = torch.empty_like(q) if out is None else out
         o = self.options
         k_cache, v_cache = kv.kv_tensors()
         k_scale, v_scale = _scales(kv)

@@ -3,8 +3,8 @@
 
 Per step and layer:
 - prompts and prompt chunks (however short), query runs longer than ``max_query_len`` and
-  every sequence whose context fits the token budget run dense, through `sdpa` (this
-  backend extends it), exactly;
+  every sequence whose context fits the token budget run dense, exactly, through
+  ``dense_backend``: `sdpa` (which this backend extends) or `flash`'s Triton kernels;
 - the first ``dense_layers`` layers run dense for every sequence;
 - any other sequence (a decode, a speculative verification of k drafts, the recomputed
   outputs of a resumed sequence in runs of at most ``max_query_len``) attends sparsely: its blocks are scored per KV head by the upper
@@ -24,7 +24,7 @@ import importlib.util
 import os
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from pydantic import Field
@@ -49,6 +49,10 @@ class QuestOptions(SdpaOptions):
     `flash`'s split-K decode kernel with each KV head reading only its chosen blocks
     ("triton"; on a CPU only under TRITON_INTERPRET=1); or all in torch ("torch"); auto:
     triton on CUDA, torch elsewhere. Speculative verification (several rows) runs in torch."""
+    dense_backend: Literal["auto", "sdpa", "flash"] = "auto"
+    """What attends densely (prompts, contexts within the budget, the first layers): `sdpa`,
+    or `flash`'s Triton kernels (on a CPU only under TRITON_INTERPRET=1); auto: flash on
+    CUDA, sdpa elsewhere."""
     dense_layers: int = Field(2, ge=0)
     """The first layers, which attend densely (QUEST's own default keeps two)."""
     max_query_len: int = Field(16, ge=1)
@@ -118,6 +122,12 @@ class _QuestGroup:
                                scale, self.block_size, k_scale=k_scale, v_scale=v_scale)
 
 
+def _dense_is_flash(options: QuestOptions, device: torch.device) -> bool:
+    if options.dense_backend == "auto":
+        return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    return options.dense_backend == "flash"
+
+
 def _in_prompt(batch: BatchMetadata, i: int) -> bool:
     """Whether sequence ``i``'s query rows are (a chunk of) its prompt: prefill runs dense."""
     return bool(batch.seqs) and batch.seq_lens_cpu[i] <= batch.seqs[i].num_prompt_tokens
@@ -125,18 +135,22 @@ def _in_prompt(batch: BatchMetadata, i: int) -> bool:
 
 @dataclass
 class QuestPlan:
-    """The step's dense plan (the first ``dense_layers`` layers) and sparse plan (the rest)."""
+    """The step's dense plan (the first ``dense_layers`` layers) and sparse plan (the rest).
+    With `flash` attending densely, ``dense`` is its plan for the whole batch and ``rest``
+    its plan for the sequences the sparse group leaves (None: none), beside ``group``."""
 
-    dense: SdpaPlan
-    sparse: SdpaPlan
+    dense: Any
+    sparse: SdpaPlan | None = None
+    rest: Any = None
+    group: _QuestGroup | None = None
 
 
 class QuestAttention(SdpaAttention):
     """QUEST sparse decode attention over per-block key bounds; dense (`sdpa`) elsewhere.
 
-    Contract: for every sequence whose context fits ``token_budget``, for prefill chunks
-    longer than ``max_query_len`` and in the first ``dense_layers`` layers it equals `sdpa`
-    (exact); otherwise it is approximate by design: each query attends only its chosen
+    Contract: for every sequence whose context fits ``token_budget``, for prompts, for runs
+    longer than ``max_query_len`` and in the first ``dense_layers`` layers it equals its
+    dense backend (`sdpa` or `flash`: exact); otherwise it is approximate by design: each query attends only its chosen
     blocks, and equals the reference attention restricted to them. Needs the cache's
     "key_bounds" (the `paged` cache keeps them when this backend is named). No sliding
     windows (a window already bounds the context).
@@ -156,6 +170,12 @@ class QuestAttention(SdpaAttention):
         reasons = super().unsupported_reasons(ctx)
         if getattr(ctx.model, "sliding_window", None):
             reasons.append("sliding-window models are not supported (the window already bounds each query's keys)")
+        if _dense_is_flash(ctx.options, ctx.device):
+            from tessellm.plugins.attention.flash import FlashAttention, FlashOptions
+
+            flash_ctx = SelectionContext(device=ctx.device, dtype=ctx.dtype, model=ctx.model, options=FlashOptions(),
+                                         max_model_len=ctx.max_model_len, kv_layout=ctx.kv_layout)
+            reasons += [f"dense_backend flash: {r}" for r in FlashAttention.unsupported_reasons(flash_ctx)]
         if ctx.options.kernel == "triton":
             if importlib.util.find_spec("triton") is None:
                 reasons.append("kernel: triton needs triton, which is not installed")
@@ -163,7 +183,17 @@ class QuestAttention(SdpaAttention):
                 reasons.append("kernel: triton runs on a CPU only under TRITON_INTERPRET=1 (slow; for testing)")
         return reasons
 
+    def __init__(self, options: QuestOptions, model, device: torch.device, dtype: torch.dtype):
+        super().__init__(options, model, device, dtype)
+        self.flash = None
+        if _dense_is_flash(options, device):
+            from tessellm.plugins.attention.flash import FlashAttention, FlashOptions
+
+            self.flash = FlashAttention(FlashOptions(), model, device, dtype)
+
     def plan(self, batch: BatchMetadata, cache: CacheManager) -> QuestPlan:
+        if self.flash is not None:
+            return self._flash_plan(batch, cache)
         dense = super().plan(batch, cache)
         device = batch.input_ids.device
         bs = batch.block_size
@@ -171,15 +201,36 @@ class QuestAttention(SdpaAttention):
         qsl = [0]
         for n in batch.query_lens_cpu:
             qsl.append(qsl[-1] + n)
-        sparse = [i for i in range(batch.num_seqs)
-                  if batch.query_lens_cpu[i] <= self.options.max_query_len and not _in_prompt(batch, i)
-                  and -(-batch.seq_lens_cpu[i] // bs) > num_chosen and batch.seq_lens_cpu[i] > self.options.token_budget]
+        sparse = self._sparse_members(batch)
         if not sparse:
             return QuestPlan(dense, dense)
         chosen = set(sparse)
         rest = self._groups(batch, [i for i in range(batch.num_seqs) if i not in chosen], qsl)
         group = self._quest_group(batch, sparse, qsl, num_chosen, device)
         return QuestPlan(dense, SdpaPlan(batch.slot_mapping, [group, *rest]))
+
+    def _sparse_members(self, batch: BatchMetadata) -> list[int]:
+        """The sequences that attend sparsely this step (past their prompt, a short query run,
+        a context beyond the budget)."""
+        bs = batch.block_size
+        num_chosen = max(self.options.token_budget // bs, 1)
+        return [i for i in range(batch.num_seqs)
+                if batch.query_lens_cpu[i] <= self.options.max_query_len and not _in_prompt(batch, i)
+                and -(-batch.seq_lens_cpu[i] // bs) > num_chosen and batch.seq_lens_cpu[i] > self.options.token_budget]
+
+    def _flash_plan(self, batch: BatchMetadata, cache: CacheManager) -> QuestPlan:
+        dense = self.flash.plan(batch, cache)
+        sparse = self._sparse_members(batch)
+        if not sparse:
+            return QuestPlan(dense)
+        qsl = [0]
+        for n in batch.query_lens_cpu:
+            qsl.append(qsl[-1] + n)
+        chosen = set(sparse)
+        others = [i for i in range(batch.num_seqs) if i not in chosen]
+        num_chosen = max(self.options.token_budget // batch.block_size, 1)
+        return QuestPlan(dense, None, self.flash.plan_members(batch, others) if others else None,
+                         self._quest_group(batch, sparse, qsl, num_chosen, batch.input_ids.device))
 
     def _quest_group(self, batch: BatchMetadata, members: list[int], qsl: list[int], num_chosen: int,
                      device: torch.device) -> _QuestGroup:
@@ -210,5 +261,16 @@ class QuestAttention(SdpaAttention):
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: KVStorage, plan: QuestPlan) -> torch.Tensor:
-        return super().forward(layer, q, k, v, kv, plan.dense if layer < self.options.dense_layers else plan.sparse)
+        dense = layer < self.options.dense_layers
+        if self.flash is None:
+            return super().forward(layer, q, k, v, kv, plan.dense if dense or plan.sparse is None else plan.sparse)
+        kv.store(k, v, plan.dense.slot_mapping)  # through the storage: it keeps the key bounds
+        q = q.contiguous()
+        if dense or plan.group is None:
+            return self.flash.attend(q, k, v, kv, plan.dense)
+        out = torch.empty_like(q)
+        if plan.rest is not None:
+            self.flash.attend(q, k, v, kv, plan.rest, out)
+        plan.group.attend(q, kv, self.scale, out)
+        return out
 

@@ -66,9 +66,10 @@ def test_selection_keeps_forced_blocks_then_the_best(num_blocks, num_chosen, see
 
 
 def quest(budget: int, head_dim: int = 16, dense_layers: int = 0, max_query_len: int = 16, kernel: str = "torch",
-          dtype: torch.dtype = torch.float32) -> QuestAttention:
+          dtype: torch.dtype = torch.float32, dense_backend: str = "sdpa") -> QuestAttention:
     return QuestAttention(QuestOptions(token_budget=budget, dense_layers=dense_layers, max_query_len=max_query_len,
-                                       kernel=kernel), ref.model_stub(head_dim), torch.device("cpu"), dtype)
+                                       kernel=kernel, dense_backend=dense_backend),
+                          ref.model_stub(head_dim), torch.device("cpu"), dtype)
 
 
 def bounded_case(kv_lens, q_lens, heads=(4, 2), head_dim=16, block_size=4, seed=0, dtype=torch.float32):
@@ -210,6 +211,25 @@ def test_the_triton_scoring_and_selection_choose_what_torch_chooses(kv_lens, hea
             assert lengths[i, h].item() == (count - 1) * 4 + int(group.kv_lens[i]) - (int(group.num_blocks[i]) - 1) * 4
 
 
+@settings(max_examples=10)
+@given(st.lists(st.integers(1, 70), min_size=1, max_size=4), st.sampled_from([4, 8, 24]), st.integers(0, 2**16),
+       st.data())
+def test_flash_as_the_dense_backend_gives_the_sdpa_backends_output(kv_lens, budget, seed, data):
+    """``dense_backend: flash`` (interpreted here): mixed batches of prompts, chunks, decodes
+    and verifications, within and beyond the budget, dense and sparse layers: the output of
+    the `sdpa`-backed configuration, to float32 rounding."""
+    q_lens = [data.draw(st.sampled_from([1, n, min(3, n)])) for n in kv_lens]
+    layer = data.draw(st.sampled_from([0, 3]))
+    outs = []
+    for dense_backend, kernel in (("sdpa", "torch"), ("flash", "triton")):
+        case = bounded_case(kv_lens, q_lens, seed=seed)
+        backend = quest(budget, dense_layers=2, kernel=kernel, dense_backend=dense_backend)
+        outs.append(backend.forward(layer, case.q, case.k_new, case.v_new, case.storage,
+                                    backend.plan(case.batch, None)))
+        ref.assert_stored(case)
+    assert (outs[0] - outs[1]).abs().max() <= 2e-5
+
+
 def test_dense_layers_and_long_chunks_run_dense():
     """Layers below ``dense_layers`` attend densely even beyond the budget; so does a query
     longer than ``max_query_len`` (a prefill chunk)."""
@@ -278,18 +298,19 @@ def test_whole_model_beyond_the_budget_runs_and_frees_every_block(cpu_config, ti
 
 
 def test_whole_model_triton_decode_gives_the_torch_paths_tokens(cpu_config, tiny_model):
-    """Beyond the budget, the sparse decode through the Triton kernel (interpreted here) and
-    through torch give the same greedy tokens."""
+    """Beyond the budget, the Triton path (scoring, selection, sparse decode, and `flash`
+    attending densely; interpreted here) and the torch path (`sdpa` dense) give the same
+    greedy tokens."""
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (60, 37)]
     params = {"max_tokens": 5, "ignore_eos": True}
 
-    def tokens(kernel):
+    def tokens(kernel, dense_backend):
         from tessellm import LLM
 
         llm = LLM(cpu_config(tiny_model("llama"), attention={"name": "quest", "options": {
-            "token_budget": 8, "dense_layers": 1, "kernel": kernel}},
+            "token_budget": 8, "dense_layers": 1, "kernel": kernel, "dense_backend": dense_backend}},
             cache={"name": "paged", "options": {"block_size": 4, "num_blocks": 256}}))
         return [o.token_ids for o in llm.generate(prompts, params)]
 
-    assert tokens("triton") == tokens("torch")
+    assert tokens("triton", "flash") == tokens("torch", "sdpa")
