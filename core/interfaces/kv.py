@@ -94,9 +94,9 @@ class KVStorage(ABC):
     def key_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """For layouts with the "key_bounds" extra (plugin API 1.3): per block, the elementwise
         minimum and maximum of the keys it holds, two [num_blocks, num_kv_heads, head_dim]
-        tensors in the dtype ``gather`` returns, indexed by block id. Exact for every block over
-        the tokens written to it (and not since truncated away); a block's bounds are current
-        after each ``store``. Storage without them raises TypeError."""
+        tensors in the dtype ``gather`` returns, indexed by block id, current after each
+        ``store``. A full block's bounds are exactly those of its keys; a partly filled block's
+        contain the keys of every sequence holding it. Storage without them raises TypeError."""
         raise TypeError(f"{type(self).__name__} keeps no key bounds (layout {self.layout}); an attention "
                         f"backend that needs them lists 'key_bounds' in its kv_extras")
 

@@ -175,24 +175,27 @@ def _paged_flash_fwd(
         lo = tl.maximum(first_pos - WINDOW + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
         for start in range(lo, hi, BLOCK_N):
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, KScale, VScale, BlockTables, start, seq, kv_head, kv_len,
-                                         q_pos, scale_log2, stride_kt, stride_kh, stride_st, stride_sh, stride_bt, offs_d, True, WINDOW, KV_BLOCK, PAD_D,
-                                         HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST, QUANT, COMPUTE)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, KScale, VScale, BlockTables, start, seq, kv_head,
+                                         kv_len, q_pos, scale_log2, stride_kt, stride_kh, stride_st, stride_sh,
+                                         stride_bt, offs_d, True, WINDOW, KV_BLOCK, PAD_D, HEAD_DIM, BLOCK_N, FP32_DOT,
+                                         UPCAST, QUANT, COMPUTE)
     elif PACKED:
         full = ((first_pos + 1) // BLOCK_N) * BLOCK_N
         ctx0 = kv_len - q_len  # the step's first new position
         split = tl.cdiv(ctx0, BLOCK_N) * BLOCK_N  # the first key tile wholly among the new tokens
         for start in range(0, tl.minimum(full, split), BLOCK_N):
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, KScale, VScale, BlockTables, start, seq, kv_head, kv_len,
-                                         q_pos, scale_log2, stride_kt, stride_kh, stride_st, stride_sh, stride_bt, offs_d, False, WINDOW, KV_BLOCK, PAD_D,
-                                         HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST, QUANT, COMPUTE)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, KScale, VScale, BlockTables, start, seq, kv_head,
+                                         kv_len, q_pos, scale_log2, stride_kt, stride_kh, stride_st, stride_sh,
+                                         stride_bt, offs_d, False, WINDOW, KV_BLOCK, PAD_D, HEAD_DIM, BLOCK_N, FP32_DOT,
+                                         UPCAST, QUANT, COMPUTE)
         for start in range(split, full, BLOCK_N):
             acc, l_i, m_i = _attend_packed_tile(acc, l_i, m_i, q, KNew, VNew, start, q_start, ctx0, kv_head, kv_len,
                                                 q_pos, scale_log2, False, HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST)
         for start in range(full, tl.minimum(hi, tl.maximum(full, split)), BLOCK_N):
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, KScale, VScale, BlockTables, start, seq, kv_head, kv_len,
-                                         q_pos, scale_log2, stride_kt, stride_kh, stride_st, stride_sh, stride_bt, offs_d, True, WINDOW, KV_BLOCK, PAD_D,
-                                         HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST, QUANT, COMPUTE)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, KScale, VScale, BlockTables, start, seq, kv_head,
+                                         kv_len, q_pos, scale_log2, stride_kt, stride_kh, stride_st, stride_sh,
+                                         stride_bt, offs_d, True, WINDOW, KV_BLOCK, PAD_D, HEAD_DIM, BLOCK_N, FP32_DOT,
+                                         UPCAST, QUANT, COMPUTE)
         for start in range(tl.maximum(full, split), hi, BLOCK_N):
             acc, l_i, m_i = _attend_packed_tile(acc, l_i, m_i, q, KNew, VNew, start, q_start, ctx0, kv_head, kv_len,
                                                 q_pos, scale_log2, True, HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST)
@@ -200,13 +203,15 @@ def _paged_flash_fwd(
         # key tiles wholly at or before the first row's position are seen in full by every row
         full = ((first_pos + 1) // BLOCK_N) * BLOCK_N
         for start in range(0, full, BLOCK_N):
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, KScale, VScale, BlockTables, start, seq, kv_head, kv_len,
-                                         q_pos, scale_log2, stride_kt, stride_kh, stride_st, stride_sh, stride_bt, offs_d, False, WINDOW, KV_BLOCK, PAD_D,
-                                         HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST, QUANT, COMPUTE)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, KScale, VScale, BlockTables, start, seq, kv_head,
+                                         kv_len, q_pos, scale_log2, stride_kt, stride_kh, stride_st, stride_sh,
+                                         stride_bt, offs_d, False, WINDOW, KV_BLOCK, PAD_D, HEAD_DIM, BLOCK_N, FP32_DOT,
+                                         UPCAST, QUANT, COMPUTE)
         for start in range(full, hi, BLOCK_N):
-            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, KScale, VScale, BlockTables, start, seq, kv_head, kv_len,
-                                         q_pos, scale_log2, stride_kt, stride_kh, stride_st, stride_sh, stride_bt, offs_d, True, WINDOW, KV_BLOCK, PAD_D,
-                                         HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST, QUANT, COMPUTE)
+            acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, KScale, VScale, BlockTables, start, seq, kv_head,
+                                         kv_len, q_pos, scale_log2, stride_kt, stride_kh, stride_st, stride_sh,
+                                         stride_bt, offs_d, True, WINDOW, KV_BLOCK, PAD_D, HEAD_DIM, BLOCK_N, FP32_DOT,
+                                         UPCAST, QUANT, COMPUTE)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=q_mask)

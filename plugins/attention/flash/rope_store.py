@@ -91,7 +91,8 @@ def _rope_store_kernel(Q, K, V, Cos, Sin, QOut, KCache, VCache, KScale, VScale, 
     r2 = (x2 * c2 + x1 * s2).to(K.dtype.element_ty)
     tl.store(src, r1, mask=ok)  # rotated in place too: a prefill reads its new keys from these rows
     tl.store(src + HALF, r2, mask=ok)
-    _store_heads(KCache, KScale, slot, hk, d, r1, r2, ok, hk < HKV, stride_cs, stride_ch, stride_ss, stride_sh, HALF, QUANT)
+    _store_heads(KCache, KScale, slot, hk, d, r1, r2, ok, hk < HKV, stride_cs, stride_ch, stride_ss, stride_sh, HALF,
+                 QUANT)
     src = V + t * stride_vt + hk * stride_vh + d[None, :]
     _store_heads(VCache, VScale, slot, hk, d, tl.load(src, mask=ok, other=0.0), tl.load(src + HALF, mask=ok, other=0.0),
                  ok, hk < HKV, stride_cs, stride_ch, stride_ss, stride_sh, HALF, QUANT)

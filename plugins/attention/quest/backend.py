@@ -7,10 +7,11 @@ Per step and layer:
   ``dense_backend``: `sdpa` (which this backend extends) or `flash`'s Triton kernels;
 - the first ``dense_layers`` layers run dense for every sequence;
 - any other sequence (a decode, a speculative verification of k drafts, the recomputed
-  outputs of a resumed sequence in runs of at most ``max_query_len``) attends sparsely: its blocks are scored per KV head by the upper
-  bound of q . k that their key bounds give (select.py), and each KV head attends over its
-  own chosen blocks only: the first block, the blocks holding the step's query positions
-  (the newest), and the best-scored others, ``token_budget // block_size`` blocks in all.
+  outputs of a resumed sequence in runs of at most ``max_query_len``) attends sparsely: its
+  blocks are scored per KV head by the upper bound of q . k that their key bounds give
+  (select.py; kernels.py on CUDA), and each KV head attends over its own chosen blocks only:
+  the first block, the blocks holding the step's query positions (the newest), and the
+  best-scored others, ``token_budget // block_size`` blocks in all.
 
 All query rows of one sequence see the same chosen blocks, scored by the largest bound over
 those rows and the KV head's query heads, each row under its causal mask; a speculative
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -146,14 +146,14 @@ class QuestPlan:
 
 
 class QuestAttention(SdpaAttention):
-    """QUEST sparse decode attention over per-block key bounds; dense (`sdpa`) elsewhere.
+    """QUEST sparse decode attention over per-block key bounds; dense attention elsewhere.
 
     Contract: for every sequence whose context fits ``token_budget``, for prompts, for runs
     longer than ``max_query_len`` and in the first ``dense_layers`` layers it equals its
-    dense backend (`sdpa` or `flash`: exact); otherwise it is approximate by design: each query attends only its chosen
-    blocks, and equals the reference attention restricted to them. Needs the cache's
-    "key_bounds" (the `paged` cache keeps them when this backend is named). No sliding
-    windows (a window already bounds the context).
+    dense backend (`sdpa` or `flash`: exact); otherwise it is approximate by design: each
+    query attends only its chosen blocks, and equals the reference attention restricted to
+    them. Needs the cache's "key_bounds" (the `paged` cache keeps them when this backend is
+    named). No sliding windows (a window already bounds the context).
     """
 
     name = "quest"
@@ -196,8 +196,6 @@ class QuestAttention(SdpaAttention):
             return self._flash_plan(batch, cache)
         dense = super().plan(batch, cache)
         device = batch.input_ids.device
-        bs = batch.block_size
-        num_chosen = max(self.options.token_budget // bs, 1)  # blocks per sparse query
         qsl = [0]
         for n in batch.query_lens_cpu:
             qsl.append(qsl[-1] + n)
@@ -206,17 +204,21 @@ class QuestAttention(SdpaAttention):
             return QuestPlan(dense, dense)
         chosen = set(sparse)
         rest = self._groups(batch, [i for i in range(batch.num_seqs) if i not in chosen], qsl)
-        group = self._quest_group(batch, sparse, qsl, num_chosen, device)
+        group = self._quest_group(batch, sparse, qsl, device)
         return QuestPlan(dense, SdpaPlan(batch.slot_mapping, [group, *rest]))
+
+    def _budget_blocks(self, block_size: int) -> int:
+        """Blocks each sparse query attends (before forced blocks beyond the budget)."""
+        return max(self.options.token_budget // block_size, 1)
 
     def _sparse_members(self, batch: BatchMetadata) -> list[int]:
         """The sequences that attend sparsely this step (past their prompt, a short query run,
         a context beyond the budget)."""
         bs = batch.block_size
-        num_chosen = max(self.options.token_budget // bs, 1)
         return [i for i in range(batch.num_seqs)
                 if batch.query_lens_cpu[i] <= self.options.max_query_len and not _in_prompt(batch, i)
-                and -(-batch.seq_lens_cpu[i] // bs) > num_chosen and batch.seq_lens_cpu[i] > self.options.token_budget]
+                and -(-batch.seq_lens_cpu[i] // bs) > self._budget_blocks(bs)
+                and batch.seq_lens_cpu[i] > self.options.token_budget]
 
     def _flash_plan(self, batch: BatchMetadata, cache: CacheManager) -> QuestPlan:
         dense = self.flash.plan(batch, cache)
@@ -228,11 +230,10 @@ class QuestAttention(SdpaAttention):
             qsl.append(qsl[-1] + n)
         chosen = set(sparse)
         others = [i for i in range(batch.num_seqs) if i not in chosen]
-        num_chosen = max(self.options.token_budget // batch.block_size, 1)
         return QuestPlan(dense, None, self.flash.plan_members(batch, others) if others else None,
-                         self._quest_group(batch, sparse, qsl, num_chosen, batch.input_ids.device))
+                         self._quest_group(batch, sparse, qsl, batch.input_ids.device))
 
-    def _quest_group(self, batch: BatchMetadata, members: list[int], qsl: list[int], num_chosen: int,
+    def _quest_group(self, batch: BatchMetadata, members: list[int], qsl: list[int],
                      device: torch.device) -> _QuestGroup:
         bs = batch.block_size
         q_lens = torch.tensor([batch.query_lens_cpu[i] for i in members])
@@ -245,7 +246,7 @@ class QuestAttention(SdpaAttention):
         tables = torch.where(block_ok, tables, tables[:, :1])
         first_query_block = (kv_lens - q_lens) // bs
         forced = block_ok & ((col == 0) | (col >= first_query_block[:, None]))
-        chosen = forced.sum(dim=1).clamp(min=num_chosen)  # forced blocks beyond the budget stay
+        chosen = forced.sum(dim=1).clamp(min=self._budget_blocks(bs))  # forced blocks beyond the budget stay
         r = torch.arange(rows_max)[None, :]
         rows = torch.tensor([qsl[i] for i in members])[:, None] + torch.minimum(r, q_lens[:, None] - 1)
         q_pos = (kv_lens - q_lens)[:, None] + torch.minimum(r, q_lens[:, None] - 1)

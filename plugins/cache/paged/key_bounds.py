@@ -10,6 +10,12 @@ that reads at most one block's tokens per written block (decode: one block per s
 
 Copy-on-write copies a block's bounds with its tokens; ``refresh_bounds`` recomputes a
 block that a truncation left partly filled (the manager calls it for blocks it owns alone).
+So every full block's bounds are exactly those of its keys, and stay so under prefix
+sharing, forks, rollback and preemption (tests/plugins/cache/paged/test_key_bounds.py). A
+partly filled block that several sequences hold and one of them truncated keeps bounds
+over the longest holder's keys until it is written again: they still contain every
+holder's keys, and a partly filled block is always its holder's newest, which QUEST
+attends whatever its score.
 """
 
 from __future__ import annotations
