@@ -40,18 +40,20 @@ def _score_kernel(Q, Rows, Tables, NumBlocks, KMin, KMax, Scores,
     d_ok = offs_d < HEAD_DIM
     row = tl.load(Rows + seq)
     q = tl.load(Q + row * stride_qt + (kv_head * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
-                mask=g_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                mask=g_ok[:, None] & d_ok[None, :], other=0.0)
     num_blocks = tl.load(NumBlocks + seq)
     col_ok = cols < num_blocks
     block = tl.load(Tables + seq * stride_tb + cols, mask=col_ok, other=0).to(tl.int64)
     ptr = block[:, None] * stride_bb + kv_head * stride_bh + offs_d[None, :]
-    hi = tl.load(KMax + ptr, mask=col_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    lo = tl.load(KMin + ptr, mask=col_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    if FP32_DOT:
+    hi = tl.load(KMax + ptr, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+    lo = tl.load(KMin + ptr, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+    if FP32_DOT:  # float32 models, and the interpreter (it cannot multiply bfloat16)
+        q, hi, lo = q.to(tl.float32), hi.to(tl.float32), lo.to(tl.float32)
         s = (tl.dot(tl.maximum(q, 0.0), tl.trans(hi), input_precision="ieee")
              - tl.dot(tl.maximum(-q, 0.0), tl.trans(lo), input_precision="ieee"))
-    else:
-        s = tl.dot(tl.maximum(q, 0.0), tl.trans(hi)) - tl.dot(tl.maximum(-q, 0.0), tl.trans(lo))
+    else:  # 16-bit operands: exact products, float32 sums
+        zero = tl.zeros_like(q)
+        s = tl.dot(tl.maximum(q, zero), tl.trans(hi)) - tl.dot(tl.maximum(-q, zero), tl.trans(lo))
     score = tl.max(tl.where(g_ok[:, None], s, float("-inf")), 0)  # [BLOCK_N]
     forced = (cols == 0) | (cols == num_blocks - 1)
     score = tl.where(forced, float("inf"), score)
