@@ -24,7 +24,6 @@ How to run
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import platform
 import sys
@@ -75,9 +74,7 @@ def point(context: int, batch: int, budgets: list[int], dtype: torch.dtype, devi
           kernel: str) -> dict:
     case, storage = bounded_case(context, batch, dtype, device, seed=0)
     q, k, v = (t.to(device) for t in (case.q, case.k_new, case.v_new))
-    batch_meta = dataclasses.replace(case.batch, **{f.name: getattr(case.batch, f.name).to(device)
-                                                    for f in dataclasses.fields(case.batch)
-                                                    if isinstance(getattr(case.batch, f.name), torch.Tensor)})
+    batch_meta = ref.batch_to(case.batch, device)
     dense = SdpaAttention(SdpaOptions(), ref.model_stub(HEAD_DIM), device, dtype)
     dense_plan = dense.plan(batch_meta, None)
     out = {"context": context, "batch": batch, "kernel": kernel,

@@ -71,9 +71,11 @@ class AttentionBackend(Plugin):
             reasons.append(f"reads cache dtypes {sorted(str(d) for d in cls.cache_dtypes)}, not {layout.dtype}")
         missing = cls.kv_extras - (layout.extras if layout is not None else frozenset())
         if layout is not None and missing:
-            reasons.append(f"needs the cache to keep {', '.join(sorted(missing))}, which its layout does not "
-                           f"(it keeps {', '.join(sorted(layout.extras)) or 'no extras'}); the paged cache keeps "
-                           f"key_bounds")
+            cache = ctx.chosen.get("cache")
+            which = f"cache {cache[0].name!r}" if cache else "the cache"
+            reasons.append(f"needs the cache to keep {', '.join(sorted(missing))}, which {which} does not "
+                           f"(its layout keeps {', '.join(sorted(layout.extras)) or 'no extras'}); choose a cache "
+                           f"that keeps {', '.join(sorted(missing))}")
         if cls.head_dims is not None and ctx.model.head_dim not in cls.head_dims:
             reasons.append(f"supports head dims {sorted(cls.head_dims)}, the model has {ctx.model.head_dim}")
         return reasons

@@ -100,6 +100,14 @@ class BatchMetadata:
     def max_seq_len(self) -> int:
         return max(self.seq_lens_cpu, default=0)
 
+    @property
+    def query_starts_cpu(self) -> list[int]:
+        """Each sequence's first packed row, then the total: ``query_start_loc`` on the host."""
+        starts = [0]
+        for n in self.query_lens_cpu:
+            starts.append(starts[-1] + n)
+        return starts
+
     def padded_tables(self, members: list[int], num_blocks: int) -> torch.Tensor:
         """Block tables of sequences ``members`` cut or padded (with block 0) to ``num_blocks``
         columns, [len(members), num_blocks] int64 on the CPU. A table may hold more blocks

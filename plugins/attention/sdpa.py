@@ -76,9 +76,7 @@ class SdpaAttention(AttentionBackend):
     # ---------------------------------------------------------------- per step
 
     def plan(self, batch: BatchMetadata, cache: CacheManager) -> SdpaPlan:
-        qsl = [0]
-        for q in batch.query_lens_cpu:
-            qsl.append(qsl[-1] + q)
+        qsl = batch.query_starts_cpu
         return SdpaPlan(batch.slot_mapping, self._groups(batch, list(range(batch.num_seqs)), qsl))
 
     def _groups(self, batch: BatchMetadata, members: list[int], qsl: list[int]) -> list:

@@ -142,9 +142,7 @@ class FlashAttention(AttentionBackend):
     def plan_members(self, batch: BatchMetadata, members) -> FlashPlan:
         """The plan for the batch's sequences ``members`` only: ``attend`` then writes their
         rows alone (for a backend, such as `quest`, that attends the others itself)."""
-        qsl = [0]
-        for n in batch.query_lens_cpu:
-            qsl.append(qsl[-1] + n)
+        qsl = batch.query_starts_cpu
         split = self.options.split_decode
         lens = batch.query_lens_cpu
         decodes = [i for i in members if lens[i] == 1 and split]

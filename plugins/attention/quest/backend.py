@@ -128,6 +128,12 @@ def _dense_is_flash(options: QuestOptions, device: torch.device) -> bool:
     return options.dense_backend == "flash"
 
 
+def _kernel_is_triton(options: QuestOptions, device: torch.device) -> bool:
+    if options.kernel == "auto":
+        return device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    return options.kernel == "triton"
+
+
 def _in_prompt(batch: BatchMetadata, i: int) -> bool:
     """Whether sequence ``i``'s query rows are (a chunk of) its prompt: prefill runs dense."""
     return bool(batch.seqs) and batch.seq_lens_cpu[i] <= batch.seqs[i].num_prompt_tokens
@@ -139,7 +145,7 @@ class QuestPlan:
     With `flash` attending densely, ``dense`` is its plan for the whole batch and ``rest``
     its plan for the sequences the sparse group leaves (None: none), beside ``group``."""
 
-    dense: Any
+    dense: Any  # None when no layer attends densely while some sequence is sparse
     sparse: SdpaPlan | None = None
     rest: Any = None
     group: _QuestGroup | None = None
@@ -176,6 +182,14 @@ class QuestAttention(SdpaAttention):
             flash_ctx = SelectionContext(device=ctx.device, dtype=ctx.dtype, model=ctx.model, options=FlashOptions(),
                                          max_model_len=ctx.max_model_len, kv_layout=ctx.kv_layout)
             reasons += [f"dense_backend flash: {r}" for r in FlashAttention.unsupported_reasons(flash_ctx)]
+        layout = ctx.kv_layout
+        if layout is not None and _kernel_is_triton(ctx.options, ctx.device) and importlib.util.find_spec("triton"):
+            from tessellm.plugins.attention.quest.kernels import MAX_BLOCKS
+
+            if -(-ctx.max_model_len // layout.block_size) > MAX_BLOCKS:
+                reasons.append(f"kernel: triton selects among at most {MAX_BLOCKS} blocks per sequence; "
+                               f"max_model_len {ctx.max_model_len} at block_size {layout.block_size} makes more "
+                               f"(raise block_size, or set kernel: torch)")
         if ctx.options.kernel == "triton":
             if importlib.util.find_spec("triton") is None:
                 reasons.append("kernel: triton needs triton, which is not installed")
@@ -194,17 +208,16 @@ class QuestAttention(SdpaAttention):
     def plan(self, batch: BatchMetadata, cache: CacheManager) -> QuestPlan:
         if self.flash is not None:
             return self._flash_plan(batch, cache)
-        dense = super().plan(batch, cache)
-        device = batch.input_ids.device
-        qsl = [0]
-        for n in batch.query_lens_cpu:
-            qsl.append(qsl[-1] + n)
         sparse = self._sparse_members(batch)
         if not sparse:
+            dense = super().plan(batch, cache)
             return QuestPlan(dense, dense)
+        # the whole-context gather indices of the dense plan only where dense layers use them
+        dense = super().plan(batch, cache) if self.options.dense_layers else None
+        qsl = batch.query_starts_cpu
         chosen = set(sparse)
         rest = self._groups(batch, [i for i in range(batch.num_seqs) if i not in chosen], qsl)
-        group = self._quest_group(batch, sparse, qsl, device)
+        group = self._quest_group(batch, sparse, qsl, batch.input_ids.device)
         return QuestPlan(dense, SdpaPlan(batch.slot_mapping, [group, *rest]))
 
     def _budget_blocks(self, block_size: int) -> int:
@@ -225,9 +238,7 @@ class QuestAttention(SdpaAttention):
         sparse = self._sparse_members(batch)
         if not sparse:
             return QuestPlan(dense)
-        qsl = [0]
-        for n in batch.query_lens_cpu:
-            qsl.append(qsl[-1] + n)
+        qsl = batch.query_starts_cpu
         chosen = set(sparse)
         others = [i for i in range(batch.num_seqs) if i not in chosen]
         return QuestPlan(dense, None, self.flash.plan_members(batch, others) if others else None,
@@ -256,9 +267,7 @@ class QuestAttention(SdpaAttention):
                            num_blocks.to(torch.int32).to(device), self._use_kernel())
 
     def _use_kernel(self) -> bool:
-        if self.options.kernel == "auto":
-            return self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
-        return self.options.kernel == "triton"
+        return _kernel_is_triton(self.options, self.device)
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: KVStorage, plan: QuestPlan) -> torch.Tensor:

@@ -26,7 +26,9 @@ class Int8Linear(nn.Module):
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """rows [N, in_features] @ the dequantized weight.T, in rows' dtype: each subclass's
+        own kernel choice (the base class has none)."""
+        raise NotImplementedError(f"{type(self).__name__} must define matmul(rows)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.matmul(x.reshape(-1, self.in_features))

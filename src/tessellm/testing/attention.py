@@ -131,6 +131,14 @@ def make_case(kv_lens: list[int], q_lens: list[int], num_heads: int, num_kv_head
                       list(kv_lens), batch, storage)
 
 
+def batch_to(batch: BatchMetadata, device: torch.device | str) -> BatchMetadata:
+    """``batch`` with every tensor field on ``device`` (the host lists stay as they are)."""
+    import dataclasses
+
+    return dataclasses.replace(batch, **{f.name: getattr(batch, f.name).to(device) for f in dataclasses.fields(batch)
+                                         if isinstance(getattr(batch, f.name), torch.Tensor)})
+
+
 def int8_case(case: PackedCase, key_bounds: bool = False) -> PackedCase:
     """The same batch over the `paged` cache's int8 storage (with key bounds if asked): the
     cached context stored quantized, the scales of unwritten slots NaN (a kernel that reads

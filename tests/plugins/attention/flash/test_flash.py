@@ -40,11 +40,8 @@ def on_device(case: ref.PackedCase) -> ref.PackedCase:
     for name in ("k", "v", "k_scale", "v_scale"):
         if hasattr(storage, name):
             setattr(storage, name, getattr(storage, name).to(DEVICE))
-    batch = dataclasses.replace(case.batch, **{f.name: getattr(case.batch, f.name).to(DEVICE)
-                                               for f in dataclasses.fields(case.batch)
-                                               if isinstance(getattr(case.batch, f.name), torch.Tensor)})
     return dataclasses.replace(case, q=case.q.to(DEVICE), k_new=case.k_new.to(DEVICE), v_new=case.v_new.to(DEVICE),
-                               batch=batch, storage=storage)
+                               batch=ref.batch_to(case.batch, DEVICE), storage=storage)
 
 
 @st.composite

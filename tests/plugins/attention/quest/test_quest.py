@@ -253,6 +253,25 @@ def test_quest_needs_key_bounds_and_no_window(cpu_config, tiny_model):
         LLM(cpu_config(tiny_model("mistral"), attention={"name": "quest"}, cache={"name": "paged"}))
 
 
+def test_a_context_beyond_the_select_kernels_reach_is_a_config_error():
+    """The Triton select kernel sorts at most MAX_BLOCKS blocks per sequence: a longer
+    max_model_len is refused at selection with the way out, not a failure mid-step."""
+    from types import SimpleNamespace
+
+    from tessellm.core.interfaces.kv import KVLayout
+    from tessellm.core.plugin import SelectionContext
+    from tessellm.plugins.attention.quest.kernels import MAX_BLOCKS
+
+    def reasons(max_len):
+        ctx = SelectionContext(device=torch.device("cpu"), dtype=torch.float32, options=QuestOptions(kernel="triton"),
+                               model=SimpleNamespace(head_dim=16, sliding_window=None), max_model_len=max_len,
+                               kv_layout=KVLayout("kv", 1, torch.float32, BOUNDS))
+        return QuestAttention.unsupported_reasons(ctx)
+
+    assert not any("MAX" in r or "at most" in r for r in reasons(MAX_BLOCKS))
+    assert any("raise block_size, or set kernel: torch" in r for r in reasons(MAX_BLOCKS + 1))
+
+
 def _llm(cpu_config, tiny_model, attention, budget=None, **overrides):
     from tessellm import LLM
 
