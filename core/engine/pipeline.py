@@ -57,8 +57,9 @@ class Pipeline:
         calibrates = type(quantizer).calibrate is not Quantizer.calibrate  # then apply waits for the runner
         self.model = build_model(self.spec, load_state_dict(self.model_dir), r.device, r.dtype,
                                  None if calibrates else quantizer)
-        cache_spec = CacheSpec(self.spec.num_layers, self.spec.num_kv_heads, self.spec.head_dim, r.dtype,
-                               r.device, r.max_model_len)
+        shape = self.spec.kv_shape
+        cache_spec = CacheSpec(self.spec.num_layers, shape.num_heads, shape.head_dim, r.dtype, r.device,
+                               r.max_model_len, shape.format)
         self.cache = c["cache"].cls(c["cache"].options, cache_spec, r.kv_layout)
         self.attention = c["attention"].cls(c["attention"].options, self.spec, r.device, r.dtype)
         self.decoder = c["decoding"].cls(c["decoding"].options, self.spec, r.device)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import abstractmethod
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -12,6 +13,25 @@ from tessellm.core.interfaces.cache import CacheManager
 from tessellm.core.interfaces.kv import KVStorage
 from tessellm.core.model.spec import ModelSpec
 from tessellm.core.plugin import Plugin, PluginOptions, SelectionContext
+
+
+@dataclass(frozen=True)
+class LatentProjection:
+    """How one MLA layer turns a cached latent into its heads' keys and values (plugin API
+    1.4): with ``c`` a token's first ``kv_lora_rank`` latent values, head h's key is
+    ``cat(w_uk[h] @ c, rope key)`` and its value ``w_uv[h] @ c``.
+
+    w_uk [num_heads, qk_nope_head_dim, kv_lora_rank] and w_uv [num_heads, v_head_dim,
+    kv_lora_rank] are views of the layer's ``kv_b_proj`` weight, in the compute dtype. Both
+    forms of MLA use them: the naive one up-projects the context, the absorbed one folds
+    w_uk into the query and w_uv into the output."""
+
+    w_uk: torch.Tensor
+    w_uv: torch.Tensor
+
+    @property
+    def kv_lora_rank(self) -> int:
+        return self.w_uk.shape[-1]
 
 
 class AttentionBackend(Plugin):
@@ -42,8 +62,12 @@ class AttentionBackend(Plugin):
       prefill step and a one-token decode, that the runner must run at start-up on a GPU so
       every kernel variant the backend launches is built then, not inside a request's step.
     - A KV storage is read through ``gather`` or, for a kernel that reads it in place, its
-      ``kv_tensors()`` (and ``kv_scales()``), and ``key_bounds()`` where the backend asked
-      for them; nothing else of a storage is part of the contract.
+      ``kv_tensors()`` (and ``kv_scales()``), ``latent_tensor()`` for a latent cache, and
+      ``key_bounds()`` where the backend asked for them; nothing else of a storage is part
+      of the contract.
+    - A backend whose ``cache_formats`` include "latent" serves multi-head latent attention
+      models (DeepSeek-V2/V3) and implements ``forward_latent`` (plugin API 1.4), which such
+      models call instead of ``forward``.
     """
 
     kind: ClassVar[str] = "attention"
@@ -94,6 +118,19 @@ class AttentionBackend(Plugin):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: KVStorage, plan: Any) -> torch.Tensor:
         """Store k, v and attend q to the cached context; see the class contract."""
+
+    def forward_latent(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
+                       up: LatentProjection, kv: KVStorage, plan: Any) -> torch.Tensor:
+        """Multi-head latent attention (plugin API 1.4): store the step's latents and attend.
+
+        q_nope [T, H, qk_nope_head_dim] and q_pe [T, H, rope_dim] (already rotated) are the
+        two parts of each head's query; latent [T, kv_lora_rank + rope_dim] is each new
+        token's compressed latent followed by its rotated rope key, which ``kv.store(latent
+        [:, None], None, slots)`` caches. Head h's keys are cat(up.w_uk[h] @ c, rope key)
+        and its values up.w_uv[h] @ c over the context's latents c; the result is causal
+        softmax(q K^T * scale) V, [T, H, v_head_dim], with the same positions and masking as
+        ``forward``. Backends that do not read latent caches need not implement it."""
+        raise NotImplementedError(f"attention backend {self.name!r} does not read latent (MLA) caches")
 
     def warm_up_shapes(self, max_step_tokens: int, max_model_len: int) -> list[list[tuple[int, int]]]:
         """Dummy batches the start-up warm-up runs besides the runner's own (a full prefill

@@ -11,12 +11,14 @@ import torch
 
 from tessellm.core.interfaces.kv import KVLayout, KVStorage
 from tessellm.core.interfaces.sequence import Sequence
+from tessellm.core.model.spec import KVShape
 from tessellm.core.plugin import Plugin, PluginOptions, SelectionContext
 
 
 @dataclass(frozen=True)
 class CacheSpec:
-    """The model-side facts a cache needs to allocate storage."""
+    """The model-side facts a cache needs to allocate storage. For an MLA model
+    (``format`` "latent") ``num_kv_heads`` is 1 and ``head_dim`` the latent size."""
 
     num_layers: int
     num_kv_heads: int
@@ -24,6 +26,11 @@ class CacheSpec:
     dtype: torch.dtype  # the model's compute dtype
     device: torch.device
     max_model_len: int
+    format: str = "kv"  # the KVLayout format the model's attention needs (plugin API 1.4)
+
+    @property
+    def kv_shape(self) -> KVShape:
+        return KVShape(self.format, self.num_kv_heads, self.head_dim)
 
 
 @dataclass

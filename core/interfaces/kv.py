@@ -52,7 +52,8 @@ class KVStorage(ABC):
       it, not even under a mask (a zero weight times NaN is NaN).
 
     For the "latent" format (MLA) ``k`` is the compressed latent [T, 1, latent_dim] and
-    ``v`` is None: one vector per token serves as both key and value.
+    ``v`` is None: one vector per token serves as both key and value; ``gather`` returns
+    (latents, None) and a kernel reads ``latent_tensor()`` in place (``LatentKVStorage``).
     """
 
     layout: KVLayout
@@ -90,6 +91,13 @@ class KVStorage(ABC):
         float16, one per token and head; what a slot holds is ``kv_tensors()``' int8 values
         times its scale. Storage that is not quantized raises TypeError."""
         raise TypeError(f"{type(self).__name__} keeps no quantization scales (layout {self.layout})")
+
+    def latent_tensor(self) -> torch.Tensor:
+        """For the "latent" format (plugin API 1.4): the [num_slots, latent_dim] tensor a
+        kernel reads in place, one compressed vector per token, in the storage dtype. Storage
+        of another format raises TypeError."""
+        raise TypeError(f"{type(self).__name__} keeps no latent tensor (layout {self.layout}); only "
+                        f"'latent' layouts (MLA models) do")
 
     def key_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         """For layouts with the "key_bounds" extra (plugin API 1.3): per block, the elementwise
@@ -164,3 +172,58 @@ class DenseKVStorage(KVStorage):
         """Copy the tokens in slots ``src`` to slots ``dst`` (fork, copy-on-write)."""
         self.k[dst] = self.k[src]
         self.v[dst] = self.v[src]
+
+
+class LatentKVStorage(KVStorage):
+    """One layer's MLA cache: a [num_slots, 1, latent_dim] tensor, the "latent" format in a
+    floating-point dtype. Each token's one vector (its compressed latent followed by its
+    rotated shared key) serves every head as both key and value, so ``store`` takes
+    ``v=None`` and ``gather`` returns ``(latents, None)``.
+
+    Any cache that hands out slots (contiguous, paged) can hold an MLA model's layers in it;
+    kernels may view it as [num_blocks, block_size, latent_dim] (``blocks()``).
+    """
+
+    def __init__(self, layout: KVLayout, num_slots: int, latent_dim: int, device: torch.device):
+        if layout.format != "latent" or not layout.dtype.is_floating_point:
+            raise ValueError(f"LatentKVStorage holds floating-point 'latent' layouts, not {layout}")
+        self.layout = layout
+        self.c = torch.empty(num_slots, 1, latent_dim, dtype=layout.dtype, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.c.device
+
+    def latent_tensor(self) -> torch.Tensor:
+        return self.c.view(self.c.shape[0], -1)
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.c[0].numel() * self.c.element_size()
+
+    def blocks(self) -> torch.Tensor:
+        """The latents viewed as [num_blocks, block_size, latent_dim]."""
+        return self.c.view(-1, self.layout.block_size, self.c.shape[-1])
+
+    def store(self, k: torch.Tensor, v: torch.Tensor | None, slot_mapping: torch.Tensor) -> None:
+        # k: [T, 1, latent_dim]; slot_mapping: [T] int64
+        assert v is None and k.shape[1:] == self.c.shape[1:] and k.shape[0] == slot_mapping.shape[0], (
+            k.shape, slot_mapping.shape)
+        self.c.index_copy_(0, slot_mapping, k.to(self.c.dtype))
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, None]:
+        flat = slots.reshape(-1)
+        return self.c.index_select(0, flat).view(*slots.shape, *self.c.shape[1:]), None
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the tokens in slots ``src`` to slots ``dst`` (fork, copy-on-write)."""
+        self.c[dst] = self.c[src]
+
+
+def dense_storage(layout: KVLayout, num_slots: int, num_heads: int, head_dim: int,
+                  device: torch.device) -> KVStorage:
+    """Unquantized storage for ``layout``: ``DenseKVStorage`` for "kv", ``LatentKVStorage``
+    (``num_heads`` 1, ``head_dim`` the latent size) for "latent"."""
+    if layout.format == "latent":
+        return LatentKVStorage(layout, num_slots, head_dim, device)
+    return DenseKVStorage(layout, num_slots, num_heads, head_dim, device)

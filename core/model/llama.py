@@ -113,9 +113,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, intermediate_size: int | None = None):
         super().__init__()
-        h, i = spec.hidden_size, spec.intermediate_size
+        h, i = spec.hidden_size, intermediate_size or spec.intermediate_size
         self.gate_proj = nn.Linear(h, i, bias=spec.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=spec.mlp_bias)
@@ -143,12 +143,21 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    """Pre-norm attention then MLP, each added to the residual; subclasses choose the two
+    (``make_attention``, ``make_mlp``)."""
+
     def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
-        self.self_attn = Attention(spec, layer)
-        self.mlp = MLP(spec)
+        self.self_attn = self.make_attention(spec, layer)
+        self.mlp = self.make_mlp(spec, layer)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def make_attention(self, spec: ModelSpec, layer: int) -> nn.Module:
+        return Attention(spec, layer)
+
+    def make_mlp(self, spec: ModelSpec, layer: int) -> nn.Module:
+        return MLP(spec)
 
     def forward(self, x, cos, sin, backend, cache, plan):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, cache, plan)
@@ -169,23 +178,29 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaBody(nn.Module):
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, layer_cls: type[DecoderLayer] = DecoderLayer):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(layer_cls(spec, i) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
 class LlamaForCausalLM(nn.Module):
     """The whole decoder. ``forward`` returns float32 logits (float64 in a float64 pipeline)
     for the requested rows only. With ``fused`` set (on CUDA, by ``build_model``) the norms,
-    residual adds, RoPE and SwiGLU run as fused Triton kernels (core/fused_ops.py)."""
+    residual adds, RoPE and SwiGLU run as fused Triton kernels (core/fused_ops.py).
+
+    Subclasses for other decoder-only families change ``layer_cls`` (and set
+    ``supports_fused`` False where the fused kernels do not apply)."""
+
+    layer_cls: type[DecoderLayer] = DecoderLayer
+    supports_fused = True
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.spec = spec
         self.fused = False
-        self.model = LlamaBody(spec)
+        self.model = LlamaBody(spec, self.layer_cls)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

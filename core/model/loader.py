@@ -24,6 +24,7 @@ from torch import nn
 
 from tessellm.core.errors import ModelLoadError
 from tessellm.core.interfaces.quantizer import Quantizer
+from tessellm.core.model.deepseek import DeepseekForCausalLM
 from tessellm.core.model.llama import LlamaForCausalLM, RotaryEmbedding
 from tessellm.core.model.spec import ModelSpec
 
@@ -149,7 +150,7 @@ def build_model(spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.d
                 quantizer: Quantizer | None = None) -> nn.Module:
     """Instantiate the model without allocating, then adopt the checkpoint's tensors."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(spec)
+        model = DeepseekForCausalLM(spec) if spec.mla is not None else LlamaForCausalLM(spec)
     expected = set(model.state_dict())
     if spec.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -169,7 +170,10 @@ def build_model(spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.d
     model.eval().requires_grad_(False)
     # on CUDA the norms, RoPE and SwiGLU run as fused Triton kernels and the q/k/v and gate/up
     # projections as one GEMM each (float64 stays the exact reference)
-    model.fused = device.type == "cuda" and dtype != torch.float64 and importlib.util.find_spec("triton") is not None
+    fast = device.type == "cuda" and dtype != torch.float64
+    model.fused = fast and model.supports_fused and importlib.util.find_spec("triton") is not None
     if model.fused:
         model.fuse_projections()
+    if fast and isinstance(model, DeepseekForCausalLM):  # the routed experts as one batched product
+        model.stack_experts()
     return quantizer.apply(model) if quantizer is not None else model

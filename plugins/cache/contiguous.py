@@ -14,8 +14,7 @@ from pydantic import Field
 
 import tessellm
 from tessellm.core.interfaces.cache import CacheManager, CacheSpec
-from tessellm.core.interfaces.kv import KVLayout, KVStorage
-from tessellm.core.interfaces.kv import DenseKVStorage
+from tessellm.core.interfaces.kv import KVLayout, KVStorage, dense_storage
 from tessellm.core.plugin import PluginOptions, SelectionContext
 from tessellm.core.interfaces.sequence import Sequence
 
@@ -38,20 +37,20 @@ class ContiguousCache(CacheManager):
     """One ``max_model_len`` region per sequence; regions are never shared, so a fork copies."""
 
     name = "contiguous"
-    api_version = "1.3"
+    api_version = "1.4"
     description = "one max_model_len region per sequence (reference; no sharing)"
     Options = ContiguousOptions
     auto_priority = 10
 
     @classmethod
     def kv_layout(cls, options: ContiguousOptions, ctx: SelectionContext) -> KVLayout:
-        return KVLayout("kv", ctx.max_model_len, ctx.dtype)
+        return KVLayout(ctx.model.kv_shape.format, ctx.max_model_len, ctx.dtype)
 
     @classmethod
     def unsupported_reasons(cls, ctx: SelectionContext) -> list[str]:
         reasons = super().unsupported_reasons(ctx)
         m = ctx.model
-        need = 2 * ctx.options.max_seqs * ctx.max_model_len * m.num_layers * m.num_kv_heads * m.head_dim \
+        need = ctx.options.max_seqs * ctx.max_model_len * m.num_layers * m.kv_shape.values_per_token \
             * ctx.dtype.itemsize
         total = _physical_memory() if ctx.device.type == "cpu" else (
             torch.cuda.get_device_properties(ctx.device).total_memory if torch.cuda.is_available() else None)
@@ -64,7 +63,7 @@ class ContiguousCache(CacheManager):
     def __init__(self, options: ContiguousOptions, spec: CacheSpec, layout: KVLayout):
         super().__init__(options, spec, layout)
         slots = options.max_seqs * layout.block_size
-        self._layers = [DenseKVStorage(layout, slots, spec.num_kv_heads, spec.head_dim, spec.device)
+        self._layers = [dense_storage(layout, slots, spec.num_kv_heads, spec.head_dim, spec.device)
                         for _ in range(spec.num_layers)]
         self._free = list(range(options.max_seqs - 1, -1, -1))  # pop() hands out region 0 first
         self._region: dict[int, int] = {}  # seq_id -> region

@@ -41,3 +41,25 @@ class TestQuest(AttentionConformance):
     plugin = "quest"
     options = {"dense_layers": 0}
     max_examples = 8
+
+
+class TestMla(AttentionConformance):
+    """Multi-head latent attention in its automatic form (absorbed decodes, naive the rest)."""
+
+    plugin = "mla"
+    max_examples = 8
+
+
+class TestMlaAbsorbed(AttentionConformance):
+    plugin = "mla"
+    options = {"form": "absorbed"}
+    max_examples = 4
+
+
+class TestMlaTritonDecode(AttentionConformance):
+    """The Triton decode kernel, interpreted on a CPU."""
+
+    plugin = "mla"
+    options = {"decode_kernel": "triton"}
+    max_examples = 3
+    dtypes = (torch.float32,)

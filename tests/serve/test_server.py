@@ -5,7 +5,6 @@ and 64 concurrent streaming clients whose greedy outputs equal the offline ones.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import socket
 import threading
@@ -13,11 +12,11 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 
 from tessellm import LLM
 from tessellm.core.interfaces.sequence import SamplingParams
 from tessellm.serve.app import build_app
+from tessellm.testing.serving import serving
 
 KEY = "test-key"
 MODEL = "tiny"
@@ -32,26 +31,6 @@ def pipeline_config(cpu_config, tiny_model) -> dict:
 @pytest.fixture(scope="module")
 def offline(cpu_config, tiny_model):
     return LLM(pipeline_config(cpu_config, tiny_model))
-
-
-@contextlib.contextmanager
-def serving(app):
-    """Run ``app`` with uvicorn on a free port of 127.0.0.1; yields the base URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.time() + 30
-    while not srv.started:
-        assert time.time() < deadline, "server did not start"
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")

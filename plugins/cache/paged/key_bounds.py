@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from tessellm.core.interfaces.kv import DenseKVStorage, KVLayout, KVStorage
+from tessellm.core.interfaces.kv import DenseKVStorage, KVLayout, KVStorage, dense_storage
 from tessellm.plugins.cache.paged.int8_kv import Int8KVStorage
 
 KEY_BOUNDS = "key_bounds"
@@ -124,7 +124,9 @@ class BoundedInt8KVStorage(KeyBoundsMixin, Int8KVStorage):
 def make_layer_storage(layout: KVLayout, num_slots: int, num_kv_heads: int, head_dim: int, device: torch.device,
                        compute_dtype: torch.dtype) -> KVStorage:
     """One layer's storage for ``layout``: int8 or the compute dtype, with key bounds if the
-    layout's extras ask for them."""
+    layout's extras ask for them; an MLA latent in the compute dtype."""
+    if layout.format == "latent":
+        return dense_storage(layout, num_slots, num_kv_heads, head_dim, device)
     bounded = KEY_BOUNDS in layout.extras
     if layout.dtype == torch.int8:
         cls = BoundedInt8KVStorage if bounded else Int8KVStorage

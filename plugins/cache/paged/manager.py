@@ -57,10 +57,10 @@ def bytes_per_block(model, block_size: int, dtype: torch.dtype, bounds_dtype: to
     """K and V bytes of one block across all layers (``model``: a ModelSpec or CacheSpec) in
     storage dtype ``dtype`` (torch.int8: values and their scales), plus its key bounds in
     ``bounds_dtype`` where the layout keeps them."""
-    m = model
-    per_head = bytes_per_token_head(m.head_dim) if dtype == torch.int8 else m.head_dim * dtype.itemsize
-    bounds = bounds_bytes_per_block(m.num_kv_heads, m.head_dim, bounds_dtype) if bounds_dtype is not None else 0
-    return m.num_layers * (2 * block_size * m.num_kv_heads * per_head + bounds)
+    shape = model.kv_shape  # two vectors per token (K and V) or one (an MLA latent)
+    per_head = bytes_per_token_head(shape.head_dim) if dtype == torch.int8 else shape.head_dim * dtype.itemsize
+    bounds = bounds_bytes_per_block(shape.num_heads, shape.head_dim, bounds_dtype) if bounds_dtype is not None else 0
+    return model.num_layers * (shape.tensors * block_size * shape.num_heads * per_head + bounds)
 
 
 def storage_dtype(options: PagedOptions, compute_dtype: torch.dtype) -> torch.dtype:
@@ -95,14 +95,17 @@ class PagedCache(CacheManager):
     """
 
     name = "paged"
-    api_version = "1.3"
+    api_version = "1.4"
     description = "fixed-size blocks with reference counts, copy-on-write forks and prefix caching"
     Options = PagedOptions
     auto_priority = 50
 
     @classmethod
     def kv_layout(cls, options: PagedOptions, ctx: SelectionContext) -> KVLayout:
-        """Plain K/V (or int8), with per-block key bounds when the attention backend asks."""
+        """Plain K/V (or int8), with per-block key bounds when the attention backend asks; an
+        MLA model's latents ("latent")."""
+        if ctx.model.kv_shape.format == "latent":
+            return KVLayout("latent", options.block_size, storage_dtype(options, ctx.dtype))
         return KVLayout("kv", options.block_size, storage_dtype(options, ctx.dtype), ctx.kv_extras & {KEY_BOUNDS})
 
     @classmethod
@@ -112,7 +115,11 @@ class PagedCache(CacheManager):
             return reasons
         if ctx.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
             reasons.append(f"stores K/V in a floating-point compute dtype, not {ctx.dtype}")
-        extras = ctx.kv_extras & {KEY_BOUNDS}
+        latent = ctx.model.kv_shape.format == "latent"
+        if latent and ctx.options.kv_dtype == "int8":
+            reasons.append("kv_dtype 'int8' stores K/V caches; this model's cache is an MLA latent, which is "
+                           "stored in the compute dtype: set kv_dtype 'auto'")
+        extras = frozenset() if latent else ctx.kv_extras & {KEY_BOUNDS}
         blocks = _budget_blocks(ctx.options, ctx.model, ctx.device, ctx.dtype, extras)
         if blocks < 1:
             per = _block_bytes(ctx.options, ctx.model, ctx.dtype, extras)

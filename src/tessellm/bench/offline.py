@@ -47,6 +47,9 @@ class BenchResult:
     """Tokens the KV cache holds (slots handed out to sequences)."""
     kv_bytes_per_token: int | None = None
     """Bytes of K/V (scales included) one token takes over all layers."""
+    mha_kv_bytes_per_token: int | None = None
+    """The same for plain multi-head attention with the model's query heads in the model's
+    dtype (``ModelSpec.mha_values_per_token``): what GQA, a latent or int8 saves against."""
     prefix_hit_rate: float | None = None
     peak_kv_blocks: int | None = None
     peak_running: int | None = None
@@ -75,6 +78,7 @@ class BenchResult:
             "e2e_ms": summarize([r.e2e_s for r in self.requests]),
             "kv_waste": None if self.kv_waste is None else round(self.kv_waste, 4),
             "kv_capacity_tokens": self.kv_capacity_tokens, "kv_bytes_per_token": self.kv_bytes_per_token,
+            "mha_kv_bytes_per_token": self.mha_kv_bytes_per_token,
             "prefix_hit_rate": None if self.prefix_hit_rate is None else round(self.prefix_hit_rate, 4),
             "peak_kv_blocks": self.peak_kv_blocks, "peak_running": self.peak_running,
             "preemptions": self.preemptions, "draft_tokens": self.draft_tokens,
@@ -164,10 +168,13 @@ def run_offline(llm: Any, requests: list[BenchRequest], *, progress: bool = Fals
     after = cache.prefix_cache_stats()
     queried = after.queried_tokens - queried0
     stats = engine.stats
-    layers = [cache.layer(i).bytes_per_slot for i in range(llm.pipeline.spec.num_layers)]
+    spec = llm.pipeline.spec
+    layers = [cache.layer(i).bytes_per_slot for i in range(spec.num_layers)]
+    itemsize = llm.pipeline.resolved.dtype.itemsize
     return BenchResult(timings, elapsed, kv_waste=stats.kv_waste,
                        kv_capacity_tokens=cache.num_blocks * cache.layout.block_size,
                        kv_bytes_per_token=None if None in layers else sum(layers),
+                       mha_kv_bytes_per_token=spec.num_layers * spec.mha_values_per_token * itemsize,
                        prefix_hit_rate=(after.hit_tokens - hit0) / queried if queried else 0.0,
                        peak_kv_blocks=stats.peak_kv_blocks, peak_running=stats.peak_running,
                        preemptions=stats.preemptions, draft_tokens=stats.draft_tokens,
@@ -226,7 +233,8 @@ def format_report(report: dict[str, Any]) -> str:
     rows: list[tuple[str, list[Any]]] = [
         (key, [m.get(key) for m in [report] + ([base] if base else [])])
         for key in ("num_requests", "total_prompt_tokens", "total_output_tokens", "elapsed_s", "output_tokens_per_s",
-                    "requests_per_s", "kv_waste", "kv_capacity_tokens", "kv_bytes_per_token", "prefix_hit_rate", "peak_kv_blocks", "peak_running", "preemptions",
+                    "requests_per_s", "kv_waste", "kv_capacity_tokens", "kv_bytes_per_token",
+                    "mha_kv_bytes_per_token", "prefix_hit_rate", "peak_kv_blocks", "peak_running", "preemptions",
                     "draft_tokens", "acceptance_rate", "tokens_per_forward", "kernel_builds")]
     for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
         for stat in ("mean", "p50", "p90", "p99"):

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import torch
 
 from tessellm.core.interfaces.batch import BatchMetadata
-from tessellm.core.interfaces.kv import KVLayout
-from tessellm.core.interfaces.kv import DenseKVStorage
+from tessellm.core.interfaces.attention import LatentProjection
+from tessellm.core.interfaces.kv import DenseKVStorage, KVLayout, LatentKVStorage
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -83,16 +83,7 @@ def make_case(kv_lens: list[int], q_lens: list[int], num_heads: int, num_kv_head
     parallel sampling leave them. ``extras``: layout extras the storage keeps ("key_bounds":
     ``ReferenceKeyBoundsStorage``)."""
     g = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [math.ceil(n / block_size) for n in kv_lens]
-    sharing = [n - q >= shared_blocks * block_size > 0 for n, q in zip(kv_lens, q_lens)]
-    num_blocks = sum(blocks_per_seq) + shared_blocks + 3  # a few spare, so tables are not a plain range
-    perm = torch.randperm(num_blocks, generator=g).tolist()
-    shared, start = perm[:shared_blocks], shared_blocks
-    tables = []
-    for n, shares in zip(blocks_per_seq, sharing):
-        own = n - shared_blocks if shares else n
-        tables.append((shared if shares else []) + perm[start:start + own])
-        start += own
+    tables, sharing, num_blocks = _scattered_tables(kv_lens, q_lens, block_size, shared_blocks, g)
     prefix = shared_blocks * block_size
     prefix_k = torch.randn(prefix, num_kv_heads, head_dim, generator=g).to(dtype)
     prefix_v = torch.randn(prefix, num_kv_heads, head_dim, generator=g).to(dtype)
@@ -110,25 +101,125 @@ def make_case(kv_lens: list[int], q_lens: list[int], num_heads: int, num_kv_head
         k_full.append(k)
         v_full.append(v)
         qs.append(torch.randn(n_q, num_heads, head_dim, generator=g).to(dtype))
-        seq_slots = torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(n_kv)])
+        seq_slots = _slots(table, n_kv, block_size)
         past = n_kv - n_q
         storage.store(k[:past], v[:past], seq_slots[:past])  # context cached by earlier steps
         k_new.append(k[past:])
         v_new.append(v[past:])
         slots.append(seq_slots[past:])
         positions.append(torch.arange(past, n_kv))
+    batch = _packed_batch(kv_lens, q_lens, tables, slots, positions, block_size)
+    return PackedCase(torch.cat(qs), torch.cat(k_new), torch.cat(v_new), k_full, v_full, list(q_lens),
+                      list(kv_lens), batch, storage)
+
+
+def _scattered_tables(kv_lens: list[int], q_lens: list[int], block_size: int, shared_blocks: int,
+                      g: torch.Generator) -> tuple[list[list[int]], list[bool], int]:
+    """Block tables drawn at random from a pool a few blocks larger than needed (so tables are
+    not a plain range), the first ``shared_blocks`` the same for every sequence whose cached
+    context covers them; returns (tables, which sequences share, pool size)."""
+    blocks_per_seq = [math.ceil(n / block_size) for n in kv_lens]
+    sharing = [n - q >= shared_blocks * block_size > 0 for n, q in zip(kv_lens, q_lens)]
+    num_blocks = sum(blocks_per_seq) + shared_blocks + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    shared, start = perm[:shared_blocks], shared_blocks
+    tables = []
+    for n, shares in zip(blocks_per_seq, sharing):
+        own = n - shared_blocks if shares else n
+        tables.append((shared if shares else []) + perm[start:start + own])
+        start += own
+    return tables, sharing, num_blocks
+
+
+def _slots(table: list[int], length: int, block_size: int) -> torch.Tensor:
+    return torch.tensor([table[p // block_size] * block_size + p % block_size for p in range(length)],
+                        dtype=torch.long)
+
+
+def _packed_batch(kv_lens: list[int], q_lens: list[int], tables: list[list[int]], slots: list[torch.Tensor],
+                  positions: list[torch.Tensor], block_size: int) -> BatchMetadata:
     qsl = [0]
     for n in q_lens:
         qsl.append(qsl[-1] + n)
     width = max(len(t) for t in tables)
-    batch = BatchMetadata(
+    return BatchMetadata(
         input_ids=torch.zeros(qsl[-1], dtype=torch.long), positions=torch.cat(positions),
         query_start_loc=torch.tensor(qsl, dtype=torch.int32), seq_lens=torch.tensor(kv_lens, dtype=torch.int32),
         slot_mapping=torch.cat(slots), block_tables=torch.tensor([t + [-1] * (width - len(t)) for t in tables]),
         logits_indices=torch.tensor([e - 1 for e in qsl[1:]]), query_lens_cpu=list(q_lens),
         seq_lens_cpu=list(kv_lens), block_tables_cpu=tables, block_size=block_size, seqs=[], samples=[])
-    return PackedCase(torch.cat(qs), torch.cat(k_new), torch.cat(v_new), k_full, v_full, list(q_lens),
-                      list(kv_lens), batch, storage)
+
+
+@dataclass
+class LatentCase:
+    """A random packed batch for multi-head latent attention: each sequence's latents (its
+    compressed ``c`` then its rope key, [L, kv_lora_rank + rope_dim]), the step's queries in
+    two parts, the layer's up-projection, and a scattered latent cache holding the context
+    before this step (NaN everywhere else)."""
+
+    q_nope: torch.Tensor  # [T, H, nope]
+    q_pe: torch.Tensor  # [T, H, rope]
+    latent_new: torch.Tensor  # [T, latent_dim] the new tokens' latents
+    latent_full: list[torch.Tensor]  # per sequence [L, latent_dim]
+    up: LatentProjection
+    q_lens: list[int]
+    kv_lens: list[int]
+    batch: BatchMetadata
+    storage: LatentKVStorage
+    scale: float
+
+
+def make_latent_case(kv_lens: list[int], q_lens: list[int], num_heads: int, kv_lora_rank: int, rope_dim: int,
+                     nope_dim: int, v_dim: int, block_size: int, dtype: torch.dtype, seed: int,
+                     shared_blocks: int = 0) -> LatentCase:
+    """``make_case`` for MLA: sequences of context ``kv_lens`` whose last ``q_lens`` tokens
+    are this step's queries, with random up-projections scaled so keys and values have unit
+    variance."""
+    g = torch.Generator().manual_seed(seed)
+    tables, sharing, num_blocks = _scattered_tables(kv_lens, q_lens, block_size, shared_blocks, g)
+    latent_dim = kv_lora_rank + rope_dim
+    prefix = torch.randn(shared_blocks * block_size, latent_dim, generator=g).to(dtype)
+    up = LatentProjection(
+        w_uk=(torch.randn(num_heads, nope_dim, kv_lora_rank, generator=g) / kv_lora_rank ** 0.5).to(dtype),
+        w_uv=(torch.randn(num_heads, v_dim, kv_lora_rank, generator=g) / kv_lora_rank ** 0.5).to(dtype))
+    storage = LatentKVStorage(KVLayout("latent", block_size, dtype), num_blocks * block_size, latent_dim,
+                              torch.device("cpu"))
+    storage.c.fill_(float("nan"))  # unwritten slots must never be read, not even masked
+    full, q_nope, q_pe, new, slots, positions = [], [], [], [], [], []
+    for n_kv, n_q, table, shares in zip(kv_lens, q_lens, tables, sharing):
+        lat = torch.randn(n_kv, latent_dim, generator=g).to(dtype)
+        if shares:
+            lat[:len(prefix)] = prefix
+        full.append(lat)
+        q_nope.append(torch.randn(n_q, num_heads, nope_dim, generator=g).to(dtype))
+        q_pe.append(torch.randn(n_q, num_heads, rope_dim, generator=g).to(dtype))
+        seq_slots = _slots(table, n_kv, block_size)
+        past = n_kv - n_q
+        storage.store(lat[:past, None], None, seq_slots[:past])
+        new.append(lat[past:])
+        slots.append(seq_slots[past:])
+        positions.append(torch.arange(past, n_kv))
+    batch = _packed_batch(kv_lens, q_lens, tables, slots, positions, block_size)
+    return LatentCase(torch.cat(q_nope), torch.cat(q_pe), torch.cat(new), full, up, list(q_lens), list(kv_lens),
+                      batch, storage, (nope_dim + rope_dim) ** -0.5)
+
+
+def reference_latent_attention(case: LatentCase) -> torch.Tensor:
+    """MLA's result for ``case`` in float64 from first principles: every sequence's context
+    up-projected to per-head keys and values, then causal attention. [T, H, v_dim]."""
+    outs, start = [], 0
+    w_uk, w_uv = case.up.w_uk.double(), case.up.w_uv.double()
+    r = case.up.kv_lora_rank
+    for lat, n_q in zip(case.latent_full, case.q_lens):
+        lat = lat.double()
+        c, k_pe = lat[:, :r], lat[:, r:]
+        keys = torch.cat((torch.einsum("lr,hnr->lhn", c, w_uk),
+                          k_pe[:, None].expand(-1, w_uk.shape[0], -1)), dim=-1)
+        values = torch.einsum("lr,hvr->lhv", c, w_uv)
+        q = torch.cat((case.q_nope[start:start + n_q], case.q_pe[start:start + n_q]), dim=-1)
+        outs.append(reference_attention(q, keys, values, case.scale))
+        start += n_q
+    return torch.cat(outs)
 
 
 def batch_to(batch: BatchMetadata, device: torch.device | str) -> BatchMetadata:

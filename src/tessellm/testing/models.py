@@ -18,46 +18,78 @@ def build_tiny_llama(target: Path, *, seed: int = 0, vocab_size: int = 512, **sh
     """A random Llama of ``TINY_LLAMA``'s shapes (``shapes`` override them) saved in ``target``
     with its tokenizer; weights drawn with ``seed`` at a scale that keeps logits far from ties,
     so greedy outputs do not flip on rounding. Token 1 is BOS, 2 is EOS."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                          **{**TINY_LLAMA, **shapes})
-    generator_state = torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        model = LlamaForCausalLM(config).eval()
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.dim() == 2:
-                    p.normal_(0, 0.15)
-    finally:
-        torch.random.set_rng_state(generator_state)
-    target.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(target, safe_serialization=True)
+    return _save_random(lambda: LlamaForCausalLM(config), target, seed, 0.15, vocab_size)
+
+
+def save_word_tokenizer(target: Path, vocab_size: int) -> None:
+    """A word-level tokenizer over ids 0..vocab_size-1 (``t0``, ``t1``, ...; 1 is BOS, 2 EOS)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {f"t{i}": i for i in range(vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # a text is one token per word (t0 if unknown)
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", bos_token="t1", eos_token="t2",
                             pad_token="t0").save_pretrained(target)
-    return target
 
 
-def noisy_copy(source: Path, target: Path, *, scale: float = 0.03, seed: int = 5) -> Path:
-    """A copy of the model folder ``source`` in ``target`` whose every weight has seeded
-    Gaussian noise of std ``scale`` added: a draft model that agrees with its source only some
-    of the time, so speculative verification both accepts and rejects."""
-    import shutil
+TINY_DEEPSEEK: dict[int, dict[str, Any]] = {
+    # V2-Lite's layout: no query compression, softmax routing limited to the best groups
+    2: dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+            first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=16,
+            qk_nope_head_dim=16, v_head_dim=24, max_position_embeddings=1024, routed_scaling_factor=1.0),
+    # V3's: query compression, sigmoid routing with the score-correction bias, YaRN
+    3: dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+            num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1, kv_lora_rank=32,
+            q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=24,
+            max_position_embeddings=1024, routed_scaling_factor=2.5,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                             "original_max_position_embeddings": 256, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "mscale": 1.0, "mscale_all_dim": 1.0}),
+}
 
-    from safetensors.torch import load_file, save_file
 
+def build_tiny_deepseek(target: Path, version: int = 2, *, seed: int = 0, vocab_size: int = 512,
+                        weight_std: float = 0.15, **shapes: Any) -> Path:
+    """A random DeepSeek-V2 or V3 (``version``) of ``TINY_DEEPSEEK``'s shapes (``shapes``
+    override them), made with transformers' own config and model classes and saved in
+    ``target`` with a word-level tokenizer. Weights are drawn with ``seed`` at std
+    ``weight_std`` (logits far from ties); V3's score-correction bias is random too, so
+    routing depends on it."""
+    import transformers
+
+    cls = "DeepseekV2" if version == 2 else "DeepseekV3"
+    config = getattr(transformers, f"{cls}Config")(vocab_size=vocab_size, bos_token_id=1, eos_token_id=2,
+                                                   pad_token_id=0, **{**TINY_DEEPSEEK[version], **shapes})
+    model_cls = getattr(transformers, f"{cls}ForCausalLM")
+    return _save_random(lambda: model_cls(config), target, seed, weight_std, vocab_size)
+
+
+def _save_random(make_model: Any, target: Path, seed: int, weight_std: float, vocab_size: int) -> Path:
+    """Build a model with ``make_model`` under ``seed`` (the global generator restored after),
+    draw its matrices from N(0, weight_std) and any score-correction bias (DeepSeek-V3's) from
+    N(0, 0.1), then save it in ``target`` with a word-level tokenizer."""
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        model = make_model().eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() >= 2:
+                    p.normal_(0, weight_std)
+            for name, b in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    b.normal_(0, 0.1)
+    finally:
+        torch.random.set_rng_state(generator_state)
     target.mkdir(parents=True, exist_ok=True)
-    for f in source.iterdir():
-        if f.is_file():
-            shutil.copy(f, target / f.name)
-    g = torch.Generator().manual_seed(seed)
-    for f in sorted(target.glob("*.safetensors")):
-        state = load_file(f)
-        save_file({k: v + scale * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in state.items()}, f,
-                  metadata={"format": "pt"})
+    model.save_pretrained(target, safe_serialization=True)
+    save_word_tokenizer(target, vocab_size)
     return target

@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from tessellm.core.interfaces.cache import CacheSpec
 from tessellm.core.interfaces.kv import KVLayout
+from tessellm.core.model.spec import KVShape
 from tessellm.core.interfaces.sequence import SamplingParams, Sequence
 from tessellm.plugins.cache.contiguous import ContiguousCache, ContiguousOptions
 
@@ -95,7 +96,7 @@ def test_reserve_past_region_is_refused():
 
 
 def test_refuses_more_memory_than_the_machine_has():
-    model = SimpleNamespace(num_layers=30, num_kv_heads=32, head_dim=128)
+    model = SimpleNamespace(num_layers=30, kv_shape=KVShape("kv", 32, 128))
     ctx = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32, model=model, max_model_len=131072,
                           options=ContiguousOptions(max_seqs=4096))
     reasons = ContiguousCache.unsupported_reasons(ctx)  # type: ignore[arg-type]

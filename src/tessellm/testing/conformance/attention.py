@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from tessellm.core.interfaces.kv import KVLayout
-from tessellm.core.model.spec import ModelSpec
+from tessellm.core.model.spec import MLASpec, ModelSpec
 from tessellm.core.plugin import SelectionContext
 from tessellm.testing import attention as ref
 from tessellm.testing.conformance.base import ConformanceSuite, property_settings
@@ -35,6 +35,38 @@ def model_spec(num_heads: int, num_kv_heads: int, head_dim: int, window: int | N
                      num_layers=1, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                      rms_norm_eps=1e-5, max_position_embeddings=4096, tie_word_embeddings=True, qkv_bias=False,
                      o_bias=False, mlp_bias=False, sliding_window=window, rope_type="default", hf_config=None)
+
+
+LATENT_SHAPE = MLASpec(q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=24,
+                       rope_interleave=False)
+"""The multi-head latent attention shape a latent backend is checked on: latent widths that
+are not head-sized, a value head unlike the query head."""
+
+
+def latent_model_spec(num_heads: int, mla: MLASpec = LATENT_SHAPE) -> ModelSpec:
+    """A DeepSeek-V2-like model of these MLA shapes (its attention only)."""
+    return ModelSpec(model_type="deepseek_v2", vocab_size=256, hidden_size=num_heads * mla.v_head_dim,
+                     intermediate_size=64, num_layers=1, num_heads=num_heads, num_kv_heads=num_heads,
+                     head_dim=mla.qk_head_dim, rms_norm_eps=1e-6, max_position_embeddings=4096,
+                     tie_word_embeddings=False, qkv_bias=False, o_bias=False, mlp_bias=False, sliding_window=None,
+                     rope_type="default", hf_config=None, mla=mla)
+
+
+def torch_latent_attention(case: ref.LatentCase) -> torch.Tensor:
+    """Decompressed MLA computed in the case's own dtype: the error a latent backend is
+    allowed to double."""
+    outs, start = [], 0
+    r = case.up.kv_lora_rank
+    for lat, n_q in zip(case.latent_full, case.q_lens):
+        keys = torch.cat((torch.einsum("lr,hnr->lhn", lat[:, :r], case.up.w_uk),
+                          lat[:, None, r:].expand(-1, case.up.w_uk.shape[0], -1)), dim=-1)
+        values = torch.einsum("lr,hvr->lhv", lat[:, :r], case.up.w_uv)
+        q = torch.cat((case.q_nope[start:start + n_q], case.q_pe[start:start + n_q]), dim=-1)
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * case.scale
+        visible = torch.arange(len(lat))[None, :] <= torch.arange(len(lat) - n_q, len(lat))[:, None]
+        outs.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(~visible, float("-inf")).softmax(-1), values))
+        start += n_q
+    return torch.cat(outs)
 
 
 def torch_attention(case: ref.PackedCase, scale: float, window: int | None) -> torch.Tensor:
@@ -92,6 +124,12 @@ class AttentionConformance(ConformanceSuite):
     - cache slots no sequence has written hold NaN, and none of it reaches the output;
     - ``forward`` stores the step's new K and V at the batch's slot mapping.
 
+    A backend whose ``cache_formats`` hold "latent" and not "kv" serves multi-head latent
+    attention: the same batches run through ``forward_latent`` on ``LATENT_SHAPE`` over a
+    NaN-filled latent cache, against the float64 decompressed reference, and it must store the
+    step's latents (nothing for values); head ratios, head dims and windows, which MLA models
+    do not have, are skipped.
+
     A backend that asks for layout extras (``kv_extras``, e.g. "key_bounds") gets them from
     the reference storage. An approximate backend (sparse attention) is checked where its
     options make it exact (for QUEST: a token budget above every context the suite draws);
@@ -114,6 +152,10 @@ class AttentionConformance(ConformanceSuite):
                    head_dim: int = 64, window: int | None = None, dtype: torch.dtype = torch.float32,
                    seed: int = 0, shared_blocks: int = 0) -> None:
         """Run one packed batch through the backend; assert every property of the contract."""
+        if self.serves_latent():
+            self.check_latent_case(contexts, queries, num_heads=heads[0], dtype=dtype, seed=seed,
+                                   shared_blocks=shared_blocks)
+            return
         self.case()
         num_heads, num_kv_heads = heads
         spec = model_spec(num_heads, num_kv_heads, head_dim, window)
@@ -141,6 +183,48 @@ class AttentionConformance(ConformanceSuite):
         assert error <= allowed, f"{what}: max abs error {error:.3g} against float64, allowed {allowed:.3g}"
         ref.assert_stored(case, what)
 
+    @classmethod
+    def serves_latent(cls) -> bool:
+        """Whether the backend reads only the latent cache format (an MLA backend)."""
+        formats = cls.under_test().cache_formats
+        return "latent" in formats and "kv" not in formats
+
+    def skip_if_latent(self, what: str) -> None:
+        if self.serves_latent():
+            pytest.skip(f"{self.label()} serves multi-head latent attention, whose models have no {what}")
+
+    def check_latent_case(self, contexts: list[int], queries: list[int], *, num_heads: int = 4,
+                          dtype: torch.dtype = torch.float32, seed: int = 0, shared_blocks: int = 0) -> None:
+        """One packed batch through ``forward_latent``; the latent contract's properties."""
+        self.case()
+        mla = LATENT_SHAPE
+        spec = latent_model_spec(num_heads, mla)
+        device = torch.device(self.device)
+        plugin = self.under_test()
+        ctx = SelectionContext(device=device, dtype=dtype, model=spec, options=self.plugin_options(),
+                               max_model_len=spec.max_position_embeddings,
+                               kv_layout=KVLayout("latent", self.block_size, dtype))
+        self.require(ctx, f"latent attention, {num_heads} heads, {dtype}")
+        case = ref.make_latent_case(contexts, queries, num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim,
+                                    mla.qk_nope_head_dim, mla.v_head_dim, self.block_size, dtype, seed,
+                                    shared_blocks=shared_blocks)
+        backend = plugin(self.plugin_options(), spec, device, dtype)
+        what = f"{self.label()}, latent, contexts {contexts}, queries {queries}, heads {num_heads}, {dtype}"
+        up = type(case.up)(case.up.w_uk.to(device), case.up.w_uv.to(device))
+        out = backend.forward_latent(0, case.q_nope.to(device), case.q_pe.to(device), case.latent_new.to(device),
+                                     up, case.storage, backend.plan(case.batch, cache=None)).cpu()
+        expected_shape = (*case.q_nope.shape[:2], mla.v_head_dim)
+        assert out.shape == expected_shape and out.dtype == dtype, \
+            f"{what}: forward_latent returned {tuple(out.shape)} {out.dtype}, expected {expected_shape} {dtype}"
+        assert torch.isfinite(out).all(), f"{what}: the output is not finite (NaN of unwritten cache slots reached it?)"
+        expected = ref.reference_latent_attention(case)
+        allowed = 2 * (torch_latent_attention(case).double() - expected).abs().max().item() + ERROR_FLOOR[dtype]
+        error = (out.double() - expected).abs().max().item()
+        assert error <= allowed, f"{what}: max abs error {error:.3g} against float64, allowed {allowed:.3g}"
+        stored, values = case.storage.gather(case.batch.slot_mapping)
+        assert values is None and torch.equal(stored[:, 0].cpu(), case.latent_new), \
+            f"{what}: forward_latent did not store the step's latents at the slot mapping"
+
     def _settings(self) -> Any:
         return property_settings() if self.max_examples is None else property_settings(max_examples=self.max_examples)
 
@@ -160,6 +244,7 @@ class AttentionConformance(ConformanceSuite):
                                        ((4, 4), (4, 2), (8, 1))])
     def test_head_ratios(self, heads: tuple[int, int]) -> None:
         """GQA and MQA: each KV head serves num_heads // num_kv_heads query heads."""
+        self.skip_if_latent("KV head groups")
         if heads not in self.head_ratios:
             pytest.skip(f"{self.label()}: head ratio {heads} not among the suite's head_ratios")
 
@@ -173,6 +258,7 @@ class AttentionConformance(ConformanceSuite):
     @pytest.mark.parametrize("head_dim", [64, 128, 80])
     def test_head_dims(self, head_dim: int) -> None:
         """The head dims the plugin declares (``AttentionBackend.head_dims``); others skip."""
+        self.skip_if_latent("head dims to vary independently of the latent")
         if head_dim not in self.head_dims:
             pytest.skip(f"{self.label()}: head dim {head_dim} not among the suite's head_dims")
 
@@ -185,6 +271,7 @@ class AttentionConformance(ConformanceSuite):
 
     def test_sliding_window(self) -> None:
         """Query i sees only the last ``window`` keys up to its own position."""
+        self.skip_if_latent("sliding windows")
 
         @given(lengths("mixed"), st.integers(1, 12), st.integers(0, 2**16))
         @self._settings()

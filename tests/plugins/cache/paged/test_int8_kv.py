@@ -14,6 +14,7 @@ from hypothesis import given, strategies as st
 from tessellm import LLM
 from tessellm.core.plugin import SelectionContext
 from tessellm.core.interfaces.kv import KVLayout
+from tessellm.core.model.spec import KVShape
 from tessellm.plugins.cache.paged.int8_kv import Int8KVStorage, quantize_heads
 from tessellm.plugins.cache.paged.manager import PagedOptions, bytes_per_block
 
@@ -66,10 +67,7 @@ def test_quantized_values_use_the_whole_int8_range():
 
 @pytest.mark.parametrize("head_dim,ratio", [(64, 1.93), (128, 1.96)])
 def test_about_twice_the_tokens_of_bfloat16_in_the_same_memory(head_dim, ratio):
-    class Spec:
-        num_layers, num_kv_heads = 30, 3
-
-    Spec.head_dim = head_dim
+    Spec = SimpleNamespace(num_layers=30, kv_shape=KVShape("kv", 3, head_dim))
     assert bytes_per_block(Spec, 16, torch.bfloat16) / bytes_per_block(Spec, 16, torch.int8) >= ratio
     assert bytes_per_block(Spec, 16, torch.float32) / bytes_per_block(Spec, 16, torch.int8) >= 2 * ratio
 
