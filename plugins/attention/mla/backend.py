@@ -167,10 +167,17 @@ def naive_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Ten
 def absorbed_attention(q_nope: torch.Tensor, q_pe: torch.Tensor, latents: torch.Tensor, up: LatentProjection,
                        g: _Group, scale: float) -> torch.Tensor:
     """The absorbed form: multi-query attention of (q_nope w_uk, q_pe) over the latents
-    themselves, then w_uv; same arguments and result as ``naive_attention``."""
+    themselves, then w_uv; same arguments and result as ``naive_attention``. All heads share
+    the one latent "head", so they run as extra query rows of a single head: one
+    [Q * H, latent] x [latent, L] product per sequence, no per-head copy of the keys."""
+    b, q, heads = q_nope.shape[:3]
     q_lat = torch.einsum("bqhn,hnr->bqhr", q_nope, up.w_uk)  # [B, Q, H, kv_lora_rank]
-    query = torch.cat((q_lat, q_pe), dim=-1).transpose(1, 2)  # [B, H, Q, latent_dim]
-    keys = latents[:, None]  # [B, 1, L, latent_dim]: one head serves all
-    o = F.scaled_dot_product_attention(query, keys, keys[..., :up.kv_lora_rank], attn_mask=g.mask,
-                                       is_causal=g.causal, scale=scale, enable_gqa=True)  # [B, H, Q, r]
-    return torch.einsum("bhqr,hvr->bqhv", o, up.w_uv)
+    query = torch.cat((q_lat, q_pe), dim=-1).reshape(b, 1, q * heads, -1)  # rows in (query, head) order
+    mask = g.mask
+    if mask is None and g.causal:  # a whole prompt alone: query i sees keys 0..i
+        mask = torch.ones(q, latents.shape[1], dtype=torch.bool, device=query.device).tril()[None, None]
+    if mask is not None:
+        mask = mask.repeat_interleave(heads, dim=2)  # [B, 1, Q * H, L]
+    keys = latents[:, None]  # [B, 1, L, latent_dim]
+    o = F.scaled_dot_product_attention(query, keys, keys[..., :up.kv_lora_rank], attn_mask=mask, scale=scale)
+    return torch.einsum("bqhr,hvr->bqhv", o.view(b, q, heads, -1), up.w_uv)
