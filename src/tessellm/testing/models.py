@@ -93,3 +93,23 @@ def _save_random(make_model: Any, target: Path, seed: int, weight_std: float, vo
     model.save_pretrained(target, safe_serialization=True)
     save_word_tokenizer(target, vocab_size)
     return target
+
+
+def noisy_copy(source: Path, target: Path, *, scale: float = 0.03, seed: int = 5) -> Path:
+    """A copy of the model folder ``source`` in ``target`` whose every weight has seeded
+    Gaussian noise of std ``scale`` added: a draft model that agrees with its source only some
+    of the time, so speculative verification both accepts and rejects."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    target.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.is_file():
+            shutil.copy(f, target / f.name)
+    g = torch.Generator().manual_seed(seed)
+    for f in sorted(target.glob("*.safetensors")):
+        state = load_file(f)
+        save_file({k: v + scale * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in state.items()}, f,
+                  metadata={"format": "pt"})
+    return target
