@@ -44,6 +44,19 @@ class PluginSection(BaseModel):
     """Validated by the chosen plugin's own Options model."""
 
 
+class ParallelConfig(BaseModel):
+    """How the model is split across processes (launched by torchrun)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    tensor: int = Field(1, ge=1, strict=True)
+    """Tensor-parallel ranks: each holds a share of every layer's heads and MLP columns.
+    Above 1, launch with ``torchrun --nproc-per-node N $(which tessellm) ...``."""
+    timeout_s: float = Field(600.0, gt=0)
+    """How long a rank waits for the others in one collective before failing (covers the
+    slowest rank's kernel compiles at start-up)."""
+
+
 class PipelineConfig(BaseModel):
     """Everything that defines a pipeline. Every field has a default."""
 
@@ -67,6 +80,7 @@ class PipelineConfig(BaseModel):
     scheduler: PluginSection = Field(default_factory=PluginSection)
     decoding: PluginSection = Field(default_factory=PluginSection)
     quant: PluginSection = Field(default_factory=PluginSection)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     cuda_graphs: bool = True
     """On CUDA, replay decode steps from captured CUDA graphs when the attention backend and
     cache support it (``flash`` with ``paged``); False runs every step eagerly."""

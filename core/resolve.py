@@ -61,7 +61,9 @@ class ResolvedPipeline:
 
     def summary(self) -> dict[str, Any]:
         return {"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
-                "max_model_len": self.max_model_len, "async_scheduling": self.async_scheduling,
+                "max_model_len": self.max_model_len,
+                "async_scheduling": self.async_scheduling and self.config.parallel.tensor == 1,
+                "parallel": self.config.parallel.model_dump(),
                 **{k: {"name": c.entry.name, "options": c.options.model_dump()} for k, c in self.choices.items()}}
 
 

@@ -35,6 +35,7 @@ from tessellm.core.interfaces.scheduler import Scheduler
 from tessellm.core.interfaces.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from tessellm.core.model.kernel_builds import build_log
 from tessellm.core.model.runner import ModelRunner
+from tessellm.core.parallel.sync import RankSync
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +65,9 @@ class Engine:
     """Whether steps are launched ahead of their tokens (``OverlappedEngine``)."""
 
     def __init__(self, runner: ModelRunner, cache: CacheManager, scheduler: Scheduler, decoder: Decoder,
-                 *, stop: StopRule, vocab_size: int, seed: int = 0):
+                 *, stop: StopRule, vocab_size: int, seed: int = 0, sync: RankSync | None = None):
         self.runner = runner
+        self.sync = sync  # tensor parallel: keeps this rank in lockstep with rank 0
         self.cache = cache
         self.scheduler = scheduler
         self.decoder = decoder
@@ -103,6 +105,9 @@ class Engine:
         self.requests[request_id] = state
         self.stats.prompt_tokens += len(prompt_token_ids)
         self._min_tokens_live += params.min_tokens > 0
+        if self.sync is not None:
+            self.sync.record("add", request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
+                             priority=priority, cache_salt=cache_salt)
         return state
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator:
@@ -119,6 +124,8 @@ class Engine:
         state = self.requests.pop(request_id, None)
         if state is None:
             return
+        if self.sync is not None:
+            self.sync.record("abort", request_id=request_id)
         self._finished.pop(request_id, None)
         for seq in state.seqs:
             if not seq.is_finished:
@@ -141,7 +148,13 @@ class Engine:
         raised: those are handed out by the next call)."""
         builds = build_log.total
         try:
+            if self.sync is not None:
+                self.sync.begin_step()
             self._step()
+        except BaseException:
+            if self.sync is not None:  # the ranks' collectives may no longer line up: stop for good
+                self.sync.broken = True
+            raise
         finally:
             if build_log.total != builds:
                 self._note_kernel_builds(build_log.total - builds)
@@ -157,6 +170,8 @@ class Engine:
 
     def _schedule(self) -> SchedulerOutput:
         out = self.scheduler.schedule()
+        if self.sync is not None:
+            self.sync.schedule(out)
         self.stats.preemptions += len(out.preempted)
         return out
 
@@ -169,6 +184,8 @@ class Engine:
         """Run ``out`` synchronously: pack, run, then append its tokens."""
         start = time.perf_counter()
         drafts = self.decoder.propose(out)
+        if self.sync is not None:
+            drafts = self.sync.drafts(out, drafts)
         if any(len(d) > self.decoder.num_lookahead_tokens for d in drafts.values()):
             raise RuntimeError(f"decoding plugin {self.decoder.name!r} proposed more drafts than its "
                                f"num_lookahead_tokens ({self.decoder.num_lookahead_tokens}), the slots reserved")
@@ -189,7 +206,10 @@ class Engine:
     def _run_isolating_faults(self, plan: StepPlan) -> tuple[StepPlan, torch.Tensor, list[list[int]]] | None:
         """Forward and decode ``plan``. If that raises, run each request alone, abort the ones
         whose own run raises (``failures``) and run the rest again; re-raise when no single
-        request reproduces the error. None: no request is left to run."""
+        request reproduces the error. None: no request is left to run. Under tensor
+        parallelism a step that raises is fatal: the ranks cannot rerun requests alone in step."""
+        if self.sync is not None:
+            return (plan, *self._forward_and_decode(plan.batch))
         try:
             return (plan, *self._forward_and_decode(plan.batch))
         except Exception:
@@ -225,6 +245,8 @@ class Engine:
         barred = self.stop.bar_early_stops(logits, batch) if self._min_tokens_live else logits
         # a step of prefill chunks only (none reaching its prompt's end) samples nothing
         tokens = self.decoder.decode(barred, batch) if batch.samples else []
+        if self.sync is not None and batch.samples:
+            tokens = self.sync.tokens(tokens)
         if len(tokens) != len(batch.samples) or any(not 1 <= len(t) <= len(s.draft_tokens) + 1
                                                     for s, t in zip(batch.samples, tokens)):
             raise RuntimeError(f"decoding plugin {self.decoder.name!r} broke its contract: it must return 1 to "
@@ -348,4 +370,6 @@ class Engine:
         """Logits [len(token_ids), vocab] (float32; float64 in a float64 pipeline) at every
         position of ``token_ids``, run as one prefill of its own (teacher forcing): for
         equivalence checks, KL and perplexity."""
+        if self.sync is not None:
+            self.sync.score(token_ids)
         return score_tokens(self.runner, self.cache, token_ids, self.max_model_len)

@@ -28,8 +28,11 @@ from tessellm.core.model.kernel_builds import build_log
 from tessellm.core.model.loader import build_model, load_hf_config, load_state_dict, load_tokenizer
 from tessellm.core.model.runner import ModelRunner
 from tessellm.core.model.spec import ModelSpec
+from tessellm.core.parallel.group import TensorParallel, init_tensor_parallel
+from tessellm.core.parallel.shard import load_shard, local_spec, plan_shard
+from tessellm.core.parallel.sync import RankSync, follow
 from tessellm.core.registry import PluginRegistry, get_registry
-from tessellm.core.resolve import ResolvedPipeline, model_dir_for, precheck, resolve
+from tessellm.core.resolve import ResolvedPipeline, model_dir_for, precheck, resolve, resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -47,38 +50,89 @@ class Pipeline:
         self.config = config
         self.registry = registry or get_registry()
         precheck(config, self.registry)  # fail on a config typo before converting or loading a model
-        self.model_dir = model_dir_for(config)
+        self.tp: TensorParallel | None = None
+        if config.parallel.tensor > 1:
+            config = self.config = self._join_ranks(config)
+        self.model_dir = self._model_dir(config)
         hf_config = load_hf_config(self.model_dir)
         self.spec = ModelSpec.from_hf_config(hf_config)
-        self.resolved: ResolvedPipeline = resolve(config, self.registry, self.spec)
+        # every part is built from this rank's share of the model (the whole of it on one rank)
+        self.shard = plan_shard(self.spec, self.tp.size, self.tp.rank) if self.tp else None
+        spec = self.local_spec = local_spec(self.spec, self.shard) if self.shard else self.spec
+        self.resolved: ResolvedPipeline = resolve(config, self.registry, spec)
         r, c = self.resolved, self.resolved.choices
         self.tokenizer = load_tokenizer(self.model_dir)
         quantizer = c["quant"].cls(c["quant"].options, r.device, r.dtype)
         calibrates = type(quantizer).calibrate is not Quantizer.calibrate  # then apply waits for the runner
-        self.model = build_model(self.spec, load_state_dict(self.model_dir), r.device, r.dtype,
-                                 None if calibrates else quantizer)
-        shape = self.spec.kv_shape
-        cache_spec = CacheSpec(self.spec.num_layers, shape.num_heads, shape.head_dim, r.dtype, r.device,
+        state = load_shard(self.model_dir, self.spec, self.shard) if self.shard else load_state_dict(self.model_dir)
+        self.model = build_model(spec, state, r.device, r.dtype, None if calibrates else quantizer)
+        del state
+        if self.tp:
+            self.model.set_tensor_parallel(self.tp)
+        shape = spec.kv_shape
+        cache_spec = CacheSpec(spec.num_layers, shape.num_heads, shape.head_dim, r.dtype, r.device,
                                r.max_model_len, shape.format)
         self.cache = c["cache"].cls(c["cache"].options, cache_spec, r.kv_layout)
-        self.attention = c["attention"].cls(c["attention"].options, self.spec, r.device, r.dtype)
-        self.decoder = c["decoding"].cls(c["decoding"].options, self.spec, r.device)
+        if self.tp:
+            self.cache = self._cache_agreed_across_ranks(c["cache"], cache_spec, r.kv_layout)
+        self.attention = c["attention"].cls(c["attention"].options, spec, r.device, r.dtype)
+        self.decoder = c["decoding"].cls(c["decoding"].options, spec, r.device)
         limits = SchedulerLimits(r.max_model_len, self.decoder.num_lookahead_tokens)
         self.scheduler = c["scheduler"].cls(c["scheduler"].options, self.cache, limits)
-        self.runner = ModelRunner(self.model, self.spec, self.attention, self.cache, r.device)
+        self.runner = ModelRunner(self.model, spec, self.attention, self.cache, r.device)
         if calibrates:
             self._calibrate_and_quantize(quantizer)
         if self.runner.compiles_kernels():
             self._warm_up()
-        if config.cuda_graphs and self.runner.graphs_unsupported() is None:
+        if config.cuda_graphs and self.runner.graphs_unsupported() is None and self.tp is None:
             self._capture_graphs()
-        self.async_scheduling = r.async_scheduling
+        self.async_scheduling = r.async_scheduling and self.tp is None
         self.stop = StopRule(self._eos_ids(hf_config), r.max_model_len,
                              decode_text=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
         engine = OverlappedEngine if self.async_scheduling else Engine
         self.engine = engine(self.runner, self.cache, self.scheduler, self.decoder, stop=self.stop,
-                             vocab_size=self.spec.vocab_size, seed=config.seed)
+                             vocab_size=self.spec.vocab_size, seed=config.seed,
+                             sync=RankSync(self.tp) if self.tp else None)
         self._attach_decoder()
+        if self.tp and not self.tp.is_leader:  # a follower serves rank 0 until it stops, then exits
+            follow(self.engine, self.engine.sync)
+            raise SystemExit(0)
+
+    def _join_ranks(self, config: PipelineConfig) -> PipelineConfig:
+        """Join the tensor-parallel group; on CUDA each rank computes on its local GPU."""
+        device = resolve_device(config.device)
+        self.tp = init_tensor_parallel(config.parallel.tensor, device, config.parallel.timeout_s)
+        if self.tp.device.type == "cuda":
+            config = config.model_copy(update={"device": str(self.tp.device)})
+        if config.async_scheduling or (config.cuda_graphs and self.tp.device.type == "cuda"):
+            logger.info("tensor parallel: steps run synchronously and eagerly (no async scheduling, no CUDA "
+                        "graphs) across ranks")
+        return config
+
+    def _model_dir(self, config: PipelineConfig) -> Path:
+        """The model's folder; under tensor parallelism rank 0 converts a GGUF file first and
+        the others wait, so no two ranks convert it at once."""
+        if self.tp is None:
+            return model_dir_for(config)
+        folder = model_dir_for(config) if self.tp.is_leader else None
+        self.tp.barrier("waiting for rank 0 to find the model")
+        return folder or model_dir_for(config)
+
+    def _cache_agreed_across_ranks(self, choice: Any, cache_spec: CacheSpec, layout: Any) -> Any:
+        """Every rank's scheduler must decide over the same number of cache blocks, but each
+        rank sizes its cache from its own memory and its own (possibly uneven) share of the
+        heads. A cache with a ``num_blocks`` option is rebuilt on the ranks above the
+        smallest count with that count; any other cache must agree by itself."""
+        counts = self.tp.gather_objects(self.cache.num_blocks, "comparing KV cache sizes")
+        fewest = min(counts)
+        if self.cache.num_blocks == fewest:
+            return self.cache
+        if "num_blocks" not in type(choice.options).model_fields:
+            raise ConfigError(f"tensor parallel: the ranks' {choice.entry.name!r} caches hold different numbers "
+                              f"of blocks {counts}, and the cache has no num_blocks option to make them agree")
+        del self.cache
+        options = choice.options.model_copy(update={"num_blocks": fewest})
+        return choice.cls(options, cache_spec, layout)
 
     def _calibrate_and_quantize(self, quantizer: Quantizer) -> None:
         """Let the quantizer observe the float model through the runner, then apply it."""
@@ -126,10 +180,13 @@ class Pipeline:
             return self.runner.forward(build_batch(items, self.cache, self.runner.device), layers)
 
         def build_pipeline(config: dict[str, Any], overrides: list[str]) -> DecoderContext:
+            if self.tp is not None:
+                raise ConfigError("a second pipeline (the speculative 'draft' proposer's) does not run under tensor "
+                                  "parallelism; use proposer ngram or layer-skip, or parallel.tensor=1")
             return Pipeline.from_config(config, overrides, self.registry).decoder_context()
 
         return DecoderContext(
-            model=self.spec, device=self.resolved.device, max_model_len=self.resolved.max_model_len,
+            model=self.local_spec, device=self.resolved.device, max_model_len=self.resolved.max_model_len,
             cache=self.cache, run=run, tokens_left=self.stop.tokens_left, vocab_size=len(self.tokenizer),
             num_parameters=sum(p.numel() for p in self.model.parameters()),
             config=json.loads(self.config.model_dump_json()), build_pipeline=build_pipeline)

@@ -152,6 +152,10 @@ class DecoderLayer(nn.Module):
         self.mlp = self.make_mlp(spec, layer)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.tp: Any = None  # tensor parallel: attention and MLP outputs are partial sums over ranks
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.tp is None else self.tp.all_reduce(x)
 
     def make_attention(self, spec: ModelSpec, layer: int) -> nn.Module:
         return Attention(spec, layer)
@@ -160,8 +164,8 @@ class DecoderLayer(nn.Module):
         return MLP(spec)
 
     def forward(self, x, cos, sin, backend, cache, plan):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, backend, cache, plan)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self._reduce(self.self_attn(self.input_layernorm(x), cos, sin, backend, cache, plan))
+        return x + self._reduce(self.mlp(self.post_attention_layernorm(x)))
 
     def forward_fused(self, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, backend, cache,
                       plan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,10 +175,10 @@ class DecoderLayer(nn.Module):
 
         norm = self.input_layernorm
         h, residual = add_rmsnorm(x, residual, norm.weight, norm.eps)
-        h = self.self_attn(h, cos, sin, backend, cache, plan, fused=True)
+        h = self._reduce(self.self_attn(h, cos, sin, backend, cache, plan, fused=True))
         norm = self.post_attention_layernorm
         h, residual = add_rmsnorm(h, residual, norm.weight, norm.eps)
-        return self.mlp(h, fused=True), residual
+        return self._reduce(self.mlp(h, fused=True)), residual
 
 
 class LlamaBody(nn.Module):
@@ -205,6 +209,12 @@ class LlamaForCausalLM(nn.Module):
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(spec)
+
+    def set_tensor_parallel(self, tp: Any) -> None:
+        """Sum each layer's attention and MLP outputs over the ranks of ``tp`` (a
+        ``TensorParallel``): this model holds one rank's share of the heads and columns."""
+        for layer in self.model.layers:
+            layer.tp = tp
 
     def fuse_projections(self) -> None:
         """Stack each layer's q/k/v and gate/up projections into one GEMM each (fewer, larger

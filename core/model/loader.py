@@ -17,7 +17,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -120,10 +120,11 @@ def load_hf_config(folder: Path) -> Any:
         raise ModelLoadError(f"cannot read {str(folder / 'config.json')!r}: {exc}".split("\n")[0]) from exc
 
 
-def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's *.safetensors files (on the CPU, as stored)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+def load_state_dict(folder: Path, read: Callable[[Any, str], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's *.safetensors files (on the CPU, as stored). ``read(f,
+    name)`` reads one tensor from the open file ``f`` (safetensors' ``safe_open``) where the
+    whole of it is not wanted: a tensor-parallel rank reads its slice."""
+    from safetensors import SafetensorError, safe_open
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
@@ -131,7 +132,9 @@ def load_state_dict(folder: Path) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for file in files:
         try:
-            state.update(load_file(file))
+            with safe_open(file, "pt") as f:
+                for name in f.keys():
+                    state[name] = f.get_tensor(name) if read is None else read(f, name)
         except (SafetensorError, OSError, ValueError) as exc:
             raise ModelLoadError(f"corrupt safetensors file {str(file)!r}: {exc}".split("\n")[0]) from exc
     return state

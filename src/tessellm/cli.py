@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from tessellm.bench import cli as bench_cli
-from tessellm.core.errors import InvalidRequestError, TessellmError
+from tessellm.core.errors import ConfigError, InvalidRequestError, TessellmError
 from tessellm.eval import cli as eval_cli
 from tessellm.serve import cli as serve_cli
 
@@ -203,11 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     _quiet_libraries()
     try:
+        _as_rank(args.command)
         return {"plugins": cmd_plugins, "generate": cmd_generate, "bench": bench_cli.cmd_bench,
                 "ab": bench_cli.cmd_ab, "serve": serve_cli.cmd_serve,
                 "new-plugin": cmd_new_plugin, "eval": eval_cli.cmd_eval}[args.command](args)
     except TessellmError as exc:
-        print(f"tessellm: error: {exc}", file=sys.stderr)
+        print(f"tessellm: error{_rank_tag()}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("tessellm: interrupted", file=sys.stderr)
@@ -217,6 +218,29 @@ def main(argv: list[str] | None = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 0
+
+
+def _as_rank(command: str) -> None:
+    """Under torchrun rank 0 alone prints; the other ranks compute in step with it (their
+    pipeline never returns: they serve rank 0 until it stops). ``ab`` builds two pipelines
+    at once, which the ranks cannot follow."""
+    from tessellm.core.parallel.group import is_follower, launched_world
+
+    world = launched_world()
+    if world is not None and world[1] > 1 and command == "ab":
+        raise ConfigError("tessellm ab does not run under torchrun: run each arm's pipeline with tessellm bench "
+                          "under torchrun, or ab on one process")
+    if is_follower():
+        import os
+
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the process's life)
+
+
+def _rank_tag() -> str:
+    """`` (rank N)`` on ranks other than 0 of a torchrun launch, whose errors say which rank."""
+    from tessellm.core.parallel.group import is_follower, launched_world
+
+    return f" (rank {launched_world()[0]})" if is_follower() else ""
 
 
 def _quiet_libraries() -> None:

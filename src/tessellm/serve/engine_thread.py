@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 from collections import deque
@@ -19,6 +20,7 @@ from typing import Any, AsyncIterator, Callable
 
 from tessellm.core.engine.request import RequestState
 from tessellm.core.errors import RequestRejectedError
+from tessellm.core.parallel.group import TensorParallelError
 from tessellm.core.engine.gc_freeze import frozen_heap
 from tessellm.core.interfaces.sequence import SamplingParams, Sequence, SequenceStatus, TokenLogprob
 
@@ -201,6 +203,11 @@ class EngineThread:
             return
         try:
             self.engine.step()  # fails only the requests whose own forward raises
+        except TensorParallelError as exc:  # another rank is gone: this one cannot step again
+            self.errors += 1
+            self._fail_running(exc)
+            logger.critical("%s; the server stops", exc)
+            os._exit(1)
         except Exception as exc:  # a fault no single request reproduces: fail the running ones
             self.errors += 1
             self._fail_running(exc)

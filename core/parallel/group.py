@@ -1,0 +1,111 @@
+"""The tensor-parallel process group, from the environment torchrun sets."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from tessellm.core.errors import ConfigError, TessellmError
+
+
+class TensorParallelError(TessellmError, RuntimeError):
+    """A rank of a tensor-parallel run stopped answering or diverged: every rank ends with it."""
+
+
+@dataclass
+class TensorParallel:
+    """This process's place in a tensor-parallel run: ``rank`` of ``size``, the process group
+    (NCCL on CUDA, gloo on the CPU) and the device the rank computes on.
+
+    ``all_reduce(x)`` sums ``x`` over the ranks in place (the model's one collective, after
+    attention and after the MLP); a peer that died or timed out raises
+    ``TensorParallelError`` naming the collective, never a hang past the group's timeout."""
+
+    rank: int
+    size: int
+    group: object
+    device: torch.device
+    reduces: int = 0
+    """All-reduces run so far, and the bytes each rank contributed to them."""
+    reduced_bytes: int = 0
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        self.reduces += 1
+        self.reduced_bytes += x.numel() * x.element_size()
+        try:
+            dist.all_reduce(x, group=self.group)
+        except RuntimeError as exc:
+            raise lost_peer(self, "all_reduce", exc) from exc
+        return x
+
+    def barrier(self, what: str) -> None:
+        import torch.distributed as dist
+
+        try:
+            dist.barrier(group=self.group)
+        except RuntimeError as exc:
+            raise lost_peer(self, what, exc) from exc
+
+    def gather_objects(self, value: object, what: str) -> list:
+        """Every rank's ``value``, in rank order, on every rank."""
+        import torch.distributed as dist
+
+        out: list = [None] * self.size
+        try:
+            dist.all_gather_object(out, value, group=self.group)
+        except RuntimeError as exc:
+            raise lost_peer(self, what, exc) from exc
+        return out
+
+
+def lost_peer(tp: TensorParallel, what: str, exc: BaseException) -> TensorParallelError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return TensorParallelError(f"tensor parallel: rank {tp.rank} of {tp.size} lost its peers in {what} ({first}); "
+                               f"the rank that failed printed its own error")
+
+
+def launched_world() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) from torchrun's environment, or None outside torchrun."""
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def is_follower() -> bool:
+    """Whether this process is a rank other than 0 of a torchrun launch (it prints nothing)."""
+    world = launched_world()
+    return world is not None and world[1] > 1 and world[0] != 0
+
+
+def init_tensor_parallel(size: int, device: torch.device, timeout_s: float) -> TensorParallel:
+    """Join (or create) the default process group for ``size`` ranks; ``device`` is the
+    pipeline's device, narrowed to this rank's GPU on CUDA. A launch that does not match
+    ``size`` is a ConfigError naming what to change."""
+    import torch.distributed as dist
+
+    world = launched_world()
+    if world is None:
+        raise ConfigError(f"parallel.tensor is {size}, but this process was not launched by torchrun; run "
+                          f"torchrun --nproc-per-node {size} $(which tessellm) ..., or set parallel.tensor=1")
+    rank, world_size, local_rank = world
+    if world_size != size:
+        raise ConfigError(f"parallel.tensor is {size}, but torchrun launched {world_size} process(es); allowed: "
+                          f"parallel.tensor={world_size} for this launch, or torchrun --nproc-per-node {size}")
+    if device.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise ConfigError(f"rank {rank} has local rank {local_rank}, but this node has "
+                              f"{torch.cuda.device_count()} GPU(s); launch at most that many processes per node")
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+    return TensorParallel(rank, size, dist.group.WORLD, device)

@@ -1,0 +1,222 @@
+"""Tensor parallelism on the CPU (gloo): the shard arithmetic, and real torchrun launches of
+two (and three) ranks whose greedy outputs equal one rank's for generate, bench and serve,
+on the default model, a GQA Llama with an uneven head split and a DeepSeek-V2 (MLA + MoE);
+bad sizes and a rank that raises or dies end every rank with a clear error, quickly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, strategies as st
+
+from tessellm.cli import main
+from tessellm.core.errors import ConfigError
+from tessellm.core.model.spec import ModelSpec
+from tessellm.core.parallel.shard import ZERO, allowed_sizes, local_spec, plan_shard, slice_rule
+from tessellm.testing.models import build_tiny_deepseek, build_tiny_llama
+
+PROMPTS = ["t5 t6 t7", "t100 t3", "t9 t9 t9 t9 t41"]
+FAULT_SCRIPT = Path(__file__).with_name("fault_rank.py")
+
+
+def spec_of(heads: int, kv: int, intermediate: int = 96) -> ModelSpec:
+    return ModelSpec(model_type="llama", vocab_size=64, hidden_size=heads * 8, intermediate_size=intermediate,
+                     num_layers=1, num_heads=heads, num_kv_heads=kv, head_dim=8, rms_norm_eps=1e-5,
+                     max_position_embeddings=64, tie_word_embeddings=True, qkv_bias=False, o_bias=True,
+                     mlp_bias=False, sliding_window=None, rope_type="default", hf_config=None)
+
+
+# ---------------------------------------------------------------- the shard arithmetic
+
+
+def test_allowed_sizes_of_smollm2_and_the_error_naming_them():
+    spec = spec_of(9, 3, 1536)  # SmolLM2-135M: 9 heads in 3 KV groups
+    assert allowed_sizes(spec) == [1, 2, 3, 6, 9]
+    with pytest.raises(ConfigError, match=r"parallel.tensor 4 does not split .* allowed: 1, 2, 3, 6, 9"):
+        plan_shard(spec, 4, 0)
+
+
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 12), st.data())
+def test_every_head_and_column_lands_on_exactly_one_rank(kv, group, width, data):
+    spec = spec_of(kv * group, kv, width)
+    size = data.draw(st.sampled_from(allowed_sizes(spec)))
+    shards = [plan_shard(spec, size, r) for r in range(size)]
+    heads = [h for s in shards for h in range(*s.heads)]
+    assert heads == list(range(spec.num_heads))
+    assert [c for s in shards for c in range(*s.intermediate)] == list(range(width))
+    for s in shards:  # a rank's query heads read only the KV heads it holds
+        assert s.heads[1] > s.heads[0] and all(s.kv_heads[0] <= h // group < s.kv_heads[1] for h in range(*s.heads))
+        local = local_spec(spec, s)
+        assert local.num_heads == s.heads[1] - s.heads[0] and local.hidden_size == spec.hidden_size
+
+
+def test_slice_rules_column_then_row():
+    spec = spec_of(6, 3)
+    shard = plan_shard(spec, 2, 1)  # KV heads 1-2, query heads 2-5
+    assert shard.kv_heads == (1, 3) and shard.heads == (2, 6)
+    assert slice_rule("model.layers.0.self_attn.q_proj.weight", spec, shard) == (0, 16, 48)
+    assert slice_rule("model.layers.0.self_attn.k_proj.weight", spec, shard) == (0, 8, 24)
+    assert slice_rule("model.layers.0.self_attn.o_proj.weight", spec, shard) == (1, 16, 48)
+    assert slice_rule("model.layers.0.self_attn.o_proj.bias", spec, shard) == ZERO
+    assert slice_rule("model.layers.0.mlp.down_proj.weight", spec, shard) == (1, 48, 96)
+    assert slice_rule("model.layers.0.input_layernorm.weight", spec, shard) is None
+    assert slice_rule("model.embed_tokens.weight", spec, shard) is None
+
+
+def test_tensor_above_one_outside_torchrun_names_the_launch(monkeypatch, tiny_model, cpu_config):
+    from tessellm import LLM
+
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(ConfigError, match="not launched by torchrun.*--nproc-per-node 2"):
+        LLM(cpu_config(tiny_model("llama"), parallel={"tensor": 2}))
+
+
+# ---------------------------------------------------------------- torchrun launches
+
+
+def torchrun(ranks: int, *args: str, script: list[str] | None = None, env: dict | None = None,
+             timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+           *(script or ["-m", "tessellm"]), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def token_ids(stdout: str) -> list[list[int]]:
+    return [json.loads(line)["token_ids"] for line in stdout.strip().splitlines()]
+
+
+def generate_args(config: Path, *extra: str) -> list[str]:
+    return ["generate", "--config", str(config), "--max-tokens", "12", "--ignore-eos", "--json", *extra, *PROMPTS]
+
+
+def one_rank(config: Path, capsys, *extra: str) -> list[list[int]]:
+    assert main(generate_args(config, *extra)) == 0
+    return token_ids(capsys.readouterr().out)
+
+
+def write_config(path: Path, model: Path, dtype: str = "float64", **extra) -> Path:
+    config = {"model": str(model), "device": "cpu", "dtype": dtype, "max_model_len": 128,
+              "cache": {"name": "paged", "options": {"block_size": 8, "num_blocks": 64}},
+              "scheduler": {"name": "continuous"}, "parallel": {"timeout_s": 30}, **extra}
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def gqa_config(tmp_path_factory) -> Path:
+    """A Llama with 6 query heads in 3 KV groups (two ranks split them 1 + 2), float64."""
+    root = tmp_path_factory.mktemp("tp-gqa")
+    model = build_tiny_llama(root / "model", hidden_size=96, num_attention_heads=6, num_key_value_heads=3,
+                             intermediate_size=96, num_hidden_layers=2)
+    return write_config(root / "pipeline.json", model)
+
+
+@pytest.fixture(scope="module")
+def mqa_config(tmp_path_factory) -> Path:
+    """A Llama with 4 query heads sharing 1 KV head: two ranks both hold it (replicated)."""
+    root = tmp_path_factory.mktemp("tp-mqa")
+    model = build_tiny_llama(root / "model", num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=2)
+    return write_config(root / "pipeline.json", model)
+
+
+@pytest.mark.parametrize("layout", ["gqa_config", "mqa_config"])
+def test_two_ranks_generate_one_ranks_tokens(layout, request, capsys):
+    config = request.getfixturevalue(layout)
+    expected = one_rank(config, capsys)
+    run = torchrun(2, *generate_args(config, "--set", "parallel.tensor=2"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert token_ids(run.stdout) == expected
+    assert run.stdout.count("\n") == len(PROMPTS)  # rank 0 alone prints
+
+
+def test_default_model_two_ranks_generate_one_ranks_tokens(smollm2_dir, capsys):
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    args = ["generate", "--set", "device=cpu", "--set", f"model={smollm2_dir}", "--max-tokens", "16",
+            "--ignore-eos", "--json", *prompts]
+    assert main(args) == 0
+    expected = token_ids(capsys.readouterr().out)
+    run = torchrun(2, *args[:1], "--set", "parallel.tensor=2", *args[1:])
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert token_ids(run.stdout) == expected
+
+
+def test_deepseek_mla_and_moe_shard(tmp_path, capsys):
+    model = build_tiny_deepseek(tmp_path / "model", 2)
+    config = write_config(tmp_path / "pipeline.json", model, attention={"name": "mla"})
+    expected = one_rank(config, capsys)
+    run = torchrun(2, *generate_args(config, "--set", "parallel.tensor=2"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert token_ids(run.stdout) == expected
+
+
+def test_bench_under_torchrun(gqa_config):
+    run = torchrun(2, "bench", "--config", str(gqa_config), "--set", "parallel.tensor=2", "--num-requests", "4",
+                   "--workload-set", "prompt_median=12", "--workload-set", "prompt_max=40",
+                   "--workload-set", "output_median=6", "--workload-set", "output_max=10", "--json",
+                   "--no-progress")
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout)
+    assert report["pipeline"]["parallel"]["tensor"] == 2 and report["total_output_tokens"] > 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_under_torchrun_answers_like_one_rank(gqa_config, capsys):
+    from openai import OpenAI
+
+    expected = one_rank(gqa_config, capsys)
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tessellm",
+           "serve", "--config", str(gqa_config), "--set", "parallel.tensor=2", "--port", str(port)]
+    server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+    try:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        deadline = time.time() + 120
+        while True:
+            try:
+                client.models.list()
+                break
+            except Exception:
+                assert server.poll() is None and time.time() < deadline, server.stderr.read()[-3000:]
+                time.sleep(0.5)
+        for prompt, ids in zip(PROMPTS, expected):
+            out = client.completions.create(model=client.models.list().data[0].id, prompt=prompt, max_tokens=12,
+                                            temperature=0.0, extra_body={"ignore_eos": True})
+            assert out.choices[0].text == " ".join(f"t{i}" for i in ids)
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.communicate(timeout=60)
+
+
+def test_a_launch_that_does_not_match_parallel_tensor_names_both(gqa_config):
+    run = torchrun(2, *generate_args(gqa_config, "--set", "parallel.tensor=3"), timeout=120)
+    assert run.returncode != 0
+    assert "parallel.tensor is 3, but torchrun launched 2 process(es)" in run.stderr
+
+
+@pytest.mark.parametrize("rank, mode", [(1, "raise"), (0, "raise"), (1, "exit")])
+def test_a_failing_rank_ends_every_rank_with_a_clear_error(gqa_config, rank, mode):
+    start = time.time()
+    run = torchrun(2, *generate_args(gqa_config, "--set", "parallel.tensor=2"), script=[str(FAULT_SCRIPT)],
+                   env={"TESSELLM_TEST_FAIL_RANK": str(rank), "TESSELLM_TEST_FAIL_AT": "4",
+                        "TESSELLM_TEST_FAIL_MODE": mode}, timeout=150)
+    assert run.returncode != 0 and time.time() - start < 100  # the group's timeout is 30 s
+    if mode == "raise":
+        assert f"injected fault on rank {rank}" in run.stderr
+    if rank != 0:
+        assert "lost its peers" in run.stderr  # rank 0 says what happened
