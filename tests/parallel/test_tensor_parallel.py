@@ -220,3 +220,30 @@ def test_a_failing_rank_ends_every_rank_with_a_clear_error(gqa_config, rank, mod
         assert f"injected fault on rank {rank}" in run.stderr
     if rank != 0:
         assert "lost its peers" in run.stderr  # rank 0 says what happened
+
+
+@pytest.mark.parametrize("quant", ["int8-weight", "w8a8"])
+def test_int8_models_shard(gqa_config, capsys, quant):
+    """Each rank quantizes its own shard. int8-weight's per-output-channel scales of a
+    row-parallel layer then span the rank's columns only, which on this model gives the same
+    tokens; w8a8 also scales each rank's share of an activation by its own per-token maximum,
+    a different (equally valid) quantization, so its tokens are only checked to be complete."""
+    args = ("--set", "dtype=float32", "--set", f"quant.name={quant}")
+    expected = one_rank(gqa_config, capsys, *args)
+    run = torchrun(2, *generate_args(gqa_config, *args, "--set", "parallel.tensor=2"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = token_ids(run.stdout)
+    if quant == "int8-weight":
+        assert got == expected
+    else:
+        assert [len(t) for t in got] == [12] * len(PROMPTS)
+
+
+def test_eval_perplexity_under_torchrun(gqa_config, capsys):
+    """Scoring (``Engine.score``) goes through the lockstep too: the same perplexity."""
+    args = ["eval", "ppl", "--config", str(gqa_config), "--max-tokens", "200"]
+    assert main(args) == 0
+    expected = capsys.readouterr().out.split(",")[0]
+    run = torchrun(2, *args, "--set", "parallel.tensor=2")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.split(",")[0] == expected and expected.startswith("perplexity ")
