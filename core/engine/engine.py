@@ -201,6 +201,9 @@ class Engine:
 
     def _pack(self, out: SchedulerOutput, drafts: dict[int, list[int]],
               forks: dict[int, list[Sequence]]) -> StepPlan:
+        for item in out.scheduled:
+            if item.seq.num_cached_tokens is None:  # its first step: what the prefix cache gave it
+                item.seq.num_cached_tokens = item.seq.num_computed_tokens
         return StepPlan(out, drafts, forks, build_batch(out.scheduled, self.cache, self.runner.device, drafts, forks))
 
     def _run_isolating_faults(self, plan: StepPlan) -> tuple[StepPlan, torch.Tensor, list[list[int]]] | None:
@@ -339,6 +342,10 @@ class Engine:
         return forks
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        # index the blocks it filled before the scheduler frees them: a request that ends in
+        # the step its prompt completes (max_tokens 1: scoring) never reaches _end_step's commit
+        if seq.num_cached_tokens is not None:  # it ran: its computed blocks hold its tokens' K/V
+            self.cache.commit(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()

@@ -46,6 +46,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     ttft_s: float | None
     e2e_s: float
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (their K/V reused, not computed)."""
 
     @property
     def text(self) -> str:
@@ -173,5 +175,6 @@ class LLM:
         ends = [s.finish_time for s in state.seqs if s.finish_time is not None]
         return RequestOutput(state.request_id, prompt if isinstance(prompt, str) else None, tokens, outs,
                              None if first.first_token_time is None else first.first_token_time - first.arrival_time,
-                             (max(ends) if ends else time.perf_counter()) - first.arrival_time)
+                             (max(ends) if ends else time.perf_counter()) - first.arrival_time,
+                             first.num_cached_tokens or 0)
 

@@ -119,6 +119,8 @@ class Sequence:
         self.generator: torch.Generator | None = None  # set by the engine for sampling
         self.stop_text_len: int | None = None  # where a stop string cut the text
         self.logprobs: list[TokenLogprob] = []  # one per output token when params.logprobs is set
+        self.num_cached_tokens: int | None = None
+        """Prompt tokens the prefix cache held when the sequence first ran (set by the engine)."""
         self.num_pending = 0
         """Tokens sampled on the device whose values have not reached the host yet (async
         scheduling): counted in ``num_tokens``, absent from ``token_ids``."""

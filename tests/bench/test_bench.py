@@ -40,7 +40,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 # ----------------------------------------------------------------------------- workloads
 
 
-@pytest.mark.parametrize("name, overrides", [("mixed", {}), ("shared-prefix", {"prefix_len": 64})])
+@pytest.mark.parametrize("name, overrides", [("mixed", {}), ("shared-prefix", {"prefix_len": 64}),
+                                             ("scoring", {"shot_len": 20})])
 def test_workload_is_deterministic_per_seed(name, overrides, tokenizer):
     def draw(seed):
         return make_workload(name, seed=seed, num_requests=20, tokenizer=tokenizer, max_model_len=2048, **overrides)
@@ -64,6 +65,19 @@ def test_mixed_is_long_tailed_and_clipped(tokenizer):
     tight = make_workload("mixed", seed=0, num_requests=500, tokenizer=tokenizer, max_model_len=256)
     assert max(len(r.prompt_token_ids) + r.output_len for r in tight) <= 256
     assert min(r.output_len for r in tight) >= 8
+
+
+def test_scoring_requests_share_the_shots_and_each_question_its_choices(tokenizer):
+    requests = make_workload("scoring", seed=2, num_requests=8, tokenizer=tokenizer, max_model_len=512, shots=3,
+                             shot_len=50, question_len=20, choices=4, choice_len=5)
+    assert [len(r.prompt_token_ids) for r in requests] == [3 * 50 + 20 + 5] * 8
+    assert all(r.output_len == 1 for r in requests)  # scoring: one token each
+    shots = requests[0].prompt_token_ids[:150]
+    assert all(r.prompt_token_ids[:150] == shots for r in requests)
+    questions = [tuple(r.prompt_token_ids[150:170]) for r in requests]
+    assert questions[:4] == [questions[0]] * 4 and questions[4:] == [questions[4]] * 4 and questions[0] != questions[4]
+    with pytest.raises(ConfigError, match="scoring: .* exceed max_model_len"):
+        make_workload("scoring", seed=0, num_requests=2, tokenizer=tokenizer, max_model_len=256)
 
 
 def test_shared_prefix_requests_share_exactly_their_group_prefix(tokenizer):

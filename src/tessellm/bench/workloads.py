@@ -81,6 +81,23 @@ class SharedPrefixParams(WorkloadParams):
     """Tokens generated per request."""
 
 
+class ScoringParams(WorkloadParams):
+    """Log-likelihood scoring as lm-evaluation-harness sends it: every request is a few-shot
+    prompt (the same ``shots`` examples first), then a question and one of its ``choices``
+    candidate answers, and asks for one token (max_tokens 1): the prefill is the work."""
+
+    shots: int = Field(5, ge=0)
+    """Few-shot examples every prompt starts with."""
+    shot_len: int = Field(120, ge=1)
+    """Tokens per example."""
+    question_len: int = Field(40, ge=1)
+    """Tokens of each question (shared by its choices)."""
+    choices: int = Field(4, ge=1)
+    """Candidate answers per question: consecutive requests, one per choice."""
+    choice_len: int = Field(6, ge=1)
+    """Tokens of each candidate answer."""
+
+
 class JsonlParams(WorkloadParams):
     """Requests read from a file, one JSON object per line."""
 
@@ -88,7 +105,8 @@ class JsonlParams(WorkloadParams):
     """Output length of a line that gives no ``max_tokens``."""
 
 
-SYNTHETIC: dict[str, type[WorkloadParams]] = {"mixed": MixedParams, "shared-prefix": SharedPrefixParams}
+SYNTHETIC: dict[str, type[WorkloadParams]] = {"mixed": MixedParams, "shared-prefix": SharedPrefixParams,
+                                              "scoring": ScoringParams}
 DEFAULT_NUM_REQUESTS = 100
 JSONL_KEYS = ("prompt", "prompt_token_ids", "max_tokens", "chat", "ignore_eos")
 
@@ -152,6 +170,8 @@ class Workload:
         n = num_requests or DEFAULT_NUM_REQUESTS
         if isinstance(self.params, MixedParams):
             return _mixed(self.params, rng, ids, n, max_model_len)
+        if isinstance(self.params, ScoringParams):
+            return _scoring(self.params, rng, ids, n, max_model_len)
         return _shared_prefix(self.params, rng, ids, n, max_model_len)
 
 
@@ -231,6 +251,23 @@ def _shared_prefix(p: SharedPrefixParams, rng: np.random.Generator, ids: np.ndar
         qlen = int(rng.integers(q_lo, q_hi + 1))
         question = [int(firsts[p.num_groups + i])] + ids[rng.integers(0, ids.size, qlen - 1)].tolist()
         out.append(BenchRequest(f"shared-prefix-{i}", prefixes[i % p.num_groups] + question, p.output_len))
+    return out
+
+
+def _scoring(p: ScoringParams, rng: np.random.Generator, ids: np.ndarray, n: int,
+             max_model_len: int) -> list[BenchRequest]:
+    need = p.shots * p.shot_len + p.question_len + p.choice_len + 1
+    if need > max_model_len:
+        raise ConfigError(f"scoring: {p.shots} shots x {p.shot_len} + question_len ({p.question_len}) + choice_len "
+                          f"({p.choice_len}) + 1 = {need} tokens exceed max_model_len ({max_model_len}); lower "
+                          f"them with --workload-set")
+    shots = ids[rng.integers(0, ids.size, p.shots * p.shot_len)].tolist()
+    out, question = [], []
+    for i in range(n):
+        if i % p.choices == 0:
+            question = ids[rng.integers(0, ids.size, p.question_len)].tolist()
+        choice = ids[rng.integers(0, ids.size, p.choice_len)].tolist()
+        out.append(BenchRequest(f"scoring-{i}", shots + question + choice, 1))
     return out
 
 

@@ -206,7 +206,7 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
 
     async def respond(request: Request, body: Any, prompt: list[int], params: SamplingParams, chat: bool):
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        stream = engine.generate(request_id, prompt, params)
+        stream = engine.generate(request_id, prompt, params, cache_salt=body.cache_salt)
         start = time.perf_counter()
         try:  # admission errors surface here, before any byte is sent
             first = await until_disconnect(request, stream.__anext__())
@@ -298,6 +298,7 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
     return app
 
 
-def usage(out: StepOutput) -> dict[str, int]:
+def usage(out: StepOutput) -> dict[str, Any]:
     return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens}
+            "total_tokens": out.prompt_tokens + out.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}

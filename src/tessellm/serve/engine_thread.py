@@ -75,6 +75,8 @@ class StepOutput:
     finished: bool
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache."""
 
 
 class RequestFailed(RuntimeError):
@@ -265,7 +267,8 @@ class EngineThread:
             if not deltas and not state.finished:
                 continue
             completion = sum(s.num_output_tokens for s in state.seqs)
-            out = StepOutput(request_id, deltas, state.finished, state.seqs[0].num_prompt_tokens, completion)
+            out = StepOutput(request_id, deltas, state.finished, state.seqs[0].num_prompt_tokens, completion,
+                             state.seqs[0].num_cached_tokens or 0)
             if state.finished:
                 self.engine.pop_finished(request_id)
                 del self._streams[request_id]

@@ -33,6 +33,9 @@ class _Sampling(BaseModel):
     """Extension (as vLLM's): keep the top_k most likely tokens; 0 keeps all."""
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     """Extension (as vLLM's): keep tokens at least min_p times as likely as the most likely one."""
+    cache_salt: Optional[str] = Field(None, min_length=1)
+    """Extension (as vLLM's): the prefix cache shares blocks only between requests with the
+    same salt (and requests without one), so one tenant's prompts never serve another's."""
     extra_args: Optional[dict[str, Any]] = None
     """Extension: settings for the decoding plugin beyond these fields, validated by that
     plugin (``SamplingParams.extra_args``); the openai library sends them with

@@ -151,3 +151,35 @@ def test_request_too_large_for_the_cache_is_rejected_and_nothing_leaks(reference
         engine.add_request("big", SHARED[:30], SamplingParams(max_tokens=5))
     assert not engine.requests and not engine.has_unfinished()
     assert run(engine, [(0, SHARED[:20], SamplingParams(max_tokens=4, ignore_eos=True), 0)])["r0"]
+
+
+@settings(max_examples=15)
+@given(st.lists(st.tuples(st.integers(0, 4), st.integers(0, 2), st.sampled_from([1, 1, 2, 5])), min_size=1,
+                max_size=8), st.sampled_from([1, 4, 8]))
+def test_outputs_with_the_prefix_cache_equal_outputs_without(reference, mix, block_size):
+    """Random mixes of arrivals, a few prompts repeated (so later requests hit earlier ones'
+    blocks) and short outputs, max_tokens 1 (scoring) above all: the same tokens with the
+    prefix cache as without, and every request that ran looked its prompt up."""
+    prompts = [SHARED[:20 + 7 * k] for k in range(3)]
+    reqs = [(arrival, prompts[k], SamplingParams(max_tokens=m, ignore_eos=True), 0) for arrival, k, m in mix]
+    outputs = {}
+    for caching in (False, True):
+        engine = paged_engine(reference, block_size, 128, caching, max_num_batched_tokens=64)
+        outputs[caching] = run(engine, reqs)
+        assert engine.cache.pool.num_used == 0
+    assert outputs[True] == outputs[False]
+    stats = engine.cache.prefix_cache_stats()
+    assert stats.queried_tokens == sum(len(p) for _, p, _, _ in reqs)
+
+
+@pytest.mark.parametrize("n, max_tokens", [(1, 1), (2, 1), (1, 2)])
+def test_a_repeated_prompt_hits_whatever_its_max_tokens(reference, n, max_tokens):
+    engine = paged_engine(reference, 4, 64)
+    params = SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True, temperature=0.0 if n == 1 else 0.8, seed=3)
+    first = run(engine, [(0, SHARED[:33], params, 0)])
+    assert engine.cache.prefix_cache_stats().hit_tokens == 0
+    second = run(engine, [(0, SHARED[:33], params, 0)])
+    stats = engine.cache.prefix_cache_stats()
+    assert stats.queried_tokens == 2 * 33 and stats.hit_tokens == 32  # 8 full blocks: all but the last token
+    assert second == first
+    assert engine.cache.pool.num_used == 0
