@@ -145,7 +145,7 @@ def test_vllm_style_top_k_and_min_p_reach_the_sampler(client):
     ({"model": MODEL, "prompt": [1, 2, 10 ** 8]}, ["vocabulary"]),
     ({"model": MODEL, "prompt": ""}, ["empty"]),
     ({"model": MODEL}, ["prompt"]),
-    ({"model": MODEL, "prompt": "hi", "logprobs": 9}, ["logprobs"]),
+    ({"model": MODEL, "prompt": "hi", "logprobs": 21}, ["logprobs"]),
     ({"model": MODEL, "prompt": "hi", "min_p": 1.5}, ["min_p"]),
     ({"model": MODEL, "prompt": "hi", "extra_args": {"beam": 2}}, ["decoding plugin 'sample' takes no extra_args",
                                                                    "beam"]),

@@ -1,14 +1,53 @@
 """Request and response bodies of the OpenAI-compatible API (the fields tessellm honours).
 
-Unknown fields are ignored, as OpenAI's own server and vLLM do (clients send options such as
-``user`` or ``frequency_penalty``); a known field of the wrong type or range is a 400.
+No field is ignored without a word: a field of OpenAI's API (or vLLM's extensions) that would
+change the result and that tessellm does not implement is a 400 naming it
+(``NOT_IMPLEMENTED``); fields that cannot change the result (``user``, ``metadata``, ...)
+are accepted and logged once; any other unknown field is logged once as ignored, as vLLM
+does. A known field of the wrong type or range is a 400.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+logger = logging.getLogger(__name__)
+
+NOT_IMPLEMENTED: dict[str, Any] = {
+    # field -> its value that means "not used" (any other value changes the result)
+    "echo": False, "suffix": None, "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0,
+    "repetition_penalty": 1, "response_format": None, "tools": None, "tool_choice": None, "functions": None,
+    "function_call": None, "parallel_tool_calls": None, "guided_json": None, "guided_regex": None,
+    "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "prompt_logprobs": None,
+    "logits_processors": None, "prediction": None, "audio": None, "modalities": None,
+}
+"""Fields that change the result, which this server does not implement yet."""
+
+NO_EFFECT = frozenset({"user", "metadata", "store", "service_tier", "stream_options", "request_id"})
+"""Fields accepted and logged once: they cannot change the tokens returned."""
+
+_logged: set[str] = set()
+
+
+def _unused(field: str, value: Any) -> bool:
+    default = NOT_IMPLEMENTED[field]
+    if value is None or value == default:
+        return True
+    if field == "response_format" and isinstance(value, dict) and value.get("type") == "text":
+        return True
+    if field == "tool_choice" and value == "none":
+        return True
+    return field in ("logit_bias", "tools", "functions", "modalities") and not value
+
+
+def _log_once(field: str, message: str) -> None:
+    if field not in _logged:
+        _logged.add(field)
+        logger.warning(message)
 
 
 class StreamOptions(BaseModel):
@@ -17,6 +56,28 @@ class StreamOptions(BaseModel):
 
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_field_ignored(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for field, value in data.items():
+            if field in cls.model_fields or field == "best_of":
+                continue
+            if field in NOT_IMPLEMENTED:
+                if not _unused(field, value):
+                    raise PydanticCustomError("not_supported", "{field} is not supported by this server (got "
+                                              "{value}); leave it out", {"field": field, "value": repr(value)})
+            elif field in NO_EFFECT:
+                _log_once(field, f"request field {field!r} accepted; it does not change the result")
+            else:
+                _log_once(field, f"request field {field!r} is unknown and ignored")
+        best_of = data.get("best_of")
+        if best_of is not None and best_of != data.get("n", 1):
+            raise PydanticCustomError("not_supported", "best_of is not supported by this server unless equal to n "
+                                      "(got {value})", {"value": repr(best_of)})
+        return data
 
     model: str
     max_tokens: Optional[int] = Field(None, ge=1)
@@ -36,6 +97,8 @@ class _Sampling(BaseModel):
     cache_salt: Optional[str] = Field(None, min_length=1)
     """Extension (as vLLM's): the prefix cache shares blocks only between requests with the
     same salt (and requests without one), so one tenant's prompts never serve another's."""
+    min_tokens: int = Field(0, ge=0)
+    """Extension (as vLLM's): generate at least this many tokens before a stop can end it."""
     extra_args: Optional[dict[str, Any]] = None
     """Extension: settings for the decoding plugin beyond these fields, validated by that
     plugin (``SamplingParams.extra_args``); the openai library sends them with
@@ -52,8 +115,8 @@ class CompletionRequest(_Sampling):
 
     prompt: Union[str, list[int]]
     max_tokens: Optional[int] = Field(16, ge=1)
-    logprobs: Optional[int] = Field(None, ge=0, le=5)
-    """Log-probabilities of each token and of this many alternatives (OpenAI allows up to 5)."""
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    """Log-probabilities of each token and of this many alternatives (up to 20, as vLLM)."""
 
 
 class ChatMessage(BaseModel):
@@ -69,7 +132,7 @@ class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=5)
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
 
 
 class ErrorBody(BaseModel):

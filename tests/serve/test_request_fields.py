@@ -1,0 +1,59 @@
+"""No request field is silently ignored: fields that would change the result and are not
+implemented are a 400 naming them; fields that cannot change it are accepted; logprobs go up
+to 20; vLLM's min_tokens reaches the engine."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tessellm import LLM
+from tessellm.serve.app import build_app
+from tessellm.testing.serving import serving
+
+
+@pytest.fixture(scope="module")
+def server(cpu_config, tiny_model):
+    llm = LLM(cpu_config(tiny_model("llama"), max_model_len=256, scheduler={"name": "continuous"},
+                         cache={"name": "paged", "options": {"block_size": 8, "num_blocks": 256}}))
+    with serving(build_app(llm, model_name="tiny", api_key=None, max_request_bytes=64 * 1024)) as url:
+        yield url
+
+
+def post(url: str, path: str, **body) -> httpx.Response:
+    base = {"model": "tiny", "max_tokens": 4, "temperature": 0.0}
+    base.update({"prompt": [5, 6, 7]} if path == "completions" else {"messages": [{"role": "user", "content": "hi"}]})
+    return httpx.post(f"{url}/v1/{path}", json={**base, **body}, timeout=60)
+
+
+@pytest.mark.parametrize("path, field, value", [
+    ("completions", "echo", True), ("completions", "suffix", "end"), ("completions", "best_of", 3),
+    ("completions", "logit_bias", {"5": 10}), ("completions", "presence_penalty", 0.5),
+    ("chat/completions", "response_format", {"type": "json_object"}),
+    ("chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("chat/completions", "tool_choice", "required"), ("chat/completions", "frequency_penalty", 1.0),
+    ("completions", "guided_regex", "a+"),
+])
+def test_unimplemented_fields_that_change_the_result_are_400_naming_them(server, path, field, value):
+    r = post(server, path, **{field: value})
+    assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.parametrize("path, extra", [
+    ("completions", {"echo": False, "suffix": None, "best_of": 1, "logit_bias": {}, "presence_penalty": 0}),
+    ("chat/completions", {"response_format": {"type": "text"}, "tool_choice": "none", "tools": []}),
+    ("completions", {"user": "u1", "metadata": {"a": "b"}, "store": False, "some_vendor_field": 1}),
+])
+def test_fields_that_cannot_change_the_result_are_accepted(server, path, extra):
+    assert post(server, path, **extra).status_code == 200
+
+
+def test_twenty_top_logprobs_and_min_tokens(server):
+    r = post(server, "completions", logprobs=20)
+    assert r.status_code == 200 and len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) == 20
+    r = post(server, "chat/completions", logprobs=True, top_logprobs=20)
+    assert r.status_code == 200
+    assert len(r.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
+    assert post(server, "completions", logprobs=21).status_code == 400
+    r = post(server, "completions", max_tokens=6, min_tokens=6)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
