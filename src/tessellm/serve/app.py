@@ -175,12 +175,12 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
         if (bad := check_model(body.model)) is not None:
             return bad
         try:
-            text = isinstance(body.prompt, str)
-            prompt = engine.with_tokenizer(llm.encode, body.prompt) if text else list(body.prompt)
+            prompts = [engine.with_tokenizer(llm.encode, p) if isinstance(p, str) else list(p)
+                       for p in body.prompts()]
             params = sampling(body, body.max_tokens, body.logprobs)
         except InvalidRequestError as exc:
             return error(400, str(exc), param="prompt")
-        return await respond(request, body, prompt, params, chat=False)
+        return await respond(request, body, prompts, params, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -202,48 +202,84 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
             return error(400, str(exc))
         except Exception as exc:  # a template that rejects these messages (roles out of order, ...)
             return error(400, f"messages could not be rendered with the chat template: {exc}", param="messages")
-        return await respond(request, body, prompt, params, chat=True)
+        return await respond(request, body, [prompt], params, chat=True)
 
-    async def respond(request: Request, body: Any, prompt: list[int], params: SamplingParams, chat: bool):
+    async def respond(request: Request, body: Any, prompts: list[list[int]], params: SamplingParams, chat: bool):
+        """One engine request per prompt (a completions batch; chat has one), answered as one
+        response whose choice ``prompt_index * n + sample`` is that prompt's sample."""
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        stream = engine.generate(request_id, prompt, params, cache_salt=body.cache_salt)
+        ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
+        streams = [engine.generate(rid, p, params, cache_salt=body.cache_salt) for rid, p in zip(ids, prompts)]
         start = time.perf_counter()
+
+        async def first_of(p: int, stream: AsyncGenerator[StepOutput, None]) -> StepOutput:
+            try:
+                return await stream.__anext__()
+            except (InvalidRequestError, RequestRejectedError) as exc:  # say which prompt of a batch
+                if len(streams) > 1 and not isinstance(exc, ServerBusy):
+                    raise type(exc)(f"prompt {p}: {exc}") from exc
+                raise
+
+        async def firsts() -> list[StepOutput]:  # every prompt admitted at once, then their first steps
+            results = await asyncio.gather(*(first_of(p, s) for p, s in enumerate(streams)), return_exceptions=True)
+            for result in results:
+                if isinstance(result, BaseException):
+                    raise result
+            return results
+
+        async def close_all() -> None:
+            for s in streams:
+                try:
+                    await s.aclose()
+                except RuntimeError:  # still being cancelled: its own cleanup aborts the request
+                    pass
+
         try:  # admission errors surface here, before any byte is sent
-            first = await until_disconnect(request, stream.__anext__())
+            first = await until_disconnect(request, firsts())
         except ClientGone:
-            return Response(status_code=499)  # nobody reads it: the request is aborted
+            await close_all()
+            return Response(status_code=499)  # nobody reads it: the requests are aborted
         except ServerBusy as exc:
+            await close_all()
             return error(429, str(exc), kind="rate_limit_error", code="server_busy")
         except (InvalidRequestError, RequestRejectedError) as exc:
+            await close_all()
             return error(400, str(exc))
         except RequestFailed as exc:
+            await close_all()
             return error(500, str(exc), kind="server_error")
         ttft = time.perf_counter() - start
         metrics.first_token(ttft)
+        n = params.n
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EngineStream(sse(request_id, first, stream, chat, include_usage, start, ttft),
+            return EngineStream(sse(request_id, first, streams, n, chat, include_usage, start, ttft),
                                 media_type="text/event-stream")
 
-        async def rest() -> list[StepOutput]:
+        async def rest(stream: AsyncGenerator[StepOutput, None]) -> list[StepOutput]:
             return [out async for out in stream]
 
         try:
-            outputs = [first, *await until_disconnect(request, rest())]
+            tails = await until_disconnect(request, asyncio.gather(*(rest(s) for s in streams)))
         except ClientGone:
+            await close_all()
             return Response(status_code=499)
         except RequestFailed as exc:
+            await close_all()
             return error(500, str(exc), kind="server_error")
-        last = outputs[-1]
-        metrics.finished(last.completion_tokens, time.perf_counter() - start, ttft)
+        lasts = [tail[-1] if tail else head for head, tail in zip(first, tails)]
+        for last in lasts:
+            metrics.finished(last.completion_tokens, time.perf_counter() - start, ttft)
         texts: dict[int, str] = {}
         reasons: dict[int, str | None] = {}
         deltas: dict[int, list[Any]] = {}
-        for out in outputs:
-            for d in out.samples:
-                texts[d.index] = texts.get(d.index, "") + d.text
-                reasons[d.index] = d.finish_reason or reasons.get(d.index)
-                deltas.setdefault(d.index, []).append(d)
+        for p, (head, tail) in enumerate(zip(first, tails)):
+            for out in [head, *tail]:
+                for d in out.samples:
+                    i = p * n + d.index
+                    texts[i] = texts.get(i, "") + d.text
+                    reasons[i] = d.finish_reason or reasons.get(i)
+                    deltas.setdefault(i, []).append(d)
         choices = [({"index": i, "message": {"role": "assistant", "content": texts[i]},
                      "logprobs": logprobs_json(deltas[i], True), "finish_reason": reasons[i]} if chat else
                     {"index": i, "text": texts[i], "logprobs": logprobs_json(deltas[i], False),
@@ -251,10 +287,10 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
                    for i in sorted(texts)]
         return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": name, "choices": choices,
-                "usage": usage(last)}
+                "usage": usage(lasts)}
 
-    async def sse(request_id: str, first: StepOutput, stream: AsyncGenerator[StepOutput, None], chat: bool,
-                  include_usage: bool, start: float, ttft: float) -> AsyncIterator[str]:
+    async def sse(request_id: str, first: list[StepOutput], streams: list[AsyncGenerator[StepOutput, None]], n: int,
+                  chat: bool, include_usage: bool, start: float, ttft: float) -> AsyncIterator[str]:
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -262,43 +298,65 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
             return "data: " + json.dumps({"id": request_id, "object": kind, "created": created, "model": name,
                                           "choices": choices, **extra}) + "\n\n"
 
+        # each prompt's stream feeds one queue, so a batch's choices interleave as they come
+        queue: asyncio.Queue[tuple[int, StepOutput | BaseException]] = asyncio.Queue()
+
+        async def pump(p: int, out: StepOutput, stream: AsyncGenerator[StepOutput, None]) -> None:
+            try:
+                while True:
+                    await queue.put((p, out))
+                    if out.finished:
+                        return
+                    out = await stream.__anext__()
+            except BaseException as exc:  # noqa: BLE001 (handed to the response, which ends)
+                await queue.put((p, exc))
+
+        pumps = [asyncio.ensure_future(pump(p, f, s)) for p, (f, s) in enumerate(zip(first, streams))]
         started: set[int] = set()
-        offsets: dict[int, int] = {}  # completions: text offset of each sample's next token
-        last = first
+        offsets: dict[int, int] = {}  # completions: text offset of each choice's next token
+        lasts: dict[int, StepOutput] = {}
         try:
-            out: StepOutput | None = first
-            while out is not None:
+            while len(lasts) < len(streams):
+                p, out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise out
                 choices = []
                 for d in out.samples:
+                    i = p * n + d.index
                     if chat:
-                        delta: dict[str, Any] = {} if d.index in started else {"role": "assistant"}
-                        started.add(d.index)
+                        delta: dict[str, Any] = {} if i in started else {"role": "assistant"}
+                        started.add(i)
                         if d.text or d.finish_reason is None:
                             delta["content"] = d.text
-                        choices.append({"index": d.index, "delta": delta, "logprobs": logprobs_json([d], True),
+                        choices.append({"index": i, "delta": delta, "logprobs": logprobs_json([d], True),
                                         "finish_reason": d.finish_reason})
                     else:
-                        choices.append({"index": d.index, "text": d.text,
-                                        "logprobs": logprobs_json([d], False, offsets.get(d.index, 0)),
+                        choices.append({"index": i, "text": d.text,
+                                        "logprobs": logprobs_json([d], False, offsets.get(i, 0)),
                                         "finish_reason": d.finish_reason})
-                        offsets[d.index] = offsets.get(d.index, 0) + sum(len(piece(t)) for t in d.token_ids)
+                        offsets[i] = offsets.get(i, 0) + sum(len(piece(t)) for t in d.token_ids)
                 if choices:
                     yield chunk(choices)
-                last = out
-                out = await stream.__anext__() if not out.finished else None
-            metrics.finished(last.completion_tokens, time.perf_counter() - start, ttft)
+                if out.finished:
+                    lasts[p] = out
+                    metrics.finished(out.completion_tokens, time.perf_counter() - start, ttft)
             if include_usage:
-                yield chunk([], usage=usage(last))
+                yield chunk([], usage=usage([lasts[p] for p in sorted(lasts)]))
         except RequestFailed as exc:
             yield "data: " + json.dumps({"error": {"message": str(exc), "type": "server_error"}}) + "\n\n"
         finally:  # however it ends: an unfinished engine stream aborts its request when closed
-            await stream.aclose()
+            for task in pumps:
+                task.cancel()
+            for stream in streams:
+                await stream.aclose()
         yield "data: [DONE]\n\n"
 
     return app
 
 
-def usage(out: StepOutput) -> dict[str, Any]:
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
+def usage(outs: list[StepOutput]) -> dict[str, Any]:
+    """The usage object over a response's requests (one per prompt)."""
+    prompt = sum(o.prompt_tokens for o in outs)
+    completion = sum(o.completion_tokens for o in outs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outs)}}

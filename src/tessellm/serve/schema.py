@@ -15,6 +15,8 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from tessellm.core.errors import InvalidRequestError
+
 logger = logging.getLogger(__name__)
 
 NOT_IMPLEMENTED: dict[str, Any] = {
@@ -111,12 +113,22 @@ class _Sampling(BaseModel):
 
 
 class CompletionRequest(_Sampling):
-    """POST /v1/completions: ``prompt`` is text or token ids (one prompt per request)."""
+    """POST /v1/completions: ``prompt`` is a text, a list of texts, a list of token ids or a
+    list of token-id lists (a batch: choice ``prompt_index * n + sample``)."""
 
-    prompt: Union[str, list[int]]
+    prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: Optional[int] = Field(16, ge=1)
     logprobs: Optional[int] = Field(None, ge=0, le=20)
     """Log-probabilities of each token and of this many alternatives (up to 20, as vLLM)."""
+
+    def prompts(self) -> list[Union[str, list[int]]]:
+        """The batch: every prompt, a text or token ids (InvalidRequestError if empty)."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        if not p:
+            raise InvalidRequestError("prompt is an empty list; give a text, token ids, or a list of either")
+        return list(p)
 
 
 class ChatMessage(BaseModel):
