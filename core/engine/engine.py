@@ -23,7 +23,7 @@ import torch
 
 from tessellm.core.engine.batch_builder import build_batch
 from tessellm.core.engine.faults import find_culprits
-from tessellm.core.engine.outputs import StopRule, token_logprobs
+from tessellm.core.engine.outputs import StopRule, apply_logit_bias, token_logprobs
 from tessellm.core.engine.request import RequestState
 from tessellm.core.engine.scoring import score_tokens
 from tessellm.core.engine.stats import WASTE_SAMPLE_STEPS, EngineStats
@@ -81,6 +81,7 @@ class Engine:
         self._seeded = 0  # generators seeded from ``seed`` so far
         self._finished: dict[str, RequestState] = {}  # finished, not yet handed out by ``step``
         self._min_tokens_live = 0  # live sequences with a min_tokens bar (rare: skip the mask without)
+        self._biased_live = 0  # live sequences with a logit_bias (rare: skip it without)
 
     # ------------------------------------------------------------------ requests
 
@@ -96,6 +97,9 @@ class Engine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(f"prompt has {len(prompt_token_ids)} tokens; the context window "
                                       f"(max_model_len) is {self.max_model_len}, leaving no room to generate")
+        outside = [t for t in params.logit_bias if t >= self.vocab_size]
+        if outside:
+            raise InvalidRequestError(f"logit_bias token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})")
         self.decoder.validate_request_args(params)
         self.decoder.check(params)
         seq = Sequence(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
@@ -105,6 +109,7 @@ class Engine:
         self.requests[request_id] = state
         self.stats.prompt_tokens += len(prompt_token_ids)
         self._min_tokens_live += params.min_tokens > 0
+        self._biased_live += bool(params.logit_bias)
         if self.sync is not None:
             self.sync.record("add", request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
                              priority=priority, cache_salt=cache_salt)
@@ -246,6 +251,8 @@ class Engine:
         slot's accepted tokens (the decoder's side of the contract checked)."""
         logits = self.runner.forward(batch)
         barred = self.stop.bar_early_stops(logits, batch) if self._min_tokens_live else logits
+        if self._biased_live:
+            barred = apply_logit_bias(barred, batch)
         # a step of prefill chunks only (none reaching its prompt's end) samples nothing
         tokens = self.decoder.decode(barred, batch) if batch.samples else []
         if self.sync is not None and batch.samples:
@@ -339,6 +346,7 @@ class Engine:
                 state.seqs.extend(children)
                 forks[seq.seq_id] = children
                 self._min_tokens_live += (state.params.min_tokens > 0) * len(children)
+                self._biased_live += bool(state.params.logit_bias) * len(children)
         return forks
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -350,6 +358,7 @@ class Engine:
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
         self._min_tokens_live -= seq.params.min_tokens > 0
+        self._biased_live -= bool(seq.params.logit_bias)
         self.scheduler.finish(seq)
         self.decoder.finish(seq)
 

@@ -112,6 +112,34 @@ class StopRule:
         return sorted(ids)
 
 
+def apply_logit_bias(logits: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
+    """``logits`` with each request's ``logit_bias`` added on its sample rows (a copy when any
+    request has one, ``logits`` itself otherwise). Samples of one request share rows: each
+    row is biased once."""
+    rows: list[int] = []
+    cols: list[int] = []
+    values: list[float] = []
+    seen: set[int] = set()
+    vocab = logits.shape[-1]
+    for slot in batch.samples:
+        bias = slot.seq.params.logit_bias
+        if not bias or slot.first_row in seen:
+            continue
+        seen.add(slot.first_row)
+        ids = [t for t in bias if t < vocab]
+        for row in range(slot.first_row, slot.first_row + slot.num_rows):
+            rows.extend([row] * len(ids))
+            cols.extend(ids)
+            values.extend(bias[t] for t in ids)
+    if not rows:
+        return logits
+    logits = logits.clone()
+    device = logits.device
+    logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] += torch.tensor(
+        values, dtype=logits.dtype, device=device)
+    return logits
+
+
 def token_logprobs(logits: torch.Tensor, batch: BatchMetadata,
                    tokens: list[list[int]]) -> list[list[TokenLogprob] | None]:
     """For each sample slot whose request asks for logprobs, each accepted token's

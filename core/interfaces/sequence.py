@@ -8,7 +8,7 @@ import time
 from typing import Any, NamedTuple, Optional
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from tessellm.core.plugin import reject_booleans_for_numbers
 
@@ -45,6 +45,10 @@ class SamplingParams(BaseModel):
     logprobs: Optional[int] = Field(None, ge=0, le=20)
     """Record each generated token's log-probability and this many most likely alternatives
     (the model's own distribution, before temperature and filtering); None records nothing."""
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    """Added to the logits of these token ids before the decoder picks (OpenAI's logit_bias:
+    -100 bans a token, 100 all but forces it); values in [-100, 100]. Log-probabilities stay
+    the model's own."""
     extra_args: dict[str, Any] = Field(default_factory=dict)
     """Settings for the decoding plugin beyond the fields above (a new sampler's own knobs).
     The plugin declares them as its ``RequestArgs`` model, which validates them when the
@@ -55,6 +59,15 @@ class SamplingParams(BaseModel):
     @classmethod
     def _no_booleans_for_numbers(cls, data: Any) -> Any:
         return reject_booleans_for_numbers(cls, data)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, value: dict[int, float]) -> dict[int, float]:
+        bad = [(t, b) for t, b in value.items() if t < 0 or not -100.0 <= b <= 100.0]
+        if bad:
+            raise ValueError(f"logit_bias maps token ids (0 or more) to values in [-100, 100]; got {bad[0][0]}: "
+                             f"{bad[0][1]}")
+        return value
 
     @model_validator(mode="after")
     def _min_within_max(self):

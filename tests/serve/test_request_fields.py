@@ -1,6 +1,7 @@
 """No request field is silently ignored: fields that would change the result and are not
 implemented are a 400 naming them; fields that cannot change it are accepted; logprobs go up
-to 20; vLLM's min_tokens reaches the engine."""
+to 20; logit_bias forces and bans tokens (offline and over HTTP); vLLM's min_tokens reaches
+the engine."""
 
 from __future__ import annotations
 
@@ -13,11 +14,16 @@ from tessellm.testing.serving import serving
 
 
 @pytest.fixture(scope="module")
-def server(cpu_config, tiny_model):
+def served(cpu_config, tiny_model):
     llm = LLM(cpu_config(tiny_model("llama"), max_model_len=256, scheduler={"name": "continuous"},
                          cache={"name": "paged", "options": {"block_size": 8, "num_blocks": 256}}))
     with serving(build_app(llm, model_name="tiny", api_key=None, max_request_bytes=64 * 1024)) as url:
-        yield url
+        yield url, llm
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    return served[0]
 
 
 def post(url: str, path: str, **body) -> httpx.Response:
@@ -28,7 +34,7 @@ def post(url: str, path: str, **body) -> httpx.Response:
 
 @pytest.mark.parametrize("path, field, value", [
     ("completions", "echo", True), ("completions", "suffix", "end"), ("completions", "best_of", 3),
-    ("completions", "logit_bias", {"5": 10}), ("completions", "presence_penalty", 0.5),
+    ("completions", "presence_penalty", 0.5),
     ("chat/completions", "response_format", {"type": "json_object"}),
     ("chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("chat/completions", "tool_choice", "required"), ("chat/completions", "frequency_penalty", 1.0),
@@ -57,3 +63,22 @@ def test_twenty_top_logprobs_and_min_tokens(server):
     assert post(server, "completions", logprobs=21).status_code == 400
     r = post(server, "completions", max_tokens=6, min_tokens=6)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+
+
+def test_logit_bias_forces_and_bans_tokens(served):
+    url, llm = served
+    greedy = llm.generate([[5, 6, 7]], {"max_tokens": 5})[0].token_ids
+
+    assert llm.generate([[5, 6, 7]], {"max_tokens": 5, "logit_bias": {1234: 100}})[0].token_ids == [1234] * 5
+    assert llm.generate([[5, 6, 7]], {"max_tokens": 1, "logit_bias": {greedy[0]: -100}})[0].token_ids != greedy[:1]
+    r = post(url, "completions", max_tokens=5, logit_bias={"1234": 100})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == llm.tokenizer.decode([1234] * 5)
+    r = post(url, "chat/completions", max_tokens=3, logit_bias={"1234": 100})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == llm.tokenizer.decode([1234] * 3)
+
+
+@pytest.mark.parametrize("bias, words", [({"abc": 1}, "token ids"), ({"5": 101}, "-100, 100"),
+                                         ({"999999999": 1}, "outside the vocabulary")])
+def test_bad_logit_bias_is_a_400(server, bias, words):
+    r = post(server, "completions", logit_bias=bias)
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text

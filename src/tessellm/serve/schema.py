@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 NOT_IMPLEMENTED: dict[str, Any] = {
     # field -> its value that means "not used" (any other value changes the result)
-    "echo": False, "suffix": None, "logit_bias": None, "presence_penalty": 0, "frequency_penalty": 0,
+    "echo": False, "suffix": None, "presence_penalty": 0, "frequency_penalty": 0,
     "repetition_penalty": 1, "response_format": None, "tools": None, "tool_choice": None, "functions": None,
     "function_call": None, "parallel_tool_calls": None, "guided_json": None, "guided_regex": None,
     "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "prompt_logprobs": None,
@@ -43,7 +43,7 @@ def _unused(field: str, value: Any) -> bool:
         return True
     if field == "tool_choice" and value == "none":
         return True
-    return field in ("logit_bias", "tools", "functions", "modalities") and not value
+    return field in ("tools", "functions", "modalities") and not value
 
 
 def _log_once(field: str, message: str) -> None:
@@ -99,12 +99,24 @@ class _Sampling(BaseModel):
     cache_salt: Optional[str] = Field(None, min_length=1)
     """Extension (as vLLM's): the prefix cache shares blocks only between requests with the
     same salt (and requests without one), so one tenant's prompts never serve another's."""
+    logit_bias: Optional[dict[str, float]] = None
+    """Token id (as a string, as OpenAI's API sends it) -> a bias in [-100, 100] added to its
+    logit before the token is picked."""
     min_tokens: int = Field(0, ge=0)
     """Extension (as vLLM's): generate at least this many tokens before a stop can end it."""
     extra_args: Optional[dict[str, Any]] = None
     """Extension: settings for the decoding plugin beyond these fields, validated by that
     plugin (``SamplingParams.extra_args``); the openai library sends them with
     ``extra_body={"extra_args": {...}}``."""
+
+    def bias(self) -> dict[int, float]:
+        """``logit_bias`` with integer token ids (InvalidRequestError naming a key that is not one)."""
+        out = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().lstrip("-").isdigit():
+                raise InvalidRequestError(f"logit_bias keys are token ids, got {key!r}")
+            out[int(key)] = value
+        return out
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
