@@ -352,7 +352,7 @@ class Engine:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         # index the blocks it filled before the scheduler frees them: a request that ends in
         # the step its prompt completes (max_tokens 1: scoring) never reaches _end_step's commit
-        if seq.num_cached_tokens is not None:  # it ran: its computed blocks hold its tokens' K/V
+        if seq.num_cached_tokens is not None and not seq.num_pending:  # it ran, and every computed token is known
             self.cache.commit(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
