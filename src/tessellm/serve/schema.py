@@ -98,7 +98,8 @@ class _Sampling(BaseModel):
     """Extension (as vLLM's): keep tokens at least min_p times as likely as the most likely one."""
     cache_salt: Optional[str] = Field(None, min_length=1)
     """Extension (as vLLM's): the prefix cache shares blocks only between requests with the
-    same salt (and requests without one), so one tenant's prompts never serve another's."""
+    same salt (requests without one share with each other), so one tenant's prompts never
+    serve another's."""
     logit_bias: Optional[dict[str, float]] = None
     """Token id (as a string, as OpenAI's API sends it) -> a bias in [-100, 100] added to its
     logit before the token is picked."""
