@@ -1,1 +1,1 @@
-"""tessellm's core: the five plugin interfaces, the registry, config, model runner and engine."""
+"""tessellm's core: the plugin interfaces, the registry, config, model runner and engine."""

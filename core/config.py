@@ -80,6 +80,9 @@ class PipelineConfig(BaseModel):
     scheduler: PluginSection = Field(default_factory=PluginSection)
     decoding: PluginSection = Field(default_factory=PluginSection)
     quant: PluginSection = Field(default_factory=PluginSection)
+    grammar: PluginSection = Field(default_factory=PluginSection)
+    """The grammar backend that constrains structured outputs (JSON schema, regex, choice,
+    EBNF); ``auto`` takes the first that can serve, or none (such requests are then refused)."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     cuda_graphs: bool = True
     """On CUDA, replay decode steps from captured CUDA graphs when the attention backend and

@@ -59,3 +59,8 @@ def register_decoding(register: Register) -> None:
 @hookspec
 def register_quant(register: Register) -> None:
     """Register quantizers: subclasses of ``tessellm.Quantizer``."""
+
+
+@hookspec
+def register_grammar(register: Register) -> None:
+    """Register grammar backends (structured outputs): subclasses of ``tessellm.GrammarBackend``."""

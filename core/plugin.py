@@ -15,8 +15,14 @@ if TYPE_CHECKING:
     from tessellm.core.interfaces.kv import KVLayout
     from tessellm.core.model.spec import ModelSpec
 
-KINDS = ("attention", "cache", "scheduler", "decoding", "quant")
-"""The five kinds of part, named as their config sections and plugins/ folders."""
+KINDS = ("attention", "cache", "scheduler", "decoding", "quant", "grammar")
+"""The kinds of part, named as their config sections and plugins/ folders: the five of the
+forward and decode path, and the grammar backends that constrain outputs (structured
+outputs), which a pipeline may do without."""
+
+OPTIONAL_KINDS = frozenset({"grammar"})
+"""Kinds a pipeline runs without when ``auto`` finds no plugin that can serve (requests that
+need one are then refused, naming what to install)."""
 
 
 def _numeric(annotation: Any) -> bool:

@@ -63,11 +63,12 @@ def _base_class(kind: str) -> type[Plugin]:
     from tessellm.core.interfaces.attention import AttentionBackend
     from tessellm.core.interfaces.cache import CacheManager
     from tessellm.core.interfaces.decoder import Decoder
+    from tessellm.core.interfaces.grammar import GrammarBackend
     from tessellm.core.interfaces.quantizer import Quantizer
     from tessellm.core.interfaces.scheduler import Scheduler
 
     return {"attention": AttentionBackend, "cache": CacheManager, "scheduler": Scheduler,
-            "decoding": Decoder, "quant": Quantizer}[kind]
+            "decoding": Decoder, "quant": Quantizer, "grammar": GrammarBackend}[kind]
 
 
 HOOK_NAMES = tuple(f"register_{kind}" for kind in KINDS)

@@ -4,13 +4,15 @@ Every named plugin must exist and accept its options; every chosen plugin is ask
 reasons it cannot serve this pipeline. ``auto`` takes the first plugin in priority order
 (``tessellm plugins`` shows it) with no reasons, given the choices for the other kinds; a
 plugin named explicitly that has reasons fails with them, never falling back to another.
-Kinds are chosen in the order quant, cache, attention, scheduler, decoding, so a later kind
+Kinds are chosen in the order quant, cache, attention, scheduler, decoding, grammar, so a later kind
 sees the earlier choices (an attention backend sees the cache's layout); a named attention
-backend's ``kv_extras`` reach the cache first, so its layout can include them.
+backend's ``kv_extras`` reach the cache first, so its layout can include them. A pipeline
+may do without an optional kind (``OPTIONAL_KINDS``: grammar) that ``auto`` finds no plugin for.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,10 +24,11 @@ from tessellm.core.interfaces.kv import KVLayout
 from tessellm.core.config import PipelineConfig
 from tessellm.core.errors import ConfigError
 from tessellm.core.model.spec import ModelSpec
-from tessellm.core.plugin import PluginOptions, SelectionContext
+from tessellm.core.plugin import OPTIONAL_KINDS, PluginOptions, SelectionContext
 from tessellm.core.registry import PluginEntry, PluginRegistry, did_you_mean
 
-ORDER = ("quant", "cache", "attention", "scheduler", "decoding")
+ORDER = ("quant", "cache", "attention", "scheduler", "decoding", "grammar")
+logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -101,6 +104,8 @@ def _candidates(kind: str, config: PipelineConfig, registry: PluginRegistry) -> 
     name = config.section(kind).name
     if name == "auto":
         ranked = registry.auto_order(kind)
+        if not ranked and kind in OPTIONAL_KINDS:
+            return []
         if not ranked:
             raise ConfigError(f"{kind}.name: auto, but no registered {kind} plugin takes part in auto "
                               f"selection; name one of: {', '.join(registry.names(kind)) or '(none registered)'}")
@@ -183,6 +188,11 @@ def _choose(depth: int, resolved: ResolvedPipeline, candidates: dict[str, list[P
             resolved.kv_layout = saved_layout
     if downstream is not None:
         raise downstream
+    if section.name == "auto" and kind in OPTIONAL_KINDS:  # the pipeline runs without one
+        logger.info("%s.name: auto found no %s plugin that can serve (%s); requests that need one are refused",
+                    kind, kind, " | ".join(rejected) or "none installed")
+        _choose(depth + 1, resolved, candidates, registry)
+        return
     if section.name == "auto":
         raise ConfigError(f"{kind}.name: auto found no {kind} plugin that can serve this pipeline ("
                           + " | ".join(rejected) + ")")

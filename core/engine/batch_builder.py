@@ -9,7 +9,7 @@ import itertools
 import numpy as np
 import torch
 
-from tessellm.core.interfaces.batch import PENDING_TOKEN, BatchMetadata, SampleSlot, ScheduledSeq
+from tessellm.core.interfaces.batch import PENDING_TOKEN, BatchMetadata, PromptRows, SampleSlot, ScheduledSeq
 from tessellm.core.interfaces.cache import CacheManager
 from tessellm.core.interfaces.sequence import Sequence
 
@@ -17,18 +17,22 @@ from tessellm.core.interfaces.sequence import Sequence
 def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torch.device,
                 drafts: dict[int, list[int]] | None = None,
                 forks: dict[int, list[Sequence]] | None = None, all_logits: bool = False,
-                decodes_only: bool = False) -> BatchMetadata:
+                decodes_only: bool = False, prompt_logprobs: bool = True) -> BatchMetadata:
     """Pack ``scheduled`` into a batch; the cache must already hold slots for every token.
 
     ``drafts`` (seq_id -> draft tokens) extends a decoding sequence's query with tokens to
     verify; ``forks`` (seq_id -> forked sequences) lets those sample from its logits too;
     ``all_logits`` asks for the logits of every query row (scoring), not only sampled ones.
+    A sequence whose request asks for prompt logprobs gets the rows of its prompt positions
+    too (``BatchMetadata.prompt_rows``), after every sample slot's rows, unless
+    ``prompt_logprobs`` is False (a decoder's own forwards, whose items need no ``params``).
     ``decodes_only`` promises that every item is one query token that samples (the
     sequence's last token, or one still on the device), with no drafts or forks: the same
     batch, built by a shorter loop (async scheduling's steps, hundreds of sequences each).
     """
     drafts = drafts or {}
     forks = forks or {}
+    prompt_logprobs = prompt_logprobs and not all_logits
     bs = cache.layout.block_size
     ids: list[int] = []
     starts: list[int] = []
@@ -36,6 +40,7 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
     tables: list[list[int]] = []
     rows: list[int] = []
     samples: list[SampleSlot] = []
+    scored: list[tuple[Sequence, int, int, int]] = []  # prompt logprobs: (seq, packed row, position, rows)
     block_table = cache.block_table
     if decodes_only:
         for item in scheduled:
@@ -53,6 +58,9 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
         start = seq.num_computed_tokens
         end = start + item.num_query_tokens
         held = len(seq.token_ids)
+        if prompt_logprobs and seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+            # the rows at positions start .. predict the prompt tokens after them
+            scored.append((seq, len(ids), start, min(end, seq.num_prompt_tokens - 1) - start))
         if start < held:
             ids.extend(seq.token_ids[start:end])
         if seq.num_pending and end > held:  # a token still on the device: the engine fills it there
@@ -78,6 +86,10 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
             samples.append(SampleSlot(seq, first, width, tuple(draft) if draft else ()))
             for child in forks.get(seq.seq_id, ()) if forks else ():
                 samples.append(SampleSlot(child, first, width, tuple(draft) if draft else ()))
+    prompt_rows = []
+    for seq, packed, position, count in scored:
+        prompt_rows.append(PromptRows(seq, len(rows), position, count))
+        rows.extend(range(packed, packed + count))
     if all_logits:
         rows = list(range(len(ids)))
     # everything below is vectorized: a prefill step has thousands of tokens, a decode step
@@ -108,4 +120,5 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
         input_ids=longs[:t], positions=longs[t:2 * t], slot_mapping=longs[2 * t:3 * t], logits_indices=longs[3 * t:3 * t + r],
         query_start_loc=ints[:b + 1], seq_lens=ints[b + 1:2 * b + 1], block_tables=ints[2 * b + 1:].view(b, width),
         query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist(),
-        block_tables_cpu=tables, block_size=bs, seqs=[s.seq for s in scheduled], samples=samples)
+        block_tables_cpu=tables, block_size=bs, seqs=[s.seq for s in scheduled], samples=samples,
+        prompt_rows=prompt_rows)

@@ -23,7 +23,8 @@ import torch
 
 from tessellm.core.engine.batch_builder import build_batch
 from tessellm.core.engine.faults import find_culprits
-from tessellm.core.engine.outputs import StopRule, apply_logit_bias, token_logprobs
+from tessellm.core.engine.grammar import GrammarSession
+from tessellm.core.engine.outputs import StopRule, apply_logit_bias, record_prompt_logprobs, token_logprobs
 from tessellm.core.engine.request import RequestState
 from tessellm.core.engine.scoring import score_tokens
 from tessellm.core.engine.stats import WASTE_SAMPLE_STEPS, EngineStats
@@ -65,12 +66,14 @@ class Engine:
     """Whether steps are launched ahead of their tokens (``OverlappedEngine``)."""
 
     def __init__(self, runner: ModelRunner, cache: CacheManager, scheduler: Scheduler, decoder: Decoder,
-                 *, stop: StopRule, vocab_size: int, seed: int = 0, sync: RankSync | None = None):
+                 *, stop: StopRule, vocab_size: int, seed: int = 0, sync: RankSync | None = None,
+                 grammar: GrammarSession | None = None):
         self.runner = runner
         self.sync = sync  # tensor parallel: keeps this rank in lockstep with rank 0
         self.cache = cache
         self.scheduler = scheduler
         self.decoder = decoder
+        self.grammar = grammar or GrammarSession(None, decoder.num_lookahead_tokens)
         self.stop = stop
         self.max_model_len = stop.max_model_len
         self.vocab_size = vocab_size
@@ -102,6 +105,10 @@ class Engine:
             raise InvalidRequestError(f"logit_bias token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})")
         self.decoder.validate_request_args(params)
         self.decoder.check(params)
+        if params.structured_output is not None and params.min_tokens:
+            raise InvalidRequestError("min_tokens cannot be combined with structured output: the grammar decides "
+                                      "where the output ends")
+        self.grammar.check(params)
         seq = Sequence(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
         seq.generator = self._generator(params, 0)
         self.scheduler.add([seq])  # raises RequestRejectedError if it can never fit
@@ -110,6 +117,7 @@ class Engine:
         self.stats.prompt_tokens += len(prompt_token_ids)
         self._min_tokens_live += params.min_tokens > 0
         self._biased_live += bool(params.logit_bias)
+        self.grammar.live += params.structured_output is not None
         if self.sync is not None:
             self.sync.record("add", request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
                              priority=priority, cache_salt=cache_salt)
@@ -201,14 +209,22 @@ class Engine:
             return
         plan, logits, tokens = result
         self._advance(plan)
+        if plan.batch.prompt_rows:
+            record_prompt_logprobs(logits, plan.batch)
         self._append_tokens(plan.batch, logits, tokens)
         self._end_step(out, plan.batch, start)
 
     def _pack(self, out: SchedulerOutput, drafts: dict[int, list[int]],
               forks: dict[int, list[Sequence]]) -> StepPlan:
         for item in out.scheduled:
-            if item.seq.num_cached_tokens is None:  # its first step: what the prefix cache gave it
-                item.seq.num_cached_tokens = item.seq.num_computed_tokens
+            seq = item.seq
+            if seq.num_cached_tokens is None:  # its first step: what the prefix cache gave it
+                seq.num_cached_tokens = seq.num_computed_tokens
+                if seq.num_computed_tokens and seq.params.prompt_logprobs is not None and not seq.prompt_logprobs:
+                    raise RuntimeError(
+                        f"cache plugin {self.cache.name!r} gave a request that asks for prompt logprobs "
+                        f"{seq.num_computed_tokens} cached prompt tokens; match_prefix must return 0 for such a "
+                        f"sequence (its prompt positions must run through the model)")
         return StepPlan(out, drafts, forks, build_batch(out.scheduled, self.cache, self.runner.device, drafts, forks))
 
     def _run_isolating_faults(self, plan: StepPlan) -> tuple[StepPlan, torch.Tensor, list[list[int]]] | None:
@@ -250,9 +266,14 @@ class Engine:
         """The batch's logits (as the model gave them: logprobs read these) and each sample
         slot's accepted tokens (the decoder's side of the contract checked)."""
         logits = self.runner.forward(batch)
-        barred = self.stop.bar_early_stops(logits, batch) if self._min_tokens_live else logits
+        # the decoder reads the sample rows only; prompt-scoring rows follow them
+        barred = logits[:batch.num_sample_rows] if batch.prompt_rows else logits
+        if self._min_tokens_live:
+            barred = self.stop.bar_early_stops(barred, batch)
         if self._biased_live:
             barred = apply_logit_bias(barred, batch)
+        if self.grammar.live:
+            barred = self.grammar.mask(barred, batch)
         # a step of prefill chunks only (none reaching its prompt's end) samples nothing
         tokens = self.decoder.decode(barred, batch) if batch.samples else []
         if self.sync is not None and batch.samples:
@@ -286,6 +307,8 @@ class Engine:
         stats = self.stats
         for slot, accepted, lps in zip(batch.samples, tokens, token_logprobs(logits, batch, tokens)):
             seq = slot.seq
+            if seq.status is SequenceStatus.FINISHED:  # its request failed in this loop (grammar)
+                continue
             stats.sample_slots += 1
             stats.draft_tokens += len(slot.draft_tokens)
             stats.accepted_draft_tokens += len(accepted) - 1
@@ -294,10 +317,23 @@ class Engine:
                 seq.num_computed_tokens -= rejected
                 self.cache.truncate(seq, seq.num_computed_tokens)
             for i, token in enumerate(accepted):
+                if self.grammar.live and not self.grammar.accept(seq, token):
+                    self._refused_by_grammar(seq, token)
+                    break
                 if lps is not None:
                     seq.logprobs.append(lps[i])
                 if self._append(seq, token):
                     break
+                if self.grammar.live and self.grammar.is_complete(seq):  # ended by the grammar (ignore_eos)
+                    self._finish(seq, FinishReason.STOP)
+                    break
+
+    def _refused_by_grammar(self, seq: Sequence, token: int) -> None:
+        """A decoder picked a token its masked logits ruled out: fail that request alone."""
+        self.failures[seq.request_id] = RuntimeError(
+            f"decoding plugin {self.decoder.name!r} picked token {token}, which the request's grammar "
+            f"({seq.params.structured_output.describe()}) forbids: a decoder must pick from the logits it is given")
+        self.abort(seq.request_id)
 
     def _append(self, seq: Sequence, token: int) -> bool:
         """Append a generated token; finish the sequence if the stop rule fires. True if it did."""
@@ -347,6 +383,7 @@ class Engine:
                 forks[seq.seq_id] = children
                 self._min_tokens_live += (state.params.min_tokens > 0) * len(children)
                 self._biased_live += bool(state.params.logit_bias) * len(children)
+                self.grammar.live += (state.params.structured_output is not None) * len(children)
         return forks
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -359,6 +396,7 @@ class Engine:
         seq.finish_time = time.perf_counter()
         self._min_tokens_live -= seq.params.min_tokens > 0
         self._biased_live -= bool(seq.params.logit_bias)
+        self.grammar.finish(seq)
         self.scheduler.finish(seq)
         self.decoder.finish(seq)
 

@@ -48,6 +48,9 @@ class RequestOutput:
     e2e_s: float
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache (their K/V reused, not computed)."""
+    prompt_logprobs: list[Any] | None = None
+    """With ``SamplingParams.prompt_logprobs``: per prompt token, None for the first, then a
+    ``TokenLogprob`` (its log-probability given the tokens before it, top alternatives)."""
 
     @property
     def text(self) -> str:
@@ -176,5 +179,13 @@ class LLM:
         return RequestOutput(state.request_id, prompt if isinstance(prompt, str) else None, tokens, outs,
                              None if first.first_token_time is None else first.first_token_time - first.arrival_time,
                              (max(ends) if ends else time.perf_counter()) - first.arrival_time,
-                             first.num_cached_tokens or 0)
+                             first.num_cached_tokens or 0, prompt_logprobs_of(first))
+
+
+def prompt_logprobs_of(seq: Any) -> list[Any] | None:
+    """The prompt's log-probabilities a finished sequence recorded (None where its request
+    asked for none; a one-token prompt has only the first token's None)."""
+    if seq.params.prompt_logprobs is None:
+        return None
+    return list(seq.prompt_logprobs) or [None]
 

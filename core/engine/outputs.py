@@ -140,6 +140,34 @@ def apply_logit_bias(logits: torch.Tensor, batch: BatchMetadata) -> torch.Tensor
     return logits
 
 
+def record_prompt_logprobs(logits: torch.Tensor, batch: BatchMetadata) -> None:
+    """Append to each scored sequence's ``prompt_logprobs`` the log-probability of every
+    prompt token its ``batch.prompt_rows`` predict, with the top alternatives (one batched
+    log-softmax). A position already recorded (the prompt recomputed after a preemption) is
+    not recorded again."""
+    index = torch.cat([torch.arange(p.first_row, p.first_row + p.num_rows) for p in batch.prompt_rows])
+    picked_rows = logits.index_select(0, index.to(logits.device))
+    lp = torch.log_softmax(picked_rows if picked_rows.dtype == torch.float64 else picked_rows.float(), dim=-1)
+    targets = torch.tensor([t for p in batch.prompt_rows
+                            for t in p.seq.token_ids[p.first_position + 1:p.first_position + 1 + p.num_rows]],
+                           dtype=torch.long, device=lp.device)
+    picked = lp.gather(1, targets[:, None])[:, 0].tolist()
+    top_n = max(p.seq.params.prompt_logprobs for p in batch.prompt_rows)
+    top = lp.topk(top_n, dim=-1) if top_n else None
+    top_values = top.values.tolist() if top is not None else None
+    top_ids = top.indices.tolist() if top is not None else None
+    r = 0
+    for p in batch.prompt_rows:
+        seq, n = p.seq, p.seq.params.prompt_logprobs
+        if not seq.prompt_logprobs:
+            seq.prompt_logprobs.append(None)  # the first token: nothing predicts it
+        for position in range(p.first_position, p.first_position + p.num_rows):
+            if position + 1 == len(seq.prompt_logprobs):
+                alts = list(zip(top_ids[r][:n], top_values[r][:n])) if n else []
+                seq.prompt_logprobs.append(TokenLogprob(picked[r], alts))
+            r += 1
+
+
 def token_logprobs(logits: torch.Tensor, batch: BatchMetadata,
                    tokens: list[list[int]]) -> list[list[TokenLogprob] | None]:
     """For each sample slot whose request asks for logprobs, each accepted token's

@@ -95,7 +95,8 @@ class OverlappedEngine(Engine):
         state = self.requests.get(seq.request_id)
         settled = params.n == 1 or state is None or state.forked  # n > 1 changes when it forks
         ok = (self.decoder.num_lookahead_tokens == 0 and params.logprobs is None and not params.min_tokens
-              and not params.logit_bias and self.decoder.samples_on_device(params) and settled)
+              and not params.logit_bias and params.prompt_logprobs is None and params.structured_output is None
+              and self.decoder.samples_on_device(params) and settled)
         if settled:
             self._device_ok[seq.seq_id] = ok
         return ok

@@ -14,6 +14,7 @@ import torch
 from tessellm.core.config import PipelineConfig, apply_overrides, config_from_dict, load_config
 from tessellm.core.engine.batch_builder import build_batch
 from tessellm.core.engine.engine import Engine
+from tessellm.core.engine.grammar import GrammarSession
 from tessellm.core.engine.outputs import StopRule
 from tessellm.core.engine.overlap import OverlappedEngine
 from tessellm.core.engine.scoring import score_tokens
@@ -40,7 +41,8 @@ logger = logging.getLogger(__name__)
 class Pipeline:
     """A config resolved against the registry, with the model loaded and every part built.
 
-    Parts: ``model`` (the module), ``cache``, ``attention``, ``scheduler``, ``decoder``, the
+    Parts: ``model`` (the module), ``cache``, ``attention``, ``scheduler``, ``decoder``,
+    ``grammar`` (the grammar backend for structured outputs, or None where none can serve), the
     ``runner`` that runs the model, and the ``engine`` that steps requests (an
     ``OverlappedEngine`` when async scheduling is on). ``resolved`` says which plugin serves
     each kind and why (``resolved.summary()``).
@@ -90,9 +92,11 @@ class Pipeline:
         self.stop = StopRule(self._eos_ids(hf_config), r.max_model_len,
                              decode_text=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
         engine = OverlappedEngine if self.async_scheduling else Engine
+        self.grammar = c["grammar"].cls(c["grammar"].options, self.tokenizer, spec.vocab_size) if "grammar" in c else None
         self.engine = engine(self.runner, self.cache, self.scheduler, self.decoder, stop=self.stop,
                              vocab_size=self.spec.vocab_size, seed=config.seed,
-                             sync=RankSync(self.tp) if self.tp else None)
+                             sync=RankSync(self.tp) if self.tp else None,
+                             grammar=GrammarSession(self.grammar, self.decoder.num_lookahead_tokens))
         self._attach_decoder()
         if self.tp and not self.tp.is_leader:  # a follower serves rank 0 until it stops, then exits
             follow(self.engine, self.engine.sync)
@@ -177,7 +181,7 @@ class Pipeline:
         """What a decoder may use of this pipeline (``Decoder.attach``)."""
 
         def run(items: list[ScheduledSeq], layers: Layers[int] | None = None) -> torch.Tensor:
-            return self.runner.forward(build_batch(items, self.cache, self.runner.device), layers)
+            return self.runner.forward(build_batch(items, self.cache, self.runner.device, prompt_logprobs=False), layers)
 
         def build_pipeline(config: dict[str, Any], overrides: list[str]) -> DecoderContext:
             if self.tp is not None:

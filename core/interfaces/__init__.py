@@ -1,3 +1,3 @@
-"""The five plugin interfaces, one module per kind (attention, cache, scheduler, decoder,
+"""The plugin interfaces, one module per kind (attention, cache, scheduler, decoder,
 quantizer), and the data they exchange: sequences (sequence.py), batch metadata (batch.py),
 KV layouts and storage (kv.py). Plugin authors import these names from ``tessellm``."""

@@ -60,6 +60,19 @@ class SampleSlot:
         return self.first_row + self.num_rows - 1
 
 
+@dataclass(slots=True)
+class PromptRows:
+    """Logits rows that score a sequence's prompt (``SamplingParams.prompt_logprobs``): rows
+    ``first_row .. first_row + num_rows - 1`` are the logits at prompt positions
+    ``first_position ..``, each predicting the prompt token after it. They follow every
+    sample slot's rows, so a decoder never sees them."""
+
+    seq: Sequence
+    first_row: int
+    first_position: int
+    num_rows: int
+
+
 @dataclass
 class BatchMetadata:
     """Everything a forward needs about the packed batch; built once per step.
@@ -83,6 +96,12 @@ class BatchMetadata:
     block_size: int
     seqs: list[Sequence]  # the scheduled sequences, in batch order
     samples: list[SampleSlot]  # which sequences sample this step, in logits-row order
+    prompt_rows: list[PromptRows] = field(default_factory=list)  # after the sample rows
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Logits rows the decoder reads: every sample slot's, before any ``prompt_rows``."""
+        return self.prompt_rows[0].first_row if self.prompt_rows else int(self.logits_indices.shape[0])
 
     @property
     def num_tokens(self) -> int:

@@ -59,7 +59,9 @@ class CacheManager(Plugin):
       (if not, the engine lets the child recompute its prompt later instead).
     - ``match_prefix(seq)`` attaches cached blocks holding a prefix of the sequence's tokens
       (its prompt; also its output so far when it resumes after preemption) and returns how
-      many tokens they cover (at most ``seq.num_tokens - 1``); ``commit(seq)`` is called after
+      many tokens they cover (at most ``seq.num_tokens - 1``), and 0 for a sequence whose
+      ``params.prompt_logprobs`` is set (every prompt position must run through the model to
+      be scored; its blocks are still committed for others); ``commit(seq)`` is called after
       each step with ``seq.num_computed_tokens`` valid, so full blocks can be indexed.
     - ``max_seq_tokens`` is the most tokens one sequence can ever hold; the scheduler rejects
       requests above it at admission.

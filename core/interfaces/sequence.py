@@ -10,6 +10,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from tessellm.core.interfaces.grammar import GrammarSpec
 from tessellm.core.plugin import reject_booleans_for_numbers
 
 
@@ -45,6 +46,16 @@ class SamplingParams(BaseModel):
     logprobs: Optional[int] = Field(None, ge=0, le=20)
     """Record each generated token's log-probability and this many most likely alternatives
     (the model's own distribution, before temperature and filtering); None records nothing."""
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    """Record each prompt token's log-probability given the tokens before it (the first
+    token has none) and this many most likely alternatives, from the forward that prefills
+    the prompt; None records nothing. Such a request reads nothing from the prefix cache
+    (every prompt position must run through the model), though what it computes is indexed
+    for others."""
+    structured_output: Optional[GrammarSpec] = None
+    """Constrain the output to a grammar (a JSON schema, a regex, a choice, an EBNF grammar):
+    the pipeline's grammar backend masks every token the grammar does not allow, for every
+    decoder; the output ends when the grammar is complete. None: unconstrained."""
     logit_bias: dict[int, float] = Field(default_factory=dict)
     """Added to the logits of these token ids before the decoder picks (OpenAI's logit_bias:
     -100 bans a token, 100 all but forces it); values in [-100, 100]. Log-probabilities stay
@@ -132,6 +143,9 @@ class Sequence:
         self.generator: torch.Generator | None = None  # set by the engine for sampling
         self.stop_text_len: int | None = None  # where a stop string cut the text
         self.logprobs: list[TokenLogprob] = []  # one per output token when params.logprobs is set
+        self.prompt_logprobs: list[TokenLogprob | None] = []
+        """One per prompt token when ``params.prompt_logprobs`` is set, filled as the prefill
+        runs (None for the first token, which nothing predicts)."""
         self.num_cached_tokens: int | None = None
         """Prompt tokens the prefix cache held when the sequence first ran (set by the engine)."""
         self.num_pending = 0

@@ -47,7 +47,7 @@ _LAZY = {
     "get_registry": "tessellm.core.registry",
     "resolve": "tessellm.core.resolve",
     "ModelSpec": "tessellm.core.model.spec",
-    # the five interfaces
+    # the interfaces
     "AttentionBackend": f"{_INTERFACES}.attention",
     "CacheManager": f"{_INTERFACES}.cache",
     "CacheSpec": f"{_INTERFACES}.cache",
@@ -60,6 +60,9 @@ _LAZY = {
     "slot_logits": f"{_INTERFACES}.decoder",
     "Quantizer": f"{_INTERFACES}.quantizer",
     "CalibrationContext": f"{_INTERFACES}.quantizer",
+    "GrammarBackend": f"{_INTERFACES}.grammar",
+    "GrammarMatcher": f"{_INTERFACES}.grammar",
+    "GrammarSpec": f"{_INTERFACES}.grammar",
     # the data they exchange
     "BatchMetadata": f"{_INTERFACES}.batch",
     "SampleSlot": f"{_INTERFACES}.batch",

@@ -181,7 +181,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     r = llm.pipeline.resolved
     print(f"tessellm: {generated} tokens for {len(outputs)} prompt{'s' if len(outputs) != 1 else ''} in {elapsed:.2f} s: "
           f"{generated / elapsed:.1f} tokens/s ({r.device}, {str(r.dtype).replace('torch.', '')}, "
-          + ", ".join(f"{kind} {r.choices[kind].entry.name}" for kind in KINDS) + ")", file=sys.stderr)
+          + ", ".join(f"{kind} {r.choices[kind].entry.name}" for kind in KINDS if kind in r.choices) + ")", file=sys.stderr)
     return 0
 
 

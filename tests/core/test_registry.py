@@ -47,7 +47,8 @@ def plugin_source(name: str, *, kind: str = "attention", api_version: str | None
             "cache": ("tessellm", "CacheManager"),
             "scheduler": ("tessellm", "Scheduler"),
             "decoding": ("tessellm", "Decoder"),
-            "quant": ("tessellm", "Quantizer")}[kind]
+            "quant": ("tessellm", "Quantizer"),
+            "grammar": ("tessellm", "GrammarBackend")}[kind]
     version_line = "" if api_version is None else f"api_version = {api_version!r}"
     return textwrap.dedent(f"""\
         import tessellm

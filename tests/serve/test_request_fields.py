@@ -33,7 +33,7 @@ def post(url: str, path: str, **body) -> httpx.Response:
 
 
 @pytest.mark.parametrize("path, field, value", [
-    ("completions", "echo", True), ("completions", "suffix", "end"), ("completions", "best_of", 3),
+    ("completions", "suffix", "end"), ("completions", "best_of", 3),
     ("completions", "presence_penalty", 0.5),
     ("chat/completions", "response_format", {"type": "json_object"}),
     ("chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),

@@ -266,7 +266,7 @@ class PagedCache(CacheManager):
     # ------------------------------------------------------------------ prefix caching
 
     def match_prefix(self, seq: Sequence) -> int:
-        if not self.options.prefix_caching or self._tables.get(seq.seq_id):
+        if not self.options.prefix_caching or self._tables.get(seq.seq_id) or seq.params.prompt_logprobs is not None:
             return 0
         table = self._tables[seq.seq_id] = self.prefix.match(seq)
         hit = self._computed[seq.seq_id] = len(table) * self.layout.block_size

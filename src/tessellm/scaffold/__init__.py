@@ -1,4 +1,4 @@
-"""``tessellm new-plugin KIND NAME``: a ready plugin package for any of the five kinds.
+"""``tessellm new-plugin KIND NAME``: a ready plugin package for any of the five kinds of the forward and decode path.
 
 The package holds a plugin class whose body is a correct plain-torch implementation of its
 kind (attention: explicit softmax attention; cache: one region per sequence; scheduler: FCFS
@@ -47,6 +47,10 @@ def check_name(kind: str, name: str) -> None:
     """ConfigError unless ``kind`` is a plugin kind and ``name`` a name the scaffold accepts."""
     if kind not in KINDS:
         raise ConfigError(f"new-plugin: unknown kind {kind!r}; the kinds are {', '.join(KINDS)}")
+    if kind not in CLASS_SUFFIX:
+        raise ConfigError(f"new-plugin: there is no template for a {kind} plugin yet (templates: "
+                          f"{', '.join(CLASS_SUFFIX)}); subclass tessellm.GrammarBackend and run GrammarConformance "
+                          f"(docs/plugins.md)")
     if name == "auto" or not NAME_PATTERN.fullmatch(name):
         raise ConfigError(f"new-plugin: plugin name {name!r} is not allowed; use lowercase letters, digits and "
                           f"hyphens, starting with a letter (e.g. my-{kind}), and not 'auto'")

@@ -14,6 +14,7 @@ import asyncio
 import json
 import time
 import uuid
+from dataclasses import dataclass
 from contextlib import asynccontextmanager
 from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, TypeVar
 
@@ -24,7 +25,7 @@ from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.exceptions import RequestValidationError  # noqa: E402
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse  # noqa: E402
 
-from tessellm.serve.engine_thread import EngineThread, RequestFailed, ServerBusy, StepOutput
+from tessellm.serve.engine_thread import EngineThread, RequestFailed, SampleDelta, ServerBusy, StepOutput
 from tessellm.core.errors import InvalidRequestError, RequestRejectedError
 from tessellm.core.engine.llm import to_sampling_params
 from tessellm.serve.schema import ChatCompletionRequest, CompletionRequest
@@ -143,23 +144,29 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
                          param="model", code="model_not_found")
         return None
 
-    def sampling(body: Any, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling(body: Any, max_tokens: int | None, logprobs: int | None, **more: Any) -> SamplingParams:
         """Raises InvalidRequestError naming the field (n over its limit and the like)."""
-        return to_sampling_params(dict(max_tokens=max_tokens or max(1, llm.pipeline.resolved.max_model_len // 2),
+        if max_tokens is None:
+            max_tokens = max(1, llm.pipeline.resolved.max_model_len // 2)
+        return to_sampling_params(dict(max_tokens=max_tokens,
                                        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                        min_p=body.min_p, n=body.n, stop=body.stop_list(), seed=body.seed,
                                        logprobs=logprobs, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
                                        logit_bias=body.bias(),
-                                       extra_args=body.extra_args or {}))
+                                       extra_args=body.extra_args or {}, **more))
 
     def piece(token: int) -> str:
         return engine.with_tokenizer(llm.tokenizer.decode, [token])
 
-    def logprobs_json(deltas: list[Any], chat: bool, offset: int = 0) -> dict | None:
-        """OpenAI's logprobs object for these deltas' tokens (None if not asked for)."""
+    def logprobs_json(deltas: list[Any], chat: bool, offset: int = 0,
+                      echoed: list[tuple[int, Any]] | None = None) -> dict | None:
+        """OpenAI's logprobs object for these deltas' tokens (None if not asked for); a
+        completion that echoes its prompt lists ``echoed`` first: (token id, its
+        ``TokenLogprob``, or None for the first prompt token)."""
         tokens = [(t, lp) for d in deltas if d.logprobs is not None for t, lp in zip(d.token_ids, d.logprobs)]
         if not any(d.logprobs is not None for d in deltas):
             return None
+        tokens = (echoed or []) + tokens
         if chat:
             return {"content": [{"token": piece(t), "logprob": lp.logprob, "bytes": list(piece(t).encode()),
                                  "top_logprobs": [{"token": piece(a), "logprob": v, "bytes": list(piece(a).encode())}
@@ -168,20 +175,31 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
         for t, _ in tokens:
             offsets.append(at)
             at += len(piece(t))
-        return {"tokens": [piece(t) for t, _ in tokens], "token_logprobs": [lp.logprob for _, lp in tokens],
-                "top_logprobs": [{piece(a): v for a, v in lp.top} for _, lp in tokens], "text_offset": offsets}
+        return {"tokens": [piece(t) for t, _ in tokens],
+                "token_logprobs": [None if lp is None else lp.logprob for _, lp in tokens],
+                "top_logprobs": [None if lp is None else {piece(a): v for a, v in lp.top} for _, lp in tokens],
+                "text_offset": offsets}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         if (bad := check_model(body.model)) is not None:
             return bad
+        if body.max_tokens == 0 and not body.echo:
+            return error(400, "max_tokens: 0 generates nothing; it is allowed only with echo: true (to score the "
+                              "prompt)", param="max_tokens")
         try:
-            prompts = [engine.with_tokenizer(llm.encode, p) if isinstance(p, str) else list(p)
-                       for p in body.prompts()]
-            params = sampling(body, body.max_tokens, body.logprobs)
+            given = body.prompts()
+            prompts = [engine.with_tokenizer(llm.encode, p) if isinstance(p, str) else list(p) for p in given]
+            # max_tokens 0 with echo: one token is sampled from the prefill's last row and dropped
+            params = sampling(body, body.max_tokens or (1 if body.echo else None), body.logprobs,
+                              prompt_logprobs=body.logprobs if body.echo else None)
         except InvalidRequestError as exc:
             return error(400, str(exc), param="prompt")
-        return await respond(request, body, prompts, params, chat=False)
+        echo = None
+        if body.echo:
+            echo = Echo([p if isinstance(p, str) else engine.with_tokenizer(llm.tokenizer.decode, p) for p in given],
+                        prompts, body.max_tokens == 0)
+        return await respond(request, body, prompts, params, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
@@ -205,9 +223,11 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
             return error(400, f"messages could not be rendered with the chat template: {exc}", param="messages")
         return await respond(request, body, [prompt], params, chat=True)
 
-    async def respond(request: Request, body: Any, prompts: list[list[int]], params: SamplingParams, chat: bool):
+    async def respond(request: Request, body: Any, prompts: list[list[int]], params: SamplingParams, chat: bool,
+                      echo: Echo | None = None):
         """One engine request per prompt (a completions batch; chat has one), answered as one
-        response whose choice ``prompt_index * n + sample`` is that prompt's sample."""
+        response whose choice ``prompt_index * n + sample`` is that prompt's sample; ``echo``
+        puts each prompt (and its log-probabilities) before its choices' completions."""
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         streams = [engine.generate(rid, p, params, cache_salt=body.cache_salt) for rid, p in zip(ids, prompts)]
@@ -254,7 +274,7 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
         n = params.n
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EngineStream(sse(request_id, first, streams, n, chat, include_usage, start, ttft),
+            return EngineStream(sse(request_id, first, streams, n, chat, include_usage, start, ttft, echo),
                                 media_type="text/event-stream")
 
         async def rest(stream: AsyncGenerator[StepOutput, None]) -> list[StepOutput]:
@@ -278,20 +298,23 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
             for out in [head, *tail]:
                 for d in out.samples:
                     i = p * n + d.index
-                    texts[i] = texts.get(i, "") + d.text
+                    d = echo.delta(d) if echo else d
+                    texts[i] = texts.get(i, echo.texts[p] if echo else "") + d.text
                     reasons[i] = d.finish_reason or reasons.get(i)
                     deltas.setdefault(i, []).append(d)
         choices = [({"index": i, "message": {"role": "assistant", "content": texts[i]},
                      "logprobs": logprobs_json(deltas[i], True), "finish_reason": reasons[i]} if chat else
-                    {"index": i, "text": texts[i], "logprobs": logprobs_json(deltas[i], False),
+                    {"index": i, "text": texts[i],
+                     "logprobs": logprobs_json(deltas[i], False, echoed=echo and echo.echoed(i // n, first[i // n])),
                      "finish_reason": reasons[i]})
                    for i in sorted(texts)]
         return {"id": request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": name, "choices": choices,
-                "usage": usage(lasts)}
+                "usage": usage(lasts, echo)}
 
     async def sse(request_id: str, first: list[StepOutput], streams: list[AsyncGenerator[StepOutput, None]], n: int,
-                  chat: bool, include_usage: bool, start: float, ttft: float) -> AsyncIterator[str]:
+                  chat: bool, include_usage: bool, start: float, ttft: float,
+                  echo: Echo | None) -> AsyncIterator[str]:
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -332,17 +355,24 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
                         choices.append({"index": i, "delta": delta, "logprobs": logprobs_json([d], True),
                                         "finish_reason": d.finish_reason})
                     else:
-                        choices.append({"index": i, "text": d.text,
-                                        "logprobs": logprobs_json([d], False, offsets.get(i, 0)),
+                        head, echoed = "", None
+                        if echo is not None:  # the prompt comes first, in the choice's first chunk
+                            d = echo.delta(d)
+                            if i not in started:
+                                head, echoed = echo.texts[p], echo.echoed(p, first[p])
+                        started.add(i)
+                        choices.append({"index": i, "text": head + d.text,
+                                        "logprobs": logprobs_json([d], False, offsets.get(i, 0), echoed),
                                         "finish_reason": d.finish_reason})
-                        offsets[i] = offsets.get(i, 0) + sum(len(piece(t)) for t in d.token_ids)
+                        offsets[i] = offsets.get(i, 0) + sum(len(piece(t)) for t in
+                                                             [*(t for t, _ in echoed or ()), *d.token_ids])
                 if choices:
                     yield chunk(choices)
                 if out.finished:
                     lasts[p] = out
                     metrics.finished(out.completion_tokens, time.perf_counter() - start, ttft)
             if include_usage:
-                yield chunk([], usage=usage([lasts[p] for p in sorted(lasts)]))
+                yield chunk([], usage=usage([lasts[p] for p in sorted(lasts)], echo))
         except RequestFailed as exc:
             yield "data: " + json.dumps({"error": {"message": str(exc), "type": "server_error"}}) + "\n\n"
         finally:  # however it ends: an unfinished engine stream aborts its request when closed
@@ -355,9 +385,32 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
     return app
 
 
-def usage(outs: list[StepOutput]) -> dict[str, Any]:
+@dataclass
+class Echo:
+    """A completions request with ``echo``: each prompt's text and token ids go before its
+    choices' completions; ``score_only`` (max_tokens 0) drops the one token sampled."""
+
+    texts: list[str]
+    prompt_ids: list[list[int]]
+    score_only: bool
+
+    def delta(self, d: SampleDelta) -> SampleDelta:
+        """``d`` as the response shows it: nothing generated when only scoring."""
+        if not self.score_only:
+            return d
+        return SampleDelta(d.index, [], "", "length" if d.finish_reason else None,
+                           [] if d.logprobs is not None else None)
+
+    def echoed(self, p: int, first: StepOutput) -> list[tuple[int, Any]] | None:
+        """Prompt ``p``'s (token id, log-probability) pairs, when the request asked for logprobs."""
+        if first.prompt_logprobs is None:
+            return None
+        return list(zip(self.prompt_ids[p], first.prompt_logprobs))
+
+
+def usage(outs: list[StepOutput], echo: Echo | None = None) -> dict[str, Any]:
     """The usage object over a response's requests (one per prompt)."""
     prompt = sum(o.prompt_tokens for o in outs)
-    completion = sum(o.completion_tokens for o in outs)
+    completion = 0 if echo is not None and echo.score_only else sum(o.completion_tokens for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outs)}}

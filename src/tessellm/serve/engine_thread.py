@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from tessellm.core.engine.request import RequestState
+from tessellm.core.engine.llm import prompt_logprobs_of
 from tessellm.core.errors import RequestRejectedError
 from tessellm.core.parallel.group import TensorParallelError
 from tessellm.core.engine.gc_freeze import frozen_heap
@@ -77,6 +78,9 @@ class StepOutput:
     completion_tokens: int
     cached_tokens: int = 0
     """Prompt tokens served from the prefix cache."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """On a request's first output, when it asked for prompt logprobs: one per prompt token
+    (None for the first)."""
 
 
 class RequestFailed(RuntimeError):
@@ -96,6 +100,7 @@ class _Stream:
     emitted: dict[int, int] = field(default_factory=dict)  # sample index -> tokens sent
     text: dict[int, str] = field(default_factory=dict)  # sample index -> text sent
     done: set[int] = field(default_factory=set)
+    started: bool = False  # an output was sent
 
     def put(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -160,7 +165,10 @@ class EngineThread:
         if self.max_waiting is not None and self.num_waiting() >= self.max_waiting:
             raise ServerBusy(f"the server is busy: {self.num_waiting()} requests are waiting "
                                        f"(limit {self.max_waiting}); retry later")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), params)
+        loop = asyncio.get_running_loop()
+        if params.structured_output is not None:  # compile off the engine's thread (cached: once per grammar)
+            await loop.run_in_executor(None, self.engine.grammar.compile, params.structured_output)
+        stream = _Stream(loop, asyncio.Queue(), params)
         self._commands.put(("add", request_id, prompt_ids, params, kwargs, stream))
         self._wake.set()
         finished = False
@@ -267,8 +275,10 @@ class EngineThread:
             if not deltas and not state.finished:
                 continue
             completion = sum(s.num_output_tokens for s in state.seqs)
-            out = StepOutput(request_id, deltas, state.finished, state.seqs[0].num_prompt_tokens, completion,
-                             state.seqs[0].num_cached_tokens or 0)
+            first = state.seqs[0]
+            out = StepOutput(request_id, deltas, state.finished, first.num_prompt_tokens, completion,
+                             first.num_cached_tokens or 0, None if stream.started else prompt_logprobs_of(first))
+            stream.started = True
             if state.finished:
                 self.engine.pop_finished(request_id)
                 del self._streams[request_id]

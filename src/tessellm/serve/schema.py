@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 
 NOT_IMPLEMENTED: dict[str, Any] = {
     # field -> its value that means "not used" (any other value changes the result)
-    "echo": False, "suffix": None, "presence_penalty": 0, "frequency_penalty": 0,
+    "suffix": None, "presence_penalty": 0, "frequency_penalty": 0,
     "repetition_penalty": 1, "response_format": None, "tools": None, "tool_choice": None, "functions": None,
     "function_call": None, "parallel_tool_calls": None, "guided_json": None, "guided_regex": None,
     "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "prompt_logprobs": None,
@@ -130,9 +130,13 @@ class CompletionRequest(_Sampling):
     list of token-id lists (a batch: choice ``prompt_index * n + sample``)."""
 
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=1)
+    max_tokens: Optional[int] = Field(16, ge=0)
+    """0 only with ``echo``: score the prompt without generating."""
     logprobs: Optional[int] = Field(None, ge=0, le=20)
     """Log-probabilities of each token and of this many alternatives (up to 20, as vLLM)."""
+    echo: bool = False
+    """Return the prompt before the completion; with ``logprobs``, the prompt tokens'
+    log-probabilities too (the first token's is null), from the forward that prefills."""
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """The batch: every prompt, a text or token ids (InvalidRequestError if empty)."""

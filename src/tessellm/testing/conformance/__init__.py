@@ -17,7 +17,7 @@ from typing import Any
 from tessellm.testing.conformance.base import ConformanceSuite, property_settings
 
 _SUITES = {"AttentionConformance": "attention", "CacheConformance": "cache", "SchedulerConformance": "scheduler",
-           "DecodingConformance": "decoding", "QuantConformance": "quant"}
+           "DecodingConformance": "decoding", "QuantConformance": "quant", "GrammarConformance": "grammar"}
 
 __all__ = ["ConformanceSuite", "property_settings", *_SUITES]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 SUITES = {"attention": "AttentionConformance", "cache": "CacheConformance", "scheduler": "SchedulerConformance",
-          "decoding": "DecodingConformance", "quant": "QuantConformance"}
+          "decoding": "DecodingConformance", "quant": "QuantConformance", "grammar": "GrammarConformance"}
 """The conformance class of each kind, in tessellm.testing.conformance."""
 
 
