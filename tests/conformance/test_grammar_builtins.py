@@ -1,5 +1,5 @@
 """The grammar conformance suite on the built-in grammar backend, xgrammar (with its default
-options, and with JSON kept to one line)."""
+options, JSON kept to one line, and with any whitespace allowed)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,6 @@ class TestXGrammar(GrammarConformance):
     plugin = "xgrammar"
 
 
-class TestXGrammarCompactJson(GrammarConformance):
+class TestXGrammarAnyWhitespace(GrammarConformance):
     plugin = "xgrammar"
-    options = {"any_whitespace": False, "max_threads": 1}
+    options = {"any_whitespace": True, "max_threads": 1}

@@ -35,8 +35,7 @@ def post(url: str, path: str, **body) -> httpx.Response:
 @pytest.mark.parametrize("path, field, value", [
     ("completions", "suffix", "end"), ("completions", "best_of", 3),
     ("completions", "presence_penalty", 0.5),
-    ("chat/completions", "response_format", {"type": "json_object"}),
-    ("chat/completions", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("chat/completions", "functions", [{"name": "f", "parameters": {}}]),
     ("chat/completions", "tool_choice", "required"), ("chat/completions", "frequency_penalty", 1.0),
     ("completions", "guided_regex", "a+"),
 ])

@@ -29,6 +29,8 @@ from tessellm.serve.engine_thread import EngineThread, RequestFailed, SampleDelt
 from tessellm.core.errors import InvalidRequestError, RequestRejectedError
 from tessellm.core.engine.llm import to_sampling_params
 from tessellm.serve.schema import ChatCompletionRequest, CompletionRequest
+from tessellm.serve.structured import grammar_of
+from tessellm.serve.tools import StreamedChoice, ToolCalling, render_chat
 from tessellm.core.interfaces.sequence import SamplingParams
 from tessellm.serve.metrics import ServerMetrics
 
@@ -192,7 +194,8 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
             prompts = [engine.with_tokenizer(llm.encode, p) if isinstance(p, str) else list(p) for p in given]
             # max_tokens 0 with echo: one token is sampled from the prefill's last row and dropped
             params = sampling(body, body.max_tokens or (1 if body.echo else None), body.logprobs,
-                              prompt_logprobs=body.logprobs if body.echo else None)
+                              prompt_logprobs=body.logprobs if body.echo else None,
+                              structured_output=grammar_of(body.response_format, body.structured_outputs))
         except InvalidRequestError as exc:
             return error(400, str(exc), param="prompt")
         echo = None
@@ -211,23 +214,31 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
         if not getattr(tokenizer, "chat_template", None):
             return error(400, f"model {name!r} has no chat template; use /v1/completions", param="messages")
         try:
-            with engine.tokenizer_lock:
-                text = tokenizer.apply_chat_template([m.model_dump() for m in body.messages], tokenize=False,
-                                                     add_generation_prompt=True)
-                prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+            calling = body.tool_calling()
+            constraint = grammar_of(body.response_format, body.structured_outputs)
+            if calling is not None and calling.grammar() is not None:
+                if constraint is not None:
+                    raise InvalidRequestError(f"tool_choice {calling.mode!r} and response_format/structured_outputs "
+                                              f"both constrain the output; give one")
+                constraint = calling.grammar()
             params = sampling(body, body.max_completion_tokens or body.max_tokens,
-                              (body.top_logprobs or 0) if body.logprobs else None)
+                              (body.top_logprobs or 0) if body.logprobs else None, structured_output=constraint)
         except InvalidRequestError as exc:
             return error(400, str(exc))
+        try:
+            with engine.tokenizer_lock:
+                text = render_chat([m.model_dump() for m in body.messages], tokenizer, calling)
+                prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
         except Exception as exc:  # a template that rejects these messages (roles out of order, ...)
             return error(400, f"messages could not be rendered with the chat template: {exc}", param="messages")
-        return await respond(request, body, [prompt], params, chat=True)
+        return await respond(request, body, [prompt], params, chat=True, calling=calling)
 
     async def respond(request: Request, body: Any, prompts: list[list[int]], params: SamplingParams, chat: bool,
-                      echo: Echo | None = None):
+                      echo: Echo | None = None, calling: ToolCalling | None = None):
         """One engine request per prompt (a completions batch; chat has one), answered as one
         response whose choice ``prompt_index * n + sample`` is that prompt's sample; ``echo``
-        puts each prompt (and its log-probabilities) before its choices' completions."""
+        puts each prompt (and its log-probabilities) before its choices' completions;
+        ``calling`` turns a chat answer that calls tools into ``tool_calls``."""
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
         streams = [engine.generate(rid, p, params, cache_salt=body.cache_salt) for rid, p in zip(ids, prompts)]
@@ -274,7 +285,7 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
         n = params.n
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return EngineStream(sse(request_id, first, streams, n, chat, include_usage, start, ttft, echo),
+            return EngineStream(sse(request_id, first, streams, n, chat, include_usage, start, ttft, echo, calling),
                                 media_type="text/event-stream")
 
         async def rest(stream: AsyncGenerator[StepOutput, None]) -> list[StepOutput]:
@@ -302,8 +313,8 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
                     texts[i] = texts.get(i, echo.texts[p] if echo else "") + d.text
                     reasons[i] = d.finish_reason or reasons.get(i)
                     deltas.setdefault(i, []).append(d)
-        choices = [({"index": i, "message": {"role": "assistant", "content": texts[i]},
-                     "logprobs": logprobs_json(deltas[i], True), "finish_reason": reasons[i]} if chat else
+        choices = [({"index": i, **chat_message(texts[i], reasons[i], calling),
+                     "logprobs": logprobs_json(deltas[i], True)} if chat else
                     {"index": i, "text": texts[i],
                      "logprobs": logprobs_json(deltas[i], False, echoed=echo and echo.echoed(i // n, first[i // n])),
                      "finish_reason": reasons[i]})
@@ -314,7 +325,7 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
 
     async def sse(request_id: str, first: list[StepOutput], streams: list[AsyncGenerator[StepOutput, None]], n: int,
                   chat: bool, include_usage: bool, start: float, ttft: float,
-                  echo: Echo | None) -> AsyncIterator[str]:
+                  echo: Echo | None, calling: ToolCalling | None) -> AsyncIterator[str]:
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
@@ -337,6 +348,7 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
 
         pumps = [asyncio.ensure_future(pump(p, f, s)) for p, (f, s) in enumerate(zip(first, streams))]
         started: set[int] = set()
+        holders: dict[int, StreamedChoice] = {}  # chat: text held back while it may be a tool call
         offsets: dict[int, int] = {}  # completions: text offset of each choice's next token
         lasts: dict[int, StepOutput] = {}
         try:
@@ -350,10 +362,19 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
                     if chat:
                         delta: dict[str, Any] = {} if i in started else {"role": "assistant"}
                         started.add(i)
-                        if d.text or d.finish_reason is None:
-                            delta["content"] = d.text
-                        choices.append({"index": i, "delta": delta, "logprobs": logprobs_json([d], True),
-                                        "finish_reason": d.finish_reason})
+                        held = holders.setdefault(i, StreamedChoice(calling))
+                        text, reason = held.push(d.text), d.finish_reason
+                        if text is not None and (text or reason is None):
+                            delta["content"] = text
+                        rest = held.close() if reason is not None else None
+                        if rest is not None and rest[0] == "tool_calls":
+                            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(rest[1])]
+                            reason = "tool_calls"
+                        elif rest is not None:
+                            delta["content"] = delta.get("content", "") + rest[1]
+                        lps = logprobs_json([d], True)
+                        if delta or reason is not None or lps is not None:
+                            choices.append({"index": i, "delta": delta, "logprobs": lps, "finish_reason": reason})
                     else:
                         head, echoed = "", None
                         if echo is not None:  # the prompt comes first, in the choice's first chunk
@@ -383,6 +404,14 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
         yield "data: [DONE]\n\n"
 
     return app
+
+
+def chat_message(text: str, reason: str | None, calling: ToolCalling | None) -> dict[str, Any]:
+    """A chat choice's message and finish reason: tool calls where the answer is one."""
+    calls = calling.parse(text) if calling is not None else None
+    if calls:
+        return {"message": {"role": "assistant", "content": None, "tool_calls": calls}, "finish_reason": "tool_calls"}
+    return {"message": {"role": "assistant", "content": text}, "finish_reason": reason}
 
 
 @dataclass

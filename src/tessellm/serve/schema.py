@@ -16,15 +16,16 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
 from tessellm.core.errors import InvalidRequestError
+from tessellm.serve.structured import ResponseFormat, StructuredOutputs
+from tessellm.serve.tools import Tool, ToolCalling, ToolChoice
 
 logger = logging.getLogger(__name__)
 
 NOT_IMPLEMENTED: dict[str, Any] = {
     # field -> its value that means "not used" (any other value changes the result)
     "suffix": None, "presence_penalty": 0, "frequency_penalty": 0,
-    "repetition_penalty": 1, "response_format": None, "tools": None, "tool_choice": None, "functions": None,
-    "function_call": None, "parallel_tool_calls": None, "guided_json": None, "guided_regex": None,
-    "guided_choice": None, "guided_grammar": None, "structured_outputs": None, "prompt_logprobs": None,
+    "repetition_penalty": 1, "functions": None, "function_call": None, "guided_json": None,
+    "guided_regex": None, "guided_choice": None, "guided_grammar": None, "prompt_logprobs": None,
     "logits_processors": None, "prediction": None, "audio": None, "modalities": None,
 }
 """Fields that change the result, which this server does not implement yet."""
@@ -39,11 +40,15 @@ def _unused(field: str, value: Any) -> bool:
     default = NOT_IMPLEMENTED[field]
     if value is None or value == default:
         return True
-    if field == "response_format" and isinstance(value, dict) and value.get("type") == "text":
-        return True
-    if field == "tool_choice" and value == "none":
-        return True
-    return field in ("tools", "functions", "modalities") and not value
+    return field in ("functions", "modalities") and not value
+
+
+def _hint(field: str) -> str:
+    if field.startswith("guided_"):
+        return f"; use structured_outputs: {{{field[7:]}: ...}}"
+    if field in ("functions", "function_call"):
+        return "; use tools and tool_choice"
+    return "; leave it out"
 
 
 def _log_once(field: str, message: str) -> None:
@@ -70,7 +75,8 @@ class _Sampling(BaseModel):
             if field in NOT_IMPLEMENTED:
                 if not _unused(field, value):
                     raise PydanticCustomError("not_supported", "{field} is not supported by this server (got "
-                                              "{value}); leave it out", {"field": field, "value": repr(value)})
+                                              "{value}){hint}", {"field": field, "value": repr(value),
+                                                                 "hint": _hint(field)})
             elif field in NO_EFFECT:
                 _log_once(field, f"request field {field!r} accepted; it does not change the result")
             else:
@@ -105,6 +111,12 @@ class _Sampling(BaseModel):
     logit before the token is picked."""
     min_tokens: int = Field(0, ge=0)
     """Extension (as vLLM's): generate at least this many tokens before a stop can end it."""
+    response_format: Optional[ResponseFormat] = None
+    """OpenAI's: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
+    {"name", "schema", "strict"}}`` constrains the output (``text``: no constraint)."""
+    structured_outputs: Optional[StructuredOutputs] = None
+    """Extension (vLLM's name): exactly one of ``json`` (a schema), ``regex``, ``choice``,
+    ``grammar`` (EBNF) or ``json_object``; the openai library sends it in ``extra_body``."""
     extra_args: Optional[dict[str, Any]] = None
     """Extension: settings for the decoding plugin beyond these fields, validated by that
     plugin (``SamplingParams.extra_args``); the openai library sends them with
@@ -148,11 +160,30 @@ class CompletionRequest(_Sampling):
         return list(p)
 
 
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(BaseModel):
+    """One message; an assistant's earlier tool calls and a tool's result as OpenAI sends
+    them (content may be None beside tool_calls, or a list of text parts)."""
+
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
+    content: Union[str, list[TextPart], None] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_call_id: Optional[str] = None
+    name: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _has_content(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if isinstance(self.content, list):
+            self.content = "".join(part.text for part in self.content)
+        return self
 
 
 class ChatCompletionRequest(_Sampling):
@@ -162,6 +193,20 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    tools: Optional[list[Tool]] = None
+    """Functions the model may call (their ``parameters`` are JSON schemas)."""
+    tool_choice: Optional[ToolChoice] = None
+    """``none``, ``auto`` (the default with tools), ``required`` or ``{"type": "function",
+    "function": {"name": ...}}``; the last two are enforced by a grammar."""
+    parallel_tool_calls: Optional[bool] = None
+    """False: at most one call under ``required``."""
+
+    def tool_calling(self) -> ToolCalling | None:
+        if not self.tools:
+            if self.tool_choice not in (None, "none", "auto"):
+                raise InvalidRequestError("tool_choice asks for a tool call, but the request declares no tools")
+            return None
+        return ToolCalling(self.tools, self.tool_choice, self.parallel_tool_calls)
 
 
 class ErrorBody(BaseModel):

@@ -29,11 +29,10 @@ PROMPT = "yes no yes no {\"answer\": \"yes\", \"sure\": true} {\"answer\": \"no\
 
 
 def pipeline(cpu_config, tiny_model, **decoding) -> LLM:
-    # one-line JSON: a random model could otherwise emit blanks until max_tokens
     return LLM(cpu_config(tiny_model("llama"), max_model_len=256, decoding=decoding or {"name": "sample"},
                           scheduler={"name": "continuous", "options": {"max_num_batched_tokens": 24}},
                           cache={"name": "paged", "options": {"block_size": 8, "num_blocks": 256}},
-                          grammar={"name": "xgrammar", "options": {"any_whitespace": False}}))
+                          grammar={"name": "xgrammar"}))
 
 
 @pytest.fixture(scope="module")
