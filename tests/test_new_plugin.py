@@ -15,7 +15,7 @@ import pytest
 
 from tessellm.cli import main
 from tessellm.core import registry as registry_module
-from tessellm.core.plugin import KINDS
+from tessellm.scaffold import SCAFFOLD_KINDS as KINDS  # the kinds with a template
 from tessellm.core.registry import PluginRegistry
 from tessellm.scaffold import new_plugin
 
@@ -108,3 +108,11 @@ def test_each_generated_plugin_passes_the_check(scaffolded, kind, capsys):
     scaffolded(kind)
     assert main(["plugins", "--check", f"{kind}:my-{kind}", "--examples", "3"]) == 0
     assert f"{kind} plugin 'my-{kind}' passes" in capsys.readouterr().out
+
+
+def test_the_grammar_kind_has_no_template_and_the_error_says_what_to_do(tmp_path):
+    from tessellm.core.errors import ConfigError
+    from tessellm.scaffold import new_plugin
+
+    with pytest.raises(ConfigError, match="no template for a grammar plugin.*GrammarBackend"):
+        new_plugin("grammar", "my-grammar", tmp_path / "pkg")

@@ -11,8 +11,8 @@ the last allowed state, never an all -inf row.
 
 from __future__ import annotations
 
-import logging
-from typing import Any
+import threading
+from typing import Any, Callable
 
 import torch
 
@@ -20,8 +20,6 @@ from tessellm.core.errors import InvalidRequestError
 from tessellm.core.interfaces.batch import BatchMetadata
 from tessellm.core.interfaces.grammar import GrammarBackend, GrammarMatcher, GrammarSpec
 from tessellm.core.interfaces.sequence import SamplingParams, Sequence
-
-logger = logging.getLogger(__name__)
 
 
 class GrammarSession:
@@ -33,30 +31,42 @@ class GrammarSession:
     on constrained rows (a copy; the model's own logits stay for log-probabilities).
     ``accept(seq, token)`` advances a sequence's matcher (False: the grammar refuses the
     token); ``is_complete(seq)`` says its grammar has ended; ``finish(seq)`` drops it.
+
+    The backend is built by ``build`` when the first grammar is compiled (reading a large
+    vocabulary takes a noticeable part of a second, which a pipeline that never sees a
+    structured request should not pay); ``build`` None: the pipeline has none.
     """
 
-    def __init__(self, backend: GrammarBackend | None, max_rollback: int):
-        self.backend = backend
+    def __init__(self, build: Callable[[], GrammarBackend] | None, max_rollback: int):
+        self._build = build
+        self._backend: GrammarBackend | None = None
+        self._lock = threading.Lock()  # a server compiles on its worker threads
         self.max_rollback = max_rollback
         self.matchers: dict[int, GrammarMatcher] = {}
         self.live = 0  # live constrained sequences (skip every step's scan without)
 
+    @property
+    def backend(self) -> GrammarBackend | None:
+        """The grammar backend, built on first use; None where the pipeline has none."""
+        if self._backend is None and self._build is not None:
+            with self._lock:
+                if self._backend is None:
+                    self._backend = self._build()
+        return self._backend
+
     def check(self, params: SamplingParams) -> None:
-        spec = params.structured_output
-        if spec is None:
-            return
-        if self.backend is None:
-            raise InvalidRequestError(
-                f"the request asks for structured output ({spec.kind}), but this pipeline has no grammar backend: "
-                f"install one (pip install xgrammar) or name one in the config's grammar section")
-        self.backend.compile(spec)
+        if params.structured_output is not None:
+            self.compile(params.structured_output)
 
     def compile(self, spec: GrammarSpec) -> Any:
         """The compiled grammar (cached by the backend): what a server calls off the engine's
         thread before it adds the request."""
-        if self.backend is None:
-            self.check(SamplingParams(structured_output=spec))
-        return self.backend.compile(spec)
+        backend = self.backend
+        if backend is None:
+            raise InvalidRequestError(
+                f"the request asks for structured output ({spec.kind}), but this pipeline has no grammar backend: "
+                f"install one (pip install xgrammar) or name one in the config's grammar section")
+        return backend.compile(spec)
 
     def _matcher(self, seq: Sequence) -> GrammarMatcher:
         matcher = self.matchers.get(seq.seq_id)

@@ -42,7 +42,8 @@ class Pipeline:
     """A config resolved against the registry, with the model loaded and every part built.
 
     Parts: ``model`` (the module), ``cache``, ``attention``, ``scheduler``, ``decoder``,
-    ``grammar`` (the grammar backend for structured outputs, or None where none can serve), the
+    ``grammar`` (the grammar backend for structured outputs, built on first use; None where
+    none can serve), the
     ``runner`` that runs the model, and the ``engine`` that steps requests (an
     ``OverlappedEngine`` when async scheduling is on). ``resolved`` says which plugin serves
     each kind and why (``resolved.summary()``).
@@ -92,15 +93,21 @@ class Pipeline:
         self.stop = StopRule(self._eos_ids(hf_config), r.max_model_len,
                              decode_text=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
         engine = OverlappedEngine if self.async_scheduling else Engine
-        self.grammar = c["grammar"].cls(c["grammar"].options, self.tokenizer, spec.vocab_size) if "grammar" in c else None
+        grammar = c.get("grammar")
+        build = (lambda: grammar.cls(grammar.options, self.tokenizer, spec.vocab_size)) if grammar else None
         self.engine = engine(self.runner, self.cache, self.scheduler, self.decoder, stop=self.stop,
                              vocab_size=self.spec.vocab_size, seed=config.seed,
                              sync=RankSync(self.tp) if self.tp else None,
-                             grammar=GrammarSession(self.grammar, self.decoder.num_lookahead_tokens))
+                             grammar=GrammarSession(build, self.decoder.num_lookahead_tokens))
         self._attach_decoder()
         if self.tp and not self.tp.is_leader:  # a follower serves rank 0 until it stops, then exits
             follow(self.engine, self.engine.sync)
             raise SystemExit(0)
+
+    @property
+    def grammar(self) -> Any:
+        """The grammar backend (built now if no structured request has built it yet), or None."""
+        return self.engine.grammar.backend
 
     def _join_ranks(self, config: PipelineConfig) -> PipelineConfig:
         """Join the tensor-parallel group; on CUDA each rank computes on its local GPU."""

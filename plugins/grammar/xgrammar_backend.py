@@ -174,7 +174,7 @@ class XGrammarBackend(GrammarBackend):
     never allowed."""
 
     name = "xgrammar"
-    api_version = "1.4"
+    api_version = "1.5"
     description = "structured outputs (JSON schema, regex, choice, EBNF) on xgrammar's token masks"
     auto_priority = 10
     Options = XGrammarOptions

@@ -24,6 +24,8 @@ NAME_PATTERN = re.compile(r"[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
 
 CLASS_SUFFIX = {"attention": "Attention", "cache": "Cache", "scheduler": "Scheduler", "decoding": "Decoder",
                 "quant": "Quantizer"}
+SCAFFOLD_KINDS = tuple(CLASS_SUFFIX)
+"""The kinds ``new-plugin`` has templates for (every kind but the optional grammar kind)."""
 BUILTIN_TO_COMPARE = {"attention": "sdpa", "cache": "paged", "scheduler": "continuous", "decoding": "greedy",
                       "quant": "none"}
 
@@ -47,9 +49,9 @@ def check_name(kind: str, name: str) -> None:
     """ConfigError unless ``kind`` is a plugin kind and ``name`` a name the scaffold accepts."""
     if kind not in KINDS:
         raise ConfigError(f"new-plugin: unknown kind {kind!r}; the kinds are {', '.join(KINDS)}")
-    if kind not in CLASS_SUFFIX:
+    if kind not in SCAFFOLD_KINDS:
         raise ConfigError(f"new-plugin: there is no template for a {kind} plugin yet (templates: "
-                          f"{', '.join(CLASS_SUFFIX)}); subclass tessellm.GrammarBackend and run GrammarConformance "
+                          f"{', '.join(SCAFFOLD_KINDS)}); subclass tessellm.GrammarBackend and run GrammarConformance "
                           f"(docs/plugins.md)")
     if name == "auto" or not NAME_PATTERN.fullmatch(name):
         raise ConfigError(f"new-plugin: plugin name {name!r} is not allowed; use lowercase letters, digits and "
