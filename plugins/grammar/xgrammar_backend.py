@@ -8,12 +8,8 @@ is built, so listing plugins does not need it.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import threading
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,10 +17,13 @@ from pydantic import Field
 
 import tessellm
 from tessellm.core.errors import InvalidRequestError
-from tessellm.core.interfaces.grammar import GrammarBackend, GrammarMatcher, GrammarSpec
-from tessellm.core.plugin import PluginOptions, SelectionContext
+from tessellm.core.interfaces.grammar import GrammarSpec
+from tessellm.core.plugin import PluginOptions
+from tessellm.plugins.grammar.common import (CachingGrammarBackend, Vocabulary, VocabularyMatcher, choice_options,
+                                             int32_bits, parse_source, unpack_bitmask, vocabulary)
 
-INSTALL_HINT = "grammar plugin 'xgrammar' needs the xgrammar package: pip install xgrammar"
+__all__ = ["INSTALL_HINT", "XGrammarBackend", "XGrammarMatcher", "XGrammarOptions", "bounded_strings_as_patterns",
+           "choice_ebnf", "int32_bits", "register_grammar", "unpack_bitmask"]
 
 _ANY_OBJECT = '{"type": "object"}'
 """``json_object`` as a schema: xgrammar's built-in JSON grammar also takes a top-level array."""
@@ -48,14 +47,6 @@ class XGrammarOptions(PluginOptions):
     """JSON kinds: whether any whitespace may go between elements. False (the default): one
     line, separated by ', ' and ': ' as ``json.dumps`` writes, so a model cannot loop on
     blanks (SmolLM2-135M at temperature 0.8 fills max_tokens with newlines otherwise)."""
-
-
-def _xgrammar() -> Any:
-    try:
-        import xgrammar
-    except ImportError as exc:
-        raise ImportError(INSTALL_HINT) from exc
-    return xgrammar
 
 
 def _problem(exc: Exception) -> str:
@@ -94,43 +85,16 @@ def bounded_strings_as_patterns(schema: Any) -> Any:
     return out
 
 
-def int32_bits(ids: list[int], words: int) -> torch.Tensor:
-    """A bitmask row [words] int32 with the bits of ``ids`` set (bit i % 32 of word i // 32)."""
-    values = [0] * words
-    for i in ids:
-        values[i // 32] |= 1 << (i % 32)
-    return torch.tensor([v - (1 << 32) if v >= 1 << 31 else v for v in values], dtype=torch.int32)
-
-
-def unpack_bitmask(mask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Allowed tokens [R, vocab_size] bool from a bitmask [R, ceil(vocab_size / 32)] int32."""
-    shifts = torch.arange(32, dtype=torch.int32, device=mask.device)
-    bits = mask.unsqueeze(-1).bitwise_right_shift(shifts).bitwise_and_(1)  # [R, words, 32]
-    return bits.view(mask.shape[0], -1)[:, :vocab_size].bool()
-
-
-@dataclass(frozen=True)
-class _Vocab:
-    """What every matcher of a backend shares about the vocabulary."""
-
-    tokens: int  # ids from here to the logits width are padding
-    never: frozenset[int]  # special tokens other than the stop tokens: never allowed
-    stop_row: torch.Tensor  # [words] int32: the stop tokens only
-    keep_row: torch.Tensor  # [words] int32: every token but ``never``
-
-
-class XGrammarMatcher(GrammarMatcher):
+class XGrammarMatcher(VocabularyMatcher):
     """One sequence in an xgrammar compiled grammar. Beyond the interface's contract: the
     tokenizer's special tokens (BOS, padding, chat markers) are never allowed, the stop
     tokens only where the output may end; after a stop token ``fill_mask`` allows the stop
     tokens only (never an all -inf row); ``rollback`` refuses (ValueError) more tokens than
     were accepted or than ``max_rollback``."""
 
-    def __init__(self, matcher: Any, max_rollback: int, vocab: _Vocab):
+    def __init__(self, matcher: Any, max_rollback: int, vocab: Vocabulary):
+        super().__init__(max_rollback, vocab)
         self._matcher = matcher
-        self._max_rollback = max_rollback
-        self._undoable = 0  # accepted tokens rollback may still undo
-        self._vocab = vocab
 
     def fill_mask(self, mask: torch.Tensor, row: int) -> None:
         if self._matcher.is_terminated():  # xgrammar refuses a mask after the stop token
@@ -143,26 +107,21 @@ class XGrammarMatcher(GrammarMatcher):
     def accept(self, token: int) -> bool:
         token = int(token)
         # refused here, not by xgrammar, which logs a warning for each
-        if not 0 <= token < self._vocab.tokens or token in self._vocab.never:
+        if not self._may_accept(token) or not self._matcher.accept_token(token):
             return False
-        if not self._matcher.accept_token(token):
-            return False
-        self._undoable = min(self._undoable + 1, self._max_rollback)
+        self._accepted()
         return True
 
     def rollback(self, num_tokens: int) -> None:
-        if not 0 <= num_tokens <= self._undoable:
-            raise ValueError(f"cannot roll back {num_tokens} tokens: {self._undoable} can be undone "
-                             f"(max_rollback={self._max_rollback})")
+        self._check_rollback(num_tokens)
         if num_tokens:
             self._matcher.rollback(num_tokens)
-            self._undoable -= num_tokens
 
     def is_terminated(self) -> bool:
         return self._matcher.is_terminated()
 
 
-class XGrammarBackend(GrammarBackend):
+class XGrammarBackend(CachingGrammarBackend):
     """Every ``GrammarSpec`` kind on xgrammar: ``json_schema`` (``strict``: xgrammar's strict
     mode, no properties or items the schema does not declare), ``json_object`` (any object),
     ``regex`` (xgrammar's regex dialect: no lookaround, word boundaries or ``\\p{..}``),
@@ -174,6 +133,7 @@ class XGrammarBackend(GrammarBackend):
     never allowed."""
 
     name = "xgrammar"
+    package = "xgrammar"
     api_version = "1.5"
     description = "structured outputs (JSON schema, regex, choice, EBNF) on xgrammar's token masks"
     auto_priority = 10
@@ -181,47 +141,25 @@ class XGrammarBackend(GrammarBackend):
 
     def __init__(self, options: XGrammarOptions, tokenizer: Any, vocab_size: int):
         super().__init__(options, tokenizer, vocab_size)
-        self._xgr = _xgrammar()
+        self._xgr = self._import_package()
         info = self._xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         # one cache, ours: it returns the same object for a spec and has the memory bound
         self._compiler = self._xgr.GrammarCompiler(info, max_threads=options.max_threads, cache_enabled=False)
-        self._vocab = _vocabulary(tokenizer, vocab_size, set(info.stop_token_ids))
-        self._cache: OrderedDict[GrammarSpec, Any] = OrderedDict()
-        self._cache_bytes = 0
-        self._lock = threading.Lock()
-
-    @classmethod
-    def unsupported_reasons(cls, ctx: SelectionContext) -> list[str]:
-        reasons = super().unsupported_reasons(ctx)
-        if importlib.util.find_spec("xgrammar") is None:
-            reasons.append(INSTALL_HINT)
-        return reasons
+        self._vocab = vocabulary(tokenizer, vocab_size, info.stop_token_ids)
 
     # ------------------------------------------------------------------ compiling
 
-    def compile(self, spec: GrammarSpec) -> Any:
-        with self._lock:
-            if spec in self._cache:
-                self._cache.move_to_end(spec)
-                return self._cache[spec]
-        compiled = self._compile(spec)  # outside the lock: other specs compile meanwhile
-        with self._lock:
-            if spec in self._cache:  # another thread compiled it meanwhile: one object per spec
-                return self._cache[spec]
-            self._cache[spec] = compiled
-            self._cache_bytes += compiled.memory_size_bytes
-            while self._cache_bytes > self.options.cache_limit_bytes and len(self._cache) > 1:
-                self._cache_bytes -= self._cache.popitem(last=False)[1].memory_size_bytes
-        return compiled
+    def _cache_limit(self) -> int:
+        return self.options.cache_limit_bytes
+
+    def _cache_cost(self, compiled: Any) -> int:
+        return compiled.memory_size_bytes  # xgrammar's estimate
 
     def _compile(self, spec: GrammarSpec) -> Any:
-        if spec.kind not in self.supported_kinds:
-            raise InvalidRequestError(f"grammar kind {spec.kind!r} is not supported by grammar plugin 'xgrammar' "
-                                      f"(supported: {', '.join(sorted(self.supported_kinds))})")
         compiler, whitespace = self._compiler, self.options.any_whitespace
         try:
             if spec.kind == "json_schema":
-                schema = bounded_strings_as_patterns(_parse(spec, dict, "a JSON object (the schema)"))
+                schema = bounded_strings_as_patterns(parse_source(spec, dict, "a JSON object (the schema)"))
                 return compiler.compile_json_schema(json.dumps(schema), any_whitespace=whitespace,
                                                     strict_mode=spec.strict)
             if spec.kind == "json_object":
@@ -229,11 +167,7 @@ class XGrammarBackend(GrammarBackend):
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.source)
             if spec.kind == "choice":
-                options = _parse(spec, list, "a non-empty JSON list of strings")
-                if not options or not all(isinstance(o, str) for o in options):
-                    raise InvalidRequestError(f"cannot compile the choice grammar: expected a non-empty JSON list "
-                                              f"of strings, got {spec.source[:60]!r}")
-                return compiler.compile_grammar(choice_ebnf(options))
+                return compiler.compile_grammar(choice_ebnf(choice_options(spec)))
             if not re.search(r"^\s*root\s*::=", spec.source, re.MULTILINE):
                 raise InvalidRequestError("cannot compile the ebnf grammar: it has no rule named root")
             # a start rule above root: xgrammar's masks refuse tokens that close two levels
@@ -249,8 +183,6 @@ class XGrammarBackend(GrammarBackend):
     def matcher(self, compiled: Any, max_rollback: int = 0) -> XGrammarMatcher:
         # xgrammar keeps the whole history (its max_rollback_tokens is deprecated); the
         # wrapper enforces the bound the engine asked for
-        if max_rollback < 0:
-            raise ValueError(f"max_rollback must be >= 0, got {max_rollback}")
         return XGrammarMatcher(self._xgr.GrammarMatcher(compiled), max_rollback, self._vocab)
 
     def new_mask(self, rows: int) -> torch.Tensor:
@@ -258,8 +190,7 @@ class XGrammarBackend(GrammarBackend):
 
     def apply_mask(self, logits: torch.Tensor, mask: torch.Tensor, rows: list[int]) -> None:
         # logits: [B, V]; mask: [>= len(rows), ceil(V / 32)] int32; mask row i masks logits[rows[i]]
-        if logits.shape[-1] != self.vocab_size:
-            raise ValueError(f"logits are {logits.shape[-1]} wide, the grammar backend's vocabulary {self.vocab_size}")
+        self._check_width(logits)
         if not rows:
             return
         mask = mask[:len(rows)].to(logits.device)  # blocking: the caller may refill the buffer next
@@ -275,25 +206,8 @@ class XGrammarBackend(GrammarBackend):
         self._xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=self.vocab_size, indices=list(rows))
 
 
-def _vocabulary(tokenizer: Any, vocab_size: int, stops: set[int]) -> _Vocab:
-    ids = tokenizer.get_vocab().values()
-    special = set(tokenizer.all_special_ids)
-    special |= {i for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
-    never = frozenset(i for i in special - stops if 0 <= i < vocab_size)
-    words = -(-vocab_size // 32)
-    return _Vocab(min(max(len(ids), max(ids) + 1), vocab_size), never,
-                  int32_bits(sorted(stops), words), int32_bits(sorted(never), words).bitwise_not())
-
-
-def _parse(spec: GrammarSpec, expected: type, what: str) -> Any:
-    try:
-        value = json.loads(spec.source)
-    except json.JSONDecodeError as exc:
-        raise InvalidRequestError(f"cannot compile the {spec.kind} grammar: the source is not JSON ({exc})") from exc
-    if not isinstance(value, expected):
-        raise InvalidRequestError(f"cannot compile the {spec.kind} grammar: expected {what}, "
-                                  f"got {type(value).__name__} {spec.source[:60]!r}")
-    return value
+INSTALL_HINT = XGrammarBackend.install_hint()
+"""What ``unsupported_reasons`` and building the backend say when xgrammar is missing."""
 
 
 @tessellm.hookimpl
