@@ -193,7 +193,7 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
             given = body.prompts()
             prompts = [engine.with_tokenizer(llm.encode, p) if isinstance(p, str) else list(p) for p in given]
             # max_tokens 0 with echo: one token is sampled from the prefill's last row and dropped
-            params = sampling(body, body.max_tokens or (1 if body.echo else None), body.logprobs,
+            params = sampling(body, 1 if body.max_tokens == 0 else body.max_tokens, body.logprobs,
                               prompt_logprobs=body.logprobs if body.echo else None,
                               structured_output=grammar_of(body.response_format, body.structured_outputs))
         except InvalidRequestError as exc:
