@@ -4,7 +4,7 @@ and the ``min_tokens`` bar on stopping early. Every stop condition lives in ``St
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
@@ -140,32 +140,37 @@ def apply_logit_bias(logits: torch.Tensor, batch: BatchMetadata) -> torch.Tensor
     return logits
 
 
+def _scored_rows(logits: torch.Tensor, rows: list[int], chosen: list[int], top_n: int) -> list[list[Any]]:
+    """Per row of ``logits[rows]``: the log-probability of its ``chosen`` token and the
+    ``top_n`` most likely (id, log-probability) pairs, from one batched log-softmax over the
+    model's own distribution (float32, or float64 in a float64 pipeline)."""
+    device = logits.device
+    picked_rows = logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=device))
+    lp = torch.log_softmax(picked_rows if picked_rows.dtype == torch.float64 else picked_rows.float(), dim=-1)
+    picked = lp.gather(1, torch.tensor(chosen, dtype=torch.long, device=device)[:, None])[:, 0].tolist()
+    if not top_n:
+        return [[value, []] for value in picked]
+    top = lp.topk(top_n, dim=-1)
+    return [[value, list(zip(ids, values))] for value, ids, values in
+            zip(picked, top.indices.tolist(), top.values.tolist())]
+
+
 def record_prompt_logprobs(logits: torch.Tensor, batch: BatchMetadata) -> None:
     """Append to each scored sequence's ``prompt_logprobs`` the log-probability of every
-    prompt token its ``batch.prompt_rows`` predict, with the top alternatives (one batched
-    log-softmax). A position already recorded (the prompt recomputed after a preemption) is
-    not recorded again."""
-    index = torch.cat([torch.arange(p.first_row, p.first_row + p.num_rows) for p in batch.prompt_rows])
-    picked_rows = logits.index_select(0, index.to(logits.device))
-    lp = torch.log_softmax(picked_rows if picked_rows.dtype == torch.float64 else picked_rows.float(), dim=-1)
-    targets = torch.tensor([t for p in batch.prompt_rows
-                            for t in p.seq.token_ids[p.first_position + 1:p.first_position + 1 + p.num_rows]],
-                           dtype=torch.long, device=lp.device)
-    picked = lp.gather(1, targets[:, None])[:, 0].tolist()
-    top_n = max(p.seq.params.prompt_logprobs for p in batch.prompt_rows)
-    top = lp.topk(top_n, dim=-1) if top_n else None
-    top_values = top.values.tolist() if top is not None else None
-    top_ids = top.indices.tolist() if top is not None else None
-    r = 0
+    prompt token its ``batch.prompt_rows`` predict, with the top alternatives. A position
+    already recorded (the prompt recomputed after a preemption) is not recorded again."""
+    rows = [r for p in batch.prompt_rows for r in range(p.first_row, p.first_row + p.num_rows)]
+    targets = [t for p in batch.prompt_rows
+               for t in p.seq.token_ids[p.first_position + 1:p.first_position + 1 + p.num_rows]]
+    scored = iter(_scored_rows(logits, rows, targets, max(p.seq.params.prompt_logprobs for p in batch.prompt_rows)))
     for p in batch.prompt_rows:
         seq, n = p.seq, p.seq.params.prompt_logprobs
         if not seq.prompt_logprobs:
             seq.prompt_logprobs.append(None)  # the first token: nothing predicts it
         for position in range(p.first_position, p.first_position + p.num_rows):
+            value, top = next(scored)
             if position + 1 == len(seq.prompt_logprobs):
-                alts = list(zip(top_ids[r][:n], top_values[r][:n])) if n else []
-                seq.prompt_logprobs.append(TokenLogprob(picked[r], alts))
-            r += 1
+                seq.prompt_logprobs.append(TokenLogprob(value, top[:n]))
 
 
 def token_logprobs(logits: torch.Tensor, batch: BatchMetadata,
@@ -177,6 +182,14 @@ def token_logprobs(logits: torch.Tensor, batch: BatchMetadata,
     out: list[list[TokenLogprob] | None] = [None] * len(batch.samples)
     if not want:
         return out
+    rows = [batch.samples[i].first_row + j for i in want for j in range(len(tokens[i]))]
+    scored = iter(_scored_rows(logits, rows, [t for i in want for t in tokens[i]],
+                               max(batch.samples[i].seq.params.logprobs for i in want)))
+    for i in want:
+        n = batch.samples[i].seq.params.logprobs
+        # the tokens first: zip then stops without taking one more row
+        out[i] = [TokenLogprob(value, top[:n]) for _, (value, top) in zip(tokens[i], scored)]
+    return out
     rows = [batch.samples[i].first_row + j for i in want for j in range(len(tokens[i]))]
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
     picked_rows = logits.index_select(0, index)

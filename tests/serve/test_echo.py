@@ -135,3 +135,9 @@ def test_openai_client_echo(server):
                                     logprobs=2, temperature=0.0)
     assert [c.text for c in sorted(out.choices, key=lambda c: c.index)] == ["Hello there", "The sky"]
     assert out.choices[0].logprobs.token_logprobs[0] is None
+
+
+@pytest.mark.parametrize("ids", [[5, -3], [5, 10 ** 9]])
+def test_echo_of_an_id_outside_the_vocabulary_is_a_400(server, ids):
+    r = post(server, prompt=ids, max_tokens=0, echo=True)
+    assert r.status_code == 400 and "outside the vocabulary" in r.json()["error"]["message"]

@@ -81,3 +81,9 @@ def test_logit_bias_forces_and_bans_tokens(served):
 def test_bad_logit_bias_is_a_400(server, bias, words):
     r = post(server, "completions", logit_bias=bias)
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+
+
+def test_a_malformed_earlier_tool_call_is_a_400_naming_the_field(server):
+    r = post(server, "chat/completions", messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [{"bad": 1}]}])
+    assert r.status_code == 400 and "tool_calls" in r.json()["error"]["message"], r.text

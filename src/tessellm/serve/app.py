@@ -16,7 +16,8 @@ import time
 import uuid
 from dataclasses import dataclass
 from contextlib import asynccontextmanager
-from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, TypeVar
+from functools import cached_property
+from typing import Any, AsyncGenerator, AsyncIterator, Awaitable, Callable, TypeVar
 
 from tessellm.extras import require
 
@@ -199,9 +200,9 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
         except InvalidRequestError as exc:
             return error(400, str(exc), param="prompt")
         echo = None
-        if body.echo:
-            echo = Echo([p if isinstance(p, str) else engine.with_tokenizer(llm.tokenizer.decode, p) for p in given],
-                        prompts, body.max_tokens == 0)
+        if body.echo:  # a token-id prompt's text is decoded once the engine has admitted its ids
+            echo = Echo(given, prompts, body.max_tokens == 0,
+                        lambda ids: engine.with_tokenizer(llm.tokenizer.decode, ids))
         return await respond(request, body, prompts, params, chat=False, echo=echo)
 
     @app.post("/v1/chat/completions")
@@ -417,11 +418,18 @@ def chat_message(text: str, reason: str | None, calling: ToolCalling | None) -> 
 @dataclass
 class Echo:
     """A completions request with ``echo``: each prompt's text and token ids go before its
-    choices' completions; ``score_only`` (max_tokens 0) drops the one token sampled."""
+    choices' completions; ``score_only`` (max_tokens 0) drops the one token sampled.
+    ``texts`` are the prompts as given, token-id prompts decoded (read only after the
+    engine admitted them: an id outside the vocabulary is its 400, not a decoder's error)."""
 
-    texts: list[str]
+    given: list[Any]
     prompt_ids: list[list[int]]
     score_only: bool
+    decode: Callable[[list[int]], str]
+
+    @cached_property
+    def texts(self) -> list[str]:
+        return [p if isinstance(p, str) else self.decode(ids) for p, ids in zip(self.given, self.prompt_ids)]
 
     def delta(self, d: SampleDelta) -> SampleDelta:
         """``d`` as the response shows it: nothing generated when only scoring."""

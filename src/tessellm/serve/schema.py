@@ -17,7 +17,7 @@ from pydantic_core import PydanticCustomError
 
 from tessellm.core.errors import InvalidRequestError
 from tessellm.serve.structured import ResponseFormat, StructuredOutputs
-from tessellm.serve.tools import Tool, ToolCalling, ToolChoice
+from tessellm.serve.tools import Tool, ToolCallItem, ToolCalling, ToolChoice
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ class ChatMessage(BaseModel):
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: Union[str, list[TextPart], None] = None
-    tool_calls: Optional[list[dict[str, Any]]] = None
+    tool_calls: Optional[list[ToolCallItem]] = None
     tool_call_id: Optional[str] = None
     name: Optional[str] = None
 

@@ -52,6 +52,22 @@ class NamedToolChoice(BaseModel):
     function: FunctionName
 
 
+class CalledFunction(BaseModel):
+    name: str
+    arguments: str
+    """The arguments object as JSON text, as OpenAI sends it."""
+
+
+class ToolCallItem(BaseModel):
+    """An earlier tool call in a conversation's assistant message."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
 
 _TAGGED = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
