@@ -50,6 +50,9 @@ MOVED: dict[str, tuple[str, ...]] = {
                                                  "tessellm.plugins.attention.flash.decode",
                                                  "tessellm.plugins.attention.flash.common"),
     "tessellm.plugins.cache.block_pool": ("tessellm.plugins.cache.paged.block_pool",),
+    "tessellm.core.model.llama": ("tessellm.core.model.decoder",),
+    "tessellm.core.model.deepseek": ("tessellm.core.model.mla", "tessellm.core.model.moe",
+                                     "tessellm.plugins.model.deepseek", "tessellm.core.model.decoder"),
 }
 """Old module -> the modules its names now live in, searched in order."""
 
@@ -59,7 +62,7 @@ RENAMED: dict[str, str] = {"AsyncEngine": "EngineThread"}
 PACKAGES: dict[str, tuple[str, ...]] = {
     "tessellm.core.engine": ("tessellm.core.engine.engine", "tessellm.core.engine.request",
                              "tessellm.core.engine.stats"),
-    "tessellm.core.model": ("tessellm.core.model.llama",),
+    "tessellm.core.model": ("tessellm.core.model.decoder",),
 }
 """Old modules that are packages now: their old names, looked up in these modules."""
 

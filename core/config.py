@@ -83,6 +83,10 @@ class PipelineConfig(BaseModel):
     grammar: PluginSection = Field(default_factory=PluginSection)
     """The grammar backend that constrains structured outputs (JSON schema, regex, choice,
     EBNF); ``auto`` takes the first that can serve, or none (such requests are then refused)."""
+    architecture: PluginSection = Field(default_factory=PluginSection)
+    """The model plugin (kind ``model``) that builds the checkpoint; ``auto`` takes the one,
+    by priority, that declares the checkpoint's ``model_type`` (``tessellm plugins`` lists
+    them with the types they build)."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     cuda_graphs: bool = True
     """On CUDA, replay decode steps from captured CUDA graphs when the attention backend and
@@ -105,7 +109,8 @@ class PipelineConfig(BaseModel):
         raise ValueError(f"must be auto, cpu, cuda or cuda:N, not {value!r}")
 
     def section(self, kind: str) -> PluginSection:
-        return getattr(self, kind)
+        """The config section of plugin kind ``kind`` (``architecture`` for ``model``)."""
+        return getattr(self, "architecture" if kind == "model" else kind)
 
 
 def _format_validation(exc: ValidationError, where: str) -> str:

@@ -64,3 +64,9 @@ def register_quant(register: Register) -> None:
 @hookspec
 def register_grammar(register: Register) -> None:
     """Register grammar backends (structured outputs): subclasses of ``tessellm.GrammarBackend``."""
+
+
+@hookspec
+def register_model(register: Register) -> None:
+    """Register model architectures: subclasses of ``tessellm.ModelArchitecture``, each
+    declaring the Hugging Face ``model_type``s it builds."""

@@ -15,10 +15,11 @@ if TYPE_CHECKING:
     from tessellm.core.interfaces.kv import KVLayout
     from tessellm.core.model.spec import ModelSpec
 
-KINDS = ("attention", "cache", "scheduler", "decoding", "quant", "grammar")
-"""The kinds of part, named as their config sections and plugins/ folders: the five of the
-forward and decode path, and the grammar backends that constrain outputs (structured
-outputs), which a pipeline may do without."""
+KINDS = ("attention", "cache", "scheduler", "decoding", "quant", "grammar", "model")
+"""The kinds of part, named as their plugins/ folders and (but for ``model``) their config
+sections: the five of the forward and decode path, the grammar backends that constrain
+outputs (structured outputs), which a pipeline may do without, and the model architectures
+(config section ``architecture``; ``auto`` picks by the checkpoint's model_type)."""
 
 OPTIONAL_KINDS = frozenset({"grammar"})
 """Kinds a pipeline runs without when ``auto`` finds no plugin that can serve (requests that

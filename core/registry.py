@@ -64,11 +64,12 @@ def _base_class(kind: str) -> type[Plugin]:
     from tessellm.core.interfaces.cache import CacheManager
     from tessellm.core.interfaces.decoder import Decoder
     from tessellm.core.interfaces.grammar import GrammarBackend
+    from tessellm.core.interfaces.model import ModelArchitecture
     from tessellm.core.interfaces.quantizer import Quantizer
     from tessellm.core.interfaces.scheduler import Scheduler
 
     return {"attention": AttentionBackend, "cache": CacheManager, "scheduler": Scheduler,
-            "decoding": Decoder, "quant": Quantizer, "grammar": GrammarBackend}[kind]
+            "decoding": Decoder, "quant": Quantizer, "grammar": GrammarBackend, "model": ModelArchitecture}[kind]
 
 
 HOOK_NAMES = tuple(f"register_{kind}" for kind in KINDS)
@@ -242,6 +243,48 @@ class PluginRegistry:
         """Candidates for ``auto``: plugins with an ``auto_priority``, highest first, then by name."""
         ranked = [e for e in self._plugins[kind].values() if e.cls.auto_priority is not None]
         return sorted(ranked, key=lambda e: (-e.cls.auto_priority, e.name))
+
+    def model_types(self) -> dict[str, list[str]]:
+        """Every Hugging Face model_type a model plugin builds -> those plugins' names, in
+        ``auto`` order."""
+        served: dict[str, list[str]] = {}
+        for entry in self.auto_order("model") + [e for e in self.entries("model") if e.cls.auto_priority is None]:
+            for model_type in entry.cls.model_types:
+                served.setdefault(model_type, []).append(entry.name)
+        return dict(sorted(served.items()))
+
+    def architecture_for(self, hf_config: Any, name: str = "auto", options: dict[str, Any] | None = None) -> Any:
+        """The model plugin (an instance, with ``options``) that builds ``hf_config``: the one
+        named, which must declare its model_type, or under ``auto`` the first in priority
+        order that does. A ModelLoadError lists the supported model types and how to add one."""
+        from tessellm.core.errors import ConfigError, ModelLoadError
+
+        model_type = getattr(hf_config, "model_type", None)
+        if name == "auto":
+            ranked = [e for e in self.auto_order("model") if model_type in e.cls.model_types]
+            if not ranked:
+                served = ", ".join(self.model_types()) or "none (no model plugin is installed)"
+                failures = "".join(f"; note: {f}" for f in self.failures if f.source.startswith("model."))
+                raise ModelLoadError(
+                    f"model_type {model_type!r} is not supported; supported: {served}. To add an architecture, "
+                    f"write a model plugin (`tessellm new-plugin model NAME`, docs/plugins.md 'Writing a model "
+                    f"plugin') declaring model_types = ({model_type!r},){failures}")
+            entry = ranked[0]
+        else:
+            entry = self.get("model", name)
+            if entry is None:
+                raise ConfigError(f"architecture.name: unknown model plugin {name!r}"
+                                  f"{did_you_mean(name, self.names('model'))}; valid choices: "
+                                  f"{', '.join(['auto', *self.names('model')])}")
+            if model_type not in entry.cls.model_types:
+                raise ConfigError(f"architecture.name: model plugin {name!r} builds model types "
+                                  f"{', '.join(entry.cls.model_types) or '(none)'}, not this checkpoint's "
+                                  f"{model_type!r}")
+        try:
+            opts = entry.cls.Options.model_validate(options or {})
+        except Exception as exc:  # pydantic's ValidationError
+            raise ConfigError(f"architecture.options: invalid for model plugin {entry.name!r}: {exc}") from None
+        return entry.cls(opts)
 
     def failures_for(self, kind: str, name: str) -> list[LoadFailure]:
         """Load failures that may explain a missing plugin (same name in the entry point)."""

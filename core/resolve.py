@@ -67,6 +67,7 @@ class ResolvedPipeline:
                 "max_model_len": self.max_model_len,
                 "async_scheduling": self.async_scheduling and self.config.parallel.tensor == 1,
                 "parallel": self.config.parallel.model_dump(),
+                "architecture": self.model.architecture,
                 **{k: {"name": c.entry.name, "options": c.options.model_dump()} for k, c in self.choices.items()}}
 
 
@@ -124,6 +125,10 @@ def precheck(config: PipelineConfig, registry: PluginRegistry) -> dict[str, list
     Returns the candidates per kind."""
     resolve_device(config.device)
     candidates = {kind: _candidates(kind, config, registry) for kind in ORDER}
+    name = config.architecture.name
+    if name != "auto" and registry.get("model", name) is None:
+        raise ConfigError(f"architecture.name: unknown model plugin {name!r}{did_you_mean(name, registry.names('model'))}; "
+                          f"valid choices: {', '.join(['auto', *registry.names('model')])}")
     for kind in ORDER:
         if config.section(kind).name != "auto":
             _validate_options(kind, candidates[kind][0], config.section(kind).options)

@@ -28,7 +28,6 @@ from tessellm.core.interfaces.scheduler import SchedulerLimits
 from tessellm.core.model.kernel_builds import build_log
 from tessellm.core.model.loader import build_model, load_hf_config, load_state_dict, load_tokenizer
 from tessellm.core.model.runner import ModelRunner
-from tessellm.core.model.spec import ModelSpec
 from tessellm.core.parallel.group import TensorParallel, init_tensor_parallel
 from tessellm.core.parallel.shard import load_shard, local_spec, plan_shard
 from tessellm.core.parallel.sync import RankSync, follow
@@ -41,7 +40,7 @@ logger = logging.getLogger(__name__)
 class Pipeline:
     """A config resolved against the registry, with the model loaded and every part built.
 
-    Parts: ``model`` (the module), ``cache``, ``attention``, ``scheduler``, ``decoder``,
+    Parts: ``architecture`` (the model plugin that built ``model``), ``model`` (the module), ``cache``, ``attention``, ``scheduler``, ``decoder``,
     ``grammar`` (the grammar backend for structured outputs, built on first use; None where
     none can serve), the
     ``runner`` that runs the model, and the ``engine`` that steps requests (an
@@ -58,7 +57,9 @@ class Pipeline:
             config = self.config = self._join_ranks(config)
         self.model_dir = self._model_dir(config)
         hf_config = load_hf_config(self.model_dir)
-        self.spec = ModelSpec.from_hf_config(hf_config)
+        arch = config.architecture
+        self.architecture = self.registry.architecture_for(hf_config, arch.name, arch.options)
+        self.spec = self.architecture.load_spec(hf_config)
         # every part is built from this rank's share of the model (the whole of it on one rank)
         self.shard = plan_shard(self.spec, self.tp.size, self.tp.rank) if self.tp else None
         spec = self.local_spec = local_spec(self.spec, self.shard) if self.shard else self.spec
@@ -67,8 +68,9 @@ class Pipeline:
         self.tokenizer = load_tokenizer(self.model_dir)
         quantizer = c["quant"].cls(c["quant"].options, r.device, r.dtype)
         calibrates = type(quantizer).calibrate is not Quantizer.calibrate  # then apply waits for the runner
-        state = load_shard(self.model_dir, self.spec, self.shard) if self.shard else load_state_dict(self.model_dir)
-        self.model = build_model(spec, state, r.device, r.dtype, None if calibrates else quantizer)
+        state = (load_shard(self.model_dir, self.spec, self.shard, self.architecture) if self.shard
+                 else load_state_dict(self.model_dir))
+        self.model = build_model(spec, state, r.device, r.dtype, None if calibrates else quantizer, self.architecture)
         del state
         if self.tp:
             self.model.set_tensor_parallel(self.tp)

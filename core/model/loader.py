@@ -22,10 +22,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from tessellm.core.errors import ModelLoadError
+from tessellm.core.errors import ModelLoadError, PluginCallError
+from tessellm.core.interfaces.model import ModelArchitecture
 from tessellm.core.interfaces.quantizer import Quantizer
-from tessellm.core.model.deepseek import DeepseekForCausalLM
-from tessellm.core.model.llama import LlamaForCausalLM, RotaryEmbedding
+from tessellm.core.model.decoder import RotaryEmbedding
+from tessellm.core.model.moe import unstack_experts
 from tessellm.core.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -149,11 +150,32 @@ def load_tokenizer(folder: Path) -> Any:
         raise ModelLoadError(f"cannot load a tokenizer from {str(folder)!r}: {exc}".split("\n")[0]) from exc
 
 
+def checkpoint_state(architecture: ModelArchitecture, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors under the module's parameter names: experts stacked as 3-D
+    tensors split per expert, then each name mapped by the model plugin (None: dropped)."""
+    named: dict[str, torch.Tensor] = {}
+    for name, tensor in unstack_experts(state).items():
+        target = architecture.checkpoint_name(name)
+        if target is not None:
+            named[target] = tensor
+    return named
+
+
 def build_model(spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                quantizer: Quantizer | None = None) -> nn.Module:
-    """Instantiate the model without allocating, then adopt the checkpoint's tensors."""
+                quantizer: Quantizer | None = None, architecture: ModelArchitecture | None = None) -> nn.Module:
+    """Instantiate ``architecture``'s module (default: the model plugin serving the spec's
+    model_type) without allocating, adopt the checkpoint's tensors, switch to its fast paths
+    and apply ``quantizer``."""
+    if architecture is None:
+        from tessellm.core.registry import get_registry
+
+        architecture = get_registry().architecture_for(spec.hf_config)
     with torch.device("meta"):
-        model = DeepseekForCausalLM(spec) if spec.mla is not None else LlamaForCausalLM(spec)
+        model = architecture.build(spec)
+    if not isinstance(model, nn.Module):
+        raise PluginCallError(f"model plugin {architecture.name!r} (module {type(architecture).__module__}): build "
+                              f"returned {type(model).__name__}, not a torch.nn.Module")
+    state = checkpoint_state(architecture, state)
     expected = set(model.state_dict())
     if spec.tie_word_embeddings:
         expected.discard("lm_head.weight")
@@ -167,16 +189,21 @@ def build_model(spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.d
         model.load_state_dict(state, strict=False, assign=True)
     except RuntimeError as exc:
         raise ModelLoadError(f"checkpoint does not fit the model config: {str(exc).splitlines()[-1].strip()}") from exc
-    if spec.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    model.rotary = RotaryEmbedding(spec).to(device)  # buffers were on the meta device
+    if spec.tie_word_embeddings and hasattr(model, "tie_weights"):
+        model.tie_weights()
+    if isinstance(getattr(model, "rotary", None), RotaryEmbedding):
+        model.rotary = RotaryEmbedding(spec).to(device)  # its buffers were on the meta device
     model.eval().requires_grad_(False)
-    # on CUDA the norms, RoPE and SwiGLU run as fused Triton kernels and the q/k/v and gate/up
-    # projections as one GEMM each (float64 stays the exact reference)
-    fast = device.type == "cuda" and dtype != torch.float64
-    model.fused = fast and model.supports_fused and importlib.util.find_spec("triton") is not None
-    if model.fused:
-        model.fuse_projections()
-    if fast and isinstance(model, DeepseekForCausalLM):  # the routed experts as one batched product
-        model.stack_experts()
+    architecture.after_load(model, device, dtype)
+    _no_meta_left(model, architecture)
     return quantizer.apply(model) if quantizer is not None else model
+
+
+def _no_meta_left(model: nn.Module, architecture: ModelArchitecture) -> None:
+    """A PluginCallError naming any buffer a model plugin left on the meta device (one no
+    checkpoint fills and the plugin did not recompute)."""
+    left = [name for name, t in model.named_buffers() if t.is_meta]
+    if left:
+        raise PluginCallError(f"model plugin {architecture.name!r} (module {type(architecture).__module__}) left "
+                              f"buffers without values after loading: {', '.join(left[:3])}; register them as "
+                              f"persistent (loaded from the checkpoint) or recompute them in after_load")

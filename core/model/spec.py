@@ -1,5 +1,6 @@
-"""The shape facts of a decoder-only model, read from its Hugging Face config: the Llama
-family (llama, mistral, qwen2) and DeepSeek-V2/V3 (multi-head latent attention, MoE)."""
+"""The shape facts of a decoder-only model (``ModelSpec``), which a model plugin builds from
+a Hugging Face config, and the readers of the config fields most families share
+(``decoder_spec``)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,6 @@ import torch
 
 from tessellm.core.errors import ModelLoadError
 
-LLAMA_ARCHITECTURES = ("llama", "mistral", "qwen2")
-MLA_ARCHITECTURES = ("deepseek_v2", "deepseek_v3")
-SUPPORTED_ARCHITECTURES = LLAMA_ARCHITECTURES + MLA_ARCHITECTURES
 UNSUPPORTED_ROPE = ("dynamic", "longrope")  # their frequencies change with sequence length
 
 
@@ -47,29 +45,48 @@ class MLASpec:
 
 @dataclass(frozen=True)
 class MoESpec:
-    """A DeepSeek mixture of experts: layers from ``first_dense_layers`` on replace the MLP
-    by ``num_shared_experts`` always-on experts (one MLP of that many times the width) plus
-    ``top_k`` of ``num_experts`` routed ones.
+    """A mixture of experts (core/model/moe.py): on the layers in ``sparse_layers`` the MLP
+    is replaced by ``top_k`` of ``num_experts`` routed SwiGLU experts of width
+    ``intermediate_size``, plus shared experts (one MLP ``shared_intermediate_size`` wide,
+    always on; 0: none), behind a sigmoid gate when ``shared_gate`` (Qwen2-MoE).
 
-    Routing: ``scoring`` "softmax" (V2) or "sigmoid" (V3) of the router logits; V3 adds
-    ``score_bias`` (e_score_correction_bias) for choosing, not for weighting. ``topk_method``
-    "greedy" takes the top k; "group_limited_greedy" (V2) first keeps the ``topk_group`` of
-    ``num_groups`` expert groups with the highest best score; "noaux_tc" (V3) the groups with
-    the highest sum of their two best biased scores. Weights are renormalised to sum to one
-    when ``norm_topk_prob`` and then multiplied by ``routed_scaling_factor``."""
+    Routing: ``scoring`` "softmax" or "sigmoid" of the router logits; ``score_bias`` adds a
+    learned correction (e_score_correction_bias) for choosing, not for weighting.
+    ``topk_method`` "greedy" takes the top k; "group_limited_greedy" first keeps the
+    ``topk_group`` of ``num_groups`` expert groups with the highest best score; "noaux_tc"
+    the groups with the highest sum of their two best biased scores. The chosen scores are
+    renormalised to sum to one when ``norm_topk_prob``, then multiplied by
+    ``routed_scaling_factor``. ``softmax_after_topk`` instead takes the k largest logits and
+    a softmax over those alone."""
 
     num_experts: int
     top_k: int
     intermediate_size: int
-    num_shared_experts: int
-    first_dense_layers: int
-    scoring: str
-    topk_method: str
-    num_groups: int | None
-    topk_group: int | None
-    norm_topk_prob: bool
-    routed_scaling_factor: float
-    score_bias: bool
+    sparse_layers: frozenset[int]
+    shared_intermediate_size: int = 0
+    shared_gate: bool = False
+    scoring: str = "softmax"
+    topk_method: str = "greedy"
+    num_groups: int | None = None
+    topk_group: int | None = None
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    score_bias: bool = False
+    softmax_after_topk: bool = False
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether ``layer`` has the mixture of experts (else a dense MLP)."""
+        return layer in self.sparse_layers
+
+    @property
+    def num_shared_experts(self) -> int:
+        """How many experts' width the shared MLP has (DeepSeek's n_shared_experts)."""
+        return self.shared_intermediate_size // self.intermediate_size
+
+    @property
+    def first_dense_layers(self) -> int:
+        """How many leading layers are dense (DeepSeek's first_k_dense_replace)."""
+        return min(self.sparse_layers, default=0)
 
 
 @dataclass(frozen=True)
@@ -113,6 +130,8 @@ class ModelSpec:
     hf_config: Any  # transformers PretrainedConfig, for RoPE initialisation
     mla: MLASpec | None = None  # multi-head latent attention (head_dim is then the query/key head size)
     moe: MoESpec | None = None
+    qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
+    architecture: str = ""  # the model plugin that built this spec
 
     @property
     def attention_scale(self) -> float:
@@ -162,102 +181,73 @@ class ModelSpec:
         return inv_freq.float(), float(scaling)
 
     @classmethod
-    def from_hf_config(cls, config: Any) -> "ModelSpec":
-        model_type = getattr(config, "model_type", None)
-        if model_type not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(f"model_type {model_type!r} is not supported; supported: "
-                                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        if model_type in MLA_ARCHITECTURES:  # every head has its own key, up-projected from the latent
-            head_dim, kv_heads = config.qk_nope_head_dim + config.qk_rope_head_dim, heads
-        params = _rope_params(config)
-        rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    def from_hf_config(cls, config: Any, registry: Any = None) -> "ModelSpec":
+        """The spec the model plugin serving ``config.model_type`` builds (looked up in
+        ``registry``, default the process-wide one); a ModelLoadError naming the supported
+        model types when none serves it."""
+        from tessellm.core.registry import get_registry
 
-        known = ["default", *(t for t in ROPE_INIT_FUNCTIONS if t not in UNSUPPORTED_ROPE)]
-        if rope_type not in known:
-            why = " (its frequencies depend on sequence length)" if rope_type in UNSUPPORTED_ROPE else ""
-            raise ModelLoadError(f"rope_type {rope_type!r} is not supported{why}; supported: {', '.join(known)}")
-        sliding = getattr(config, "sliding_window", None)
-        if model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
-            sliding = None
-        layer_types = set(getattr(config, "layer_types", None) or [])
-        if sliding is not None and "full_attention" in layer_types:
-            # e.g. Qwen2 with max_window_layers < num_hidden_layers: windows on some layers only
-            raise ModelLoadError(f"{model_type} with sliding-window attention on some layers and full attention "
-                                 f"on others (layer_types {sorted(layer_types)}) is not supported; supported: "
-                                 f"the same attention on every layer")
-        return cls(
-            model_type=model_type,
-            vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            num_layers=config.num_hidden_layers,
-            num_heads=heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            rms_norm_eps=config.rms_norm_eps,
-            max_position_embeddings=config.max_position_embeddings,
-            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
-            o_bias=model_type != "qwen2" and bool(getattr(config, "attention_bias", False)),
-            mlp_bias=bool(getattr(config, "mlp_bias", False)),
-            sliding_window=sliding,
-            rope_type=rope_type,
-            hf_config=config,
-            mla=_mla_spec(config) if model_type in MLA_ARCHITECTURES else None,
-            moe=_moe_spec(config) if model_type in MLA_ARCHITECTURES else None,
-        )
+        return (registry or get_registry()).architecture_for(config).load_spec(config)
+
+
+def decoder_spec(config: Any, **fields: Any) -> ModelSpec:
+    """A ``ModelSpec`` from the fields most Hugging Face decoder configs share (Llama's
+    names: hidden_size, num_attention_heads, head_dim, num_key_value_heads, rms_norm_eps,
+    rope_parameters, sliding_window, attention_bias, mlp_bias, ...); ``fields`` override
+    or add to what is read (e.g. ``qkv_bias=True``, ``moe=...``). A RoPE type whose
+    frequencies depend on the sequence length, or a window on some layers only, is a
+    ModelLoadError naming what is supported."""
+    model_type = getattr(config, "model_type", None)
+    heads = config.num_attention_heads
+    params = _rope_params(config)
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    known = ["default", *(t for t in ROPE_INIT_FUNCTIONS if t not in UNSUPPORTED_ROPE)]
+    if rope_type not in known:
+        why = " (its frequencies depend on sequence length)" if rope_type in UNSUPPORTED_ROPE else ""
+        raise ModelLoadError(f"rope_type {rope_type!r} is not supported{why}; supported: {', '.join(known)}")
+    sliding = getattr(config, "sliding_window", None)
+    if hasattr(config, "use_sliding_window") and not config.use_sliding_window:
+        sliding = None  # the Qwen families carry a window size they do not use unless told
+    layer_types = set(getattr(config, "layer_types", None) or [])
+    if sliding is not None and "full_attention" in layer_types:
+        # e.g. Qwen2 with max_window_layers < num_hidden_layers: windows on some layers only
+        raise ModelLoadError(f"{model_type} with sliding-window attention on some layers and full attention "
+                             f"on others (layer_types {sorted(layer_types)}) is not supported; supported: "
+                             f"the same attention on every layer")
+    bias = bool(getattr(config, "attention_bias", False))
+    values = dict(
+        model_type=model_type,
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_layers=config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        rms_norm_eps=config.rms_norm_eps,
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        qkv_bias=bias,
+        o_bias=bias,
+        mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        sliding_window=sliding,
+        rope_type=rope_type,
+        hf_config=config,
+    )
+    values.update(fields)
+    return ModelSpec(**values)
+
+
+def refuse_quantized(config: Any, supported: str = "unquantized (bfloat16/float16/float32) weights") -> None:
+    """A ModelLoadError for a checkpoint whose config declares a quantization method."""
+    quant = getattr(config, "quantization_config", None)
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else getattr(quant, "quant_method", "?")
+        raise ModelLoadError(f"{config.model_type} checkpoint quantized with {method!r} is not supported; "
+                             f"supported: {supported}")
 
 
 def _rope_params(config: Any) -> dict:
     return getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-
-
-def _mla_spec(config: Any) -> MLASpec:
-    if getattr(config, "quantization_config", None):
-        method = config.quantization_config.get("quant_method", "?") if isinstance(
-            config.quantization_config, dict) else "?"
-        raise ModelLoadError(f"{config.model_type} checkpoint quantized with {method!r} is not supported; "
-                             f"supported: unquantized (bfloat16/float32) weights, e.g. a bf16 conversion")
-    return MLASpec(
-        q_lora_rank=getattr(config, "q_lora_rank", None),
-        kv_lora_rank=config.kv_lora_rank,
-        qk_nope_head_dim=config.qk_nope_head_dim,
-        qk_rope_head_dim=config.qk_rope_head_dim,
-        v_head_dim=config.v_head_dim,
-        # V2 rotates interleaved pairs always; V3 says so in its config
-        rope_interleave=config.model_type == "deepseek_v2" or bool(getattr(config, "rope_interleave", True)),
-    )
-
-
-def _moe_spec(config: Any) -> MoESpec | None:
-    experts = getattr(config, "n_routed_experts", None)
-    if not experts:
-        return None
-    v3 = config.model_type == "deepseek_v3"
-    method = "noaux_tc" if v3 else (getattr(config, "topk_method", None) or "greedy")
-    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
-        raise ModelLoadError(f"{config.model_type} topk_method {method!r} is not supported; supported: "
-                             f"greedy, group_limited_greedy (V2), noaux_tc (V3)")
-    groups = getattr(config, "n_group", None)
-    if method != "greedy" and (not groups or experts % groups):
-        raise ModelLoadError(f"{config.model_type} with {method} routing needs n_group dividing "
-                             f"n_routed_experts ({experts}), not {groups}")
-    return MoESpec(
-        num_experts=experts,
-        top_k=config.num_experts_per_tok,
-        intermediate_size=config.moe_intermediate_size,
-        num_shared_experts=getattr(config, "n_shared_experts", None) or 0,
-        first_dense_layers=getattr(config, "first_k_dense_replace", 0) or 0,
-        scoring="sigmoid" if v3 else "softmax",
-        topk_method=method,
-        num_groups=groups,
-        topk_group=getattr(config, "topk_group", None),
-        # transformers' V2 router never renormalises; V3's does when the config says so
-        norm_topk_prob=v3 and bool(getattr(config, "norm_topk_prob", False)),
-        routed_scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0)),
-        score_bias=v3,
-    )

@@ -37,8 +37,9 @@ def split(count: int, parts: int, index: int) -> tuple[int, int]:
 @dataclass(frozen=True)
 class Shard:
     """What rank ``rank`` of ``size`` holds: query heads ``heads`` [lo, hi), KV heads
-    ``kv_heads`` (shared with other ranks when replicated), MLP columns ``intermediate`` and
-    each expert's ``moe_intermediate`` (MoE models)."""
+    ``kv_heads`` (shared with other ranks when replicated), MLP columns ``intermediate``,
+    each expert's ``moe_intermediate`` and the shared experts' ``shared_intermediate`` (MoE
+    models)."""
 
     rank: int
     size: int
@@ -46,6 +47,7 @@ class Shard:
     kv_heads: tuple[int, int]
     intermediate: tuple[int, int]
     moe_intermediate: tuple[int, int] | None
+    shared_intermediate: tuple[int, int] | None = None
 
 
 def allowed_sizes(spec: ModelSpec) -> list[int]:
@@ -53,6 +55,8 @@ def allowed_sizes(spec: ModelSpec) -> list[int]:
     multiple of it that leaves each rank at least one query head (and one MLP column)."""
     kv, group = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads
     widths = [spec.intermediate_size] + ([spec.moe.intermediate_size] if spec.moe else [])
+    if spec.moe and spec.moe.shared_intermediate_size:
+        widths.append(spec.moe.shared_intermediate_size)
     return [n for n in range(1, spec.num_heads + 1)
             if (n <= kv or (n % kv == 0 and n // kv <= group)) and all(n <= w for w in widths)]
 
@@ -75,7 +79,8 @@ def plan_shard(spec: ModelSpec, size: int, rank: int) -> Shard:
         lo, hi = split(group, copies, rank % copies)
         kv_heads, heads = (head, head + 1), (head * group + lo, head * group + hi)
     moe = split(spec.moe.intermediate_size, size, rank) if spec.moe else None
-    return Shard(rank, size, heads, kv_heads, split(spec.intermediate_size, size, rank), moe)
+    shared = split(spec.moe.shared_intermediate_size, size, rank) if spec.moe else None
+    return Shard(rank, size, heads, kv_heads, split(spec.intermediate_size, size, rank), moe, shared)
 
 
 def local_spec(spec: ModelSpec, shard: Shard) -> ModelSpec:
@@ -83,7 +88,8 @@ def local_spec(spec: ModelSpec, shard: Shard) -> ModelSpec:
     vocabulary and layer count stay whole). Attention backends, caches and the model are
     built from it, so they run unchanged on the local heads."""
     width = lambda r: r[1] - r[0]  # noqa: E731
-    moe = spec.moe and dataclasses.replace(spec.moe, intermediate_size=width(shard.moe_intermediate))
+    moe = spec.moe and dataclasses.replace(spec.moe, intermediate_size=width(shard.moe_intermediate),
+                                           shared_intermediate_size=width(shard.shared_intermediate))
     return dataclasses.replace(spec, num_heads=width(shard.heads), num_kv_heads=width(shard.kv_heads),
                                intermediate_size=width(shard.intermediate), moe=moe)
 
@@ -114,10 +120,11 @@ def slice_rule(name: str, spec: ModelSpec, shard: Shard) -> tuple[int, int, int]
     if family != "mlp":
         return None
     if parts[4] == "experts":
+        if len(parts) < 8:  # experts stacked as 3-D tensors: sliced after they are split
+            return None
         module, (lo, hi) = parts[6], shard.moe_intermediate
-    elif parts[4] == "shared_experts":  # one MLP num_shared_experts experts wide
-        n = spec.moe.num_shared_experts
-        module, (lo, hi) = parts[5], (n * shard.moe_intermediate[0], n * shard.moe_intermediate[1])
+    elif parts[4] == "shared_experts":  # one MLP, split like the others (its gate is replicated)
+        module, (lo, hi) = parts[5], shard.shared_intermediate
     elif parts[4] in ("gate_proj", "up_proj", "down_proj"):
         module, (lo, hi) = parts[4], shard.intermediate
     else:
@@ -127,18 +134,38 @@ def slice_rule(name: str, spec: ModelSpec, shard: Shard) -> tuple[int, int, int]
     return (1, lo, hi) if kind == "weight" else ZERO
 
 
-def load_shard(folder: Path, spec: ModelSpec, shard: Shard) -> dict[str, torch.Tensor]:
-    """This rank's tensors from the folder's safetensors files, reading only its slices
-    (safetensors reads a slice without the rest of the tensor)."""
+def load_shard(folder: Path, spec: ModelSpec, shard: Shard, architecture: Any = None) -> dict[str, torch.Tensor]:
+    """This rank's tensors from the folder's safetensors files, under the checkpoint's own
+    names, reading only its slices (safetensors reads a slice without the rest of the
+    tensor). ``architecture``, the model plugin, maps checkpoint names to the module's,
+    which the slicing rules are written for; experts stacked as 3-D tensors are read whole,
+    split per expert and sliced then."""
+    from tessellm.core.model.moe import unstack_experts
+
+    def module_name(name: str) -> str:
+        mapped = architecture.checkpoint_name(name) if architecture is not None else name
+        return mapped or name
 
     def read(f: Any, name: str) -> torch.Tensor:
-        rule = slice_rule(name, spec, shard)
-        if rule is None or (rule == ZERO and shard.rank == 0):
-            return f.get_tensor(name)
-        if rule == ZERO:
-            return torch.zeros_like(f.get_tensor(name))
-        dim, lo, hi = rule
-        part = f.get_slice(name)
-        return part[lo:hi] if dim == 0 else part[:, lo:hi]
+        return _sliced(lambda: f.get_tensor(name), f.get_slice(name), slice_rule(module_name(name), spec, shard),
+                       shard.rank)
 
-    return load_state_dict(folder, read)
+    state = load_state_dict(folder, read)
+    stacked = {k: v for k, v in state.items() if v.dim() == 3 and k.endswith(("experts.gate_up_proj",
+                                                                                "experts.down_proj"))}
+    for name, tensor in unstack_experts(stacked).items():
+        state[name] = _sliced(lambda t=tensor: t, tensor, slice_rule(module_name(name), spec, shard), shard.rank)
+    for name in stacked:
+        del state[name]
+    return state
+
+
+def _sliced(whole: Any, part: Any, rule: tuple[int, int, int] | str | None, rank: int) -> torch.Tensor:
+    """One tensor as ``rule`` says rank ``rank`` holds it: ``whole()`` the tensor, ``part``
+    something sliceable the same way (a safetensors slice, or the tensor)."""
+    if rule is None or (rule == ZERO and rank == 0):
+        return whole()
+    if rule == ZERO:
+        return torch.zeros_like(whole())
+    dim, lo, hi = rule
+    return part[lo:hi] if dim == 0 else part[:, lo:hi]

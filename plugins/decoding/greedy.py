@@ -16,7 +16,7 @@ class GreedyDecoder(Decoder):
     (not silently decoded greedily): pick `sample` for those."""
 
     name = "greedy"
-    api_version = "1.5"
+    api_version = "1.6"
     description = "argmax decoding; refuses requests that ask for sampling"
     auto_priority = 5
     device_tokens_any_dtype = True  # an argmax: bfloat16 logits give the same tokens

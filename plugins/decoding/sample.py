@@ -69,7 +69,7 @@ class SampleDecoder(Decoder):
     (prompt, params, seed) gives the same tokens in any batch."""
 
     name = "sample"
-    api_version = "1.5"
+    api_version = "1.6"
     description = "temperature / top-k / top-p / min-p sampling with per-request seeds (temperature 0: greedy)"
     auto_priority = 10
     device_tokens_any_dtype = True  # device_tokens serves temperature 0 only: an argmax

@@ -63,6 +63,10 @@ _LAZY = {
     "GrammarBackend": f"{_INTERFACES}.grammar",
     "GrammarMatcher": f"{_INTERFACES}.grammar",
     "GrammarSpec": f"{_INTERFACES}.grammar",
+    "ModelArchitecture": f"{_INTERFACES}.model",
+    "MoESpec": "tessellm.core.model.spec",
+    "MLASpec": "tessellm.core.model.spec",
+    "decoder_spec": "tessellm.core.model.spec",
     # the data they exchange
     "BatchMetadata": f"{_INTERFACES}.batch",
     "SampleSlot": f"{_INTERFACES}.batch",

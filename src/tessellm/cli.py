@@ -88,6 +88,8 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     package_width = max((len(r["package"]) for r in rows), default=12)
     for r in rows:
         auto = "-" if r["auto_priority"] is None else str(r["auto_priority"])
+        if r.get("model_types"):  # what a model plugin builds, before what it is
+            r["description"] = f"[{', '.join(r['model_types'])}] {r['description']}"
         print(f"{r['kind'] + '.' + r['name']:<{width}}  auto {auto:>3}  {r['package']:<{package_width}}  "
               f"{r['description']}")
     return 0

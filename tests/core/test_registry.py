@@ -32,6 +32,7 @@ BUILTINS = {
     "scheduler": ["static"],
     "decoding": ["greedy", "sample"],
     "quant": ["none"],
+    "model": ["llama", "qwen3", "qwen2-moe", "mixtral", "deepseek"],
 }
 BUILTIN_ENTRY_POINTS = [f"{kind}.{name}" for kind, names in BUILTINS.items() for name in names]
 MODULE_PREFIX = "tessellm_testplug_"  # every module this file writes to disk starts with this
@@ -48,7 +49,8 @@ def plugin_source(name: str, *, kind: str = "attention", api_version: str | None
             "scheduler": ("tessellm", "Scheduler"),
             "decoding": ("tessellm", "Decoder"),
             "quant": ("tessellm", "Quantizer"),
-            "grammar": ("tessellm", "GrammarBackend")}[kind]
+            "grammar": ("tessellm", "GrammarBackend"),
+            "model": ("tessellm", "ModelArchitecture")}[kind]
     version_line = "" if api_version is None else f"api_version = {api_version!r}"
     return textwrap.dedent(f"""\
         import tessellm

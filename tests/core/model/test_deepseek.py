@@ -11,8 +11,9 @@ from hypothesis import given, settings, strategies as st
 
 from tessellm import LLM
 from tessellm.core.errors import ConfigError
-from tessellm.core.model.deepseek import MoE, Router, deinterleave
-from tessellm.core.model.llama import RotaryEmbedding, rotate_half
+from tessellm.core.model.decoder import RotaryEmbedding, rotate_half
+from tessellm.core.model.mla import deinterleave
+from tessellm.core.model.moe import MoE, Router
 from tessellm.core.model.spec import ModelSpec
 from tessellm.testing.models import build_tiny_deepseek
 
@@ -122,7 +123,7 @@ def test_router_matches_transformers(deepseek):
     _, ref_weights, ref_ids = theirs(x)
     order, ref_order = ids.argsort(dim=-1), ref_ids.argsort(dim=-1)
     assert torch.equal(ids.gather(1, order), ref_ids.gather(1, ref_order))
-    assert torch.allclose(weights.gather(1, order), ref_weights.gather(1, ref_order).float(), atol=1e-6)
+    assert torch.allclose(weights.gather(1, order), ref_weights.gather(1, ref_order).to(weights.dtype), atol=1e-6)
 
 
 @settings(max_examples=15, deadline=None)

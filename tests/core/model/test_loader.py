@@ -55,8 +55,13 @@ def test_folder_errors(tmp_path, smollm2_dir):
 def test_unsupported_architectures_and_rope():
     from transformers import GPT2Config, LlamaConfig
 
-    with pytest.raises(ModelLoadError, match="model_type 'gpt2' is not supported; supported: llama, mistral, qwen2"):
+    with pytest.raises(ModelLoadError) as refused:
         ModelSpec.from_hf_config(GPT2Config())
+    message = str(refused.value)
+    assert message.startswith("model_type 'gpt2' is not supported; supported: deepseek_v2, deepseek_v3, llama, ")
+    for served in ("mixtral", "qwen2_moe", "qwen3", "qwen3_moe"):
+        assert served in message
+    assert "tessellm new-plugin model NAME" in message and "model_types = ('gpt2',)" in message
     config = LlamaConfig(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     with pytest.raises(ModelLoadError, match="rope_type 'dynamic'"):
         ModelSpec.from_hf_config(config)

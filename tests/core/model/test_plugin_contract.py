@@ -10,7 +10,7 @@ import tessellm
 from tessellm import LLM
 from tessellm.cli import main
 from tessellm.core.errors import PluginCallError
-from tessellm.core.model.llama import Attention
+from tessellm.core.model.decoder import Attention
 from tessellm.plugins.attention.sdpa import SdpaAttention
 
 

@@ -1,13 +1,18 @@
-"""A Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over packed batches.
+"""The building blocks of a decoder-only transformer over packed batches, and the decoder
+they make: RMSNorm, rotary embeddings, attention through the configured backend (with an
+optional per-head q/k norm), the gated MLP, a pre-norm layer that takes the MoE block where
+the spec says so, and ``DecoderForCausalLM``: Llama's architecture, which model plugins
+(plugins/model/) use as it is or change a block of.
 
-Module and parameter names follow Hugging Face's, so a checkpoint's state dict loads as is.
-There is no padding: activations are [num_tokens, hidden]; attention goes through the
-configured backend, which reads and writes the cache.
+Module and parameter names follow Hugging Face's Llama, so such a checkpoint's state dict
+loads as is (a model plugin maps other names). There is no padding: activations are
+[num_tokens, hidden]; attention goes through the configured backend, which reads and writes
+the cache.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +22,9 @@ from tessellm.core.interfaces.attention import AttentionBackend
 from tessellm.core.interfaces.cache import CacheManager
 from tessellm.core.model.contract import checked_call
 from tessellm.core.model.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from tessellm.core.model.moe import MoE
 
 
 def _stacked(*linears: nn.Linear) -> nn.Linear:
@@ -65,6 +73,10 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
+    """q/k/v projections, RoPE and the backend's attention, then ``o_proj``. With
+    ``spec.qk_norm`` each head's query and key go through an RMSNorm over the head dim
+    (``q_norm``, ``k_norm``) before RoPE (Qwen3, OLMo-style per-head norms)."""
+
     def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
         self.layer = layer
@@ -74,6 +86,10 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=spec.qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=spec.o_bias)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps)
+        self.qk_norm = spec.qk_norm
         self.qkv_proj: nn.Linear | None = None
         self.backend_checked = False  # whether the attention backend's output has met its contract once
 
@@ -93,6 +109,8 @@ class Attention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
         if not fused:
             cos, sin = cos[:, None, :], sin[:, None, :]
             q = q * cos + rotate_half(q) * sin
@@ -143,8 +161,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention then MLP, each added to the residual; subclasses choose the two
-    (``make_attention``, ``make_mlp``)."""
+    """Pre-norm attention then MLP (or MoE), each added to the residual; subclasses choose
+    the two (``make_attention``, ``make_mlp``)."""
 
     def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
@@ -161,6 +179,11 @@ class DecoderLayer(nn.Module):
         return Attention(spec, layer)
 
     def make_mlp(self, spec: ModelSpec, layer: int) -> nn.Module:
+        """The gated MLP, or the mixture of experts on the layers ``spec.moe`` makes sparse."""
+        if spec.moe is not None and spec.moe.is_sparse(layer):
+            from tessellm.core.model.moe import MoE
+
+            return MoE(spec)
         return MLP(spec)
 
     def forward(self, x, cos, sin, backend, cache, plan):
@@ -181,7 +204,7 @@ class DecoderLayer(nn.Module):
         return self._reduce(self.mlp(h, fused=True)), residual
 
 
-class LlamaBody(nn.Module):
+class DecoderBody(nn.Module):
     def __init__(self, spec: ModelSpec, layer_cls: type[DecoderLayer] = DecoderLayer):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
@@ -189,12 +212,12 @@ class LlamaBody(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
 
-class LlamaForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
     """The whole decoder. ``forward`` returns float32 logits (float64 in a float64 pipeline)
     for the requested rows only. With ``fused`` set (on CUDA, by ``build_model``) the norms,
     residual adds, RoPE and SwiGLU run as fused Triton kernels (core/fused_ops.py).
 
-    Subclasses for other decoder-only families change ``layer_cls`` (and set
+    Model plugins for other decoder-only families change ``layer_cls`` (and set
     ``supports_fused`` False where the fused kernels do not apply)."""
 
     layer_cls: type[DecoderLayer] = DecoderLayer
@@ -204,11 +227,15 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.fused = False
-        self.model = LlamaBody(spec, self.layer_cls)
+        self.model = DecoderBody(spec, self.layer_cls)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.rotary = RotaryEmbedding(spec)
+
+    def tie_weights(self) -> None:
+        """The LM head shares the input embedding's matrix (tie_word_embeddings)."""
+        self.lm_head.weight = self.model.embed_tokens.weight
 
     def set_tensor_parallel(self, tp: Any) -> None:
         """Sum each layer's attention and MLP outputs over the ranks of ``tp`` (a
@@ -218,10 +245,23 @@ class LlamaForCausalLM(nn.Module):
 
     def fuse_projections(self) -> None:
         """Stack each layer's q/k/v and gate/up projections into one GEMM each (fewer, larger
-        launches; the module names change, so do this after loading the checkpoint)."""
+        launches; the module names change, so do this after loading the checkpoint). An MoE
+        layer's experts stay apart (``stack_experts`` batches them)."""
         for layer in self.model.layers:
             layer.self_attn.fuse_projections()
-            layer.mlp.fuse_projections()
+            if isinstance(layer.mlp, MLP):
+                layer.mlp.fuse_projections()
+
+    def moe_layers(self) -> list["MoE"]:
+        """The mixture-of-experts blocks, in layer order."""
+        from tessellm.core.model.moe import MoE
+
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
+
+    def stack_experts(self) -> None:
+        """Switch every MoE block to its grouped path (stacked expert weights)."""
+        for moe in self.moe_layers():
+            moe.stack_experts()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
                 backend: AttentionBackend, cache: CacheManager, plan: Any,
@@ -262,3 +302,7 @@ class LlamaForCausalLM(nn.Module):
         if native_logits or logits.dtype == torch.float64:  # float64 stays exact
             return logits
         return logits.float()
+
+
+LlamaForCausalLM = DecoderForCausalLM
+"""Llama's architecture is the plain decoder (the name older code imports)."""

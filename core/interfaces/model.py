@@ -1,0 +1,87 @@
+"""The model-architecture kind: a plugin that turns a Hugging Face config and checkpoint of
+the ``model_type``s it declares into the module the runner runs.
+
+A model plugin says three things and may override a fourth:
+
+- ``spec(hf_config)``: the model's ``ModelSpec`` (layers, heads, KV shape, RoPE, window, MoE,
+  MLA, per-head norms), or a ``ModelLoadError`` naming what it cannot serve and what it can;
+- ``build(spec)``: the module, made from core/model's blocks (``DecoderForCausalLM`` and its
+  layers, norms, rotary embeddings, the gated MLP, ``MoE``, ``LatentAttention``), called on
+  the meta device; its ``forward`` keeps ``DecoderForCausalLM``'s contract;
+- ``checkpoint_name(name)``: the module parameter a checkpoint tensor loads into (None:
+  skip the tensor); the default keeps the name. Experts stacked as 3-D tensors are split
+  per expert before names are mapped (``tessellm.core.model.moe.unstack_experts``);
+- ``after_load(model, device, dtype)``: switch to fast paths once weights are in place (the
+  default fuses projections and stacks experts on CUDA).
+
+Selection: a config's ``architecture`` section names a model plugin, or ``auto`` (the
+default) takes the plugin with the highest ``auto_priority`` among those whose
+``model_types`` hold the checkpoint's ``model_type``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from tessellm.core.model.spec import ModelSpec
+from tessellm.core.plugin import Plugin, PluginOptions
+
+
+class ModelArchitecture(Plugin):
+    """Base of model plugins. Subclasses set ``name``, ``api_version``, ``model_types`` and
+    implement ``spec`` and ``build``."""
+
+    kind = "model"
+    model_types: ClassVar[tuple[str, ...]] = ()
+    """The Hugging Face ``model_type`` values this plugin builds."""
+    auto_priority: ClassVar[int | None] = 0
+
+    def __init__(self, options: PluginOptions | None = None):
+        self.options = options if options is not None else self.Options()
+
+    def spec(self, hf_config: Any) -> ModelSpec:
+        """The model's shapes and numerics from its Hugging Face config (``transformers``'
+        ``PretrainedConfig``); a ModelLoadError for a variant this plugin cannot serve."""
+        raise NotImplementedError
+
+    def build(self, spec: ModelSpec) -> nn.Module:
+        """The module for ``spec``, made on the current (meta) device; parameters are
+        loaded after by name (``checkpoint_name``)."""
+        raise NotImplementedError
+
+    def load_spec(self, hf_config: Any) -> ModelSpec:
+        """``spec(hf_config)`` checked and stamped with this plugin's name (what the engine
+        calls; override ``spec``)."""
+        import dataclasses
+
+        from tessellm.core.errors import PluginCallError
+
+        spec = self.spec(hf_config)
+        if not isinstance(spec, ModelSpec):
+            raise PluginCallError(f"model plugin {self.name!r} (module {type(self).__module__}): spec returned "
+                                  f"{type(spec).__name__}, not a tessellm ModelSpec")
+        return dataclasses.replace(spec, architecture=self.name)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """The parameter name checkpoint tensor ``name`` loads into (None: not used)."""
+        return name
+
+    def after_load(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+        """Fast paths once the weights are loaded: on CUDA (not float64, the exact
+        reference) the fused norm/RoPE/SwiGLU kernels with stacked q/k/v and gate/up
+        projections where the module supports them, and MoE experts as batched products."""
+        fast = device.type == "cuda" and dtype != torch.float64
+        model.fused = fast and getattr(model, "supports_fused", False) and \
+            importlib.util.find_spec("triton") is not None
+        if model.fused:
+            model.fuse_projections()
+        if fast and hasattr(model, "stack_experts"):
+            model.stack_experts()
+
+    @classmethod
+    def describe(cls) -> dict[str, Any]:
+        return {**super().describe(), "model_types": list(cls.model_types)}
