@@ -72,6 +72,49 @@ def build_tiny_deepseek(target: Path, version: int = 2, *, seed: int = 0, vocab_
     return _save_random(lambda: model_cls(config), target, seed, weight_std, vocab_size)
 
 
+TINY_SHAPES: dict[str, dict[str, Any]] = {
+    # Llama's block; GQA 4:2, tied embeddings
+    "llama": dict(TINY_LLAMA),
+    # a sliding window of 8 tokens, untied
+    "mistral": dict(TINY_LLAMA, sliding_window=8, tie_word_embeddings=False),
+    # q/k/v biases, GQA 4:1
+    "qwen2": dict(TINY_LLAMA, num_key_value_heads=1, use_sliding_window=False),
+    # head_dim 24 with 4 heads over hidden 64 (not hidden / heads), GQA 4:1, untied
+    "qwen3": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=1, head_dim=24, max_position_embeddings=512, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False),
+    # 8 experts of width 32, top-2 renormalised, the middle layer dense, GQA 4:2, tied
+    "qwen3_moe": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                      num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1], num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      rms_norm_eps=1e-6, tie_word_embeddings=True),
+    # a gated shared expert; experts every second layer, top-4 of 6 not renormalised; MHA, untied
+    "qwen2_moe": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=24, num_experts=6,
+                      num_experts_per_tok=4, norm_topk_prob=False, shared_expert_intermediate_size=48,
+                      decoder_sparse_step=2, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
+                      max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # top-2 of 8 experts on every layer, GQA 4:2 with head_dim 32 over hidden 64 (not hidden / heads)
+    "mixtral": dict(hidden_size=64, intermediate_size=48, num_local_experts=8, num_experts_per_tok=2,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                    max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False),
+}
+TINY_SHAPES["deepseek_v2"], TINY_SHAPES["deepseek_v3"] = TINY_DEEPSEEK[2], TINY_DEEPSEEK[3]
+"""Tiny shapes per Hugging Face model_type, each varying what its family varies."""
+
+
+def build_tiny(model_type: str, target: Path, *, seed: int = 0, vocab_size: int = 512, weight_std: float = 0.15,
+               **shapes: Any) -> Path:
+    """A random checkpoint of ``model_type`` (a key of ``TINY_SHAPES``; ``shapes`` override
+    them) made with transformers' own config and model classes (AutoConfig.for_model,
+    AutoModelForCausalLM.from_config) and saved in ``target`` with a word-level tokenizer;
+    weights drawn with ``seed`` at std ``weight_std``. Token 1 is BOS, 2 is EOS."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(model_type, vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                  **{**TINY_SHAPES.get(model_type, {}), **shapes})
+    return _save_random(lambda: AutoModelForCausalLM.from_config(config), target, seed, weight_std, vocab_size)
+
+
 def _save_random(make_model: Any, target: Path, seed: int, weight_std: float, vocab_size: int) -> Path:
     """Build a model with ``make_model`` under ``seed`` (the global generator restored after),
     draw its matrices from N(0, weight_std) and any score-correction bias (DeepSeek-V3's) from

@@ -17,7 +17,8 @@ from typing import Any
 from tessellm.testing.conformance.base import ConformanceSuite, property_settings
 
 _SUITES = {"AttentionConformance": "attention", "CacheConformance": "cache", "SchedulerConformance": "scheduler",
-           "DecodingConformance": "decoding", "QuantConformance": "quant", "GrammarConformance": "grammar"}
+           "DecodingConformance": "decoding", "QuantConformance": "quant", "GrammarConformance": "grammar",
+           "ModelConformance": "model"}
 
 __all__ = ["ConformanceSuite", "property_settings", *_SUITES]
 

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 SUITES = {"attention": "AttentionConformance", "cache": "CacheConformance", "scheduler": "SchedulerConformance",
-          "decoding": "DecodingConformance", "quant": "QuantConformance", "grammar": "GrammarConformance"}
+          "decoding": "DecodingConformance", "quant": "QuantConformance", "grammar": "GrammarConformance",
+          "model": "ModelConformance"}
 """The conformance class of each kind, in tessellm.testing.conformance."""
 
 
