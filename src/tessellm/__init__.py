@@ -67,6 +67,14 @@ _LAZY = {
     "MoESpec": "tessellm.core.model.spec",
     "MLASpec": "tessellm.core.model.spec",
     "decoder_spec": "tessellm.core.model.spec",
+    # a model plugin's building blocks
+    "DecoderForCausalLM": "tessellm.core.model.decoder",
+    "DecoderLayer": "tessellm.core.model.decoder",
+    "MLP": "tessellm.core.model.decoder",
+    "RMSNorm": "tessellm.core.model.decoder",
+    "RotaryEmbedding": "tessellm.core.model.decoder",
+    "MoE": "tessellm.core.model.moe",
+    "LatentAttention": "tessellm.core.model.mla",
     # the data they exchange
     "BatchMetadata": f"{_INTERFACES}.batch",
     "SampleSlot": f"{_INTERFACES}.batch",

@@ -1,8 +1,9 @@
-"""``tessellm new-plugin KIND NAME``: a ready plugin package for any of the five kinds of the forward and decode path.
+"""``tessellm new-plugin KIND NAME``: a ready plugin package for the five kinds of the forward and decode path and for model architectures.
 
 The package holds a plugin class whose body is a correct plain-torch implementation of its
 kind (attention: explicit softmax attention; cache: one region per sequence; scheduler: FCFS
-continuous batching; decoding: argmax; quant: int8 per-channel weights), its options model,
+continuous batching; decoding: argmax; quant: int8 per-channel weights; model: Llama's
+decoder from tessellm's building blocks), its options model,
 a pyproject.toml with the ``tessellm`` entry point, a tests/ module subclassing the kind's
 conformance suite, and a README. It imports only ``tessellm``, the plugin API.
 """
@@ -23,11 +24,13 @@ NAME_PATTERN = re.compile(r"[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
 """Plugin names the scaffold accepts: lowercase words of letters and digits joined by hyphens."""
 
 CLASS_SUFFIX = {"attention": "Attention", "cache": "Cache", "scheduler": "Scheduler", "decoding": "Decoder",
-                "quant": "Quantizer"}
+                "quant": "Quantizer", "model": "Architecture"}
 SCAFFOLD_KINDS = tuple(CLASS_SUFFIX)
 """The kinds ``new-plugin`` has templates for (every kind but the optional grammar kind)."""
+SECTION = {"model": "architecture"}
+"""A kind's config section where it is not named after the kind."""
 BUILTIN_TO_COMPARE = {"attention": "sdpa", "cache": "paged", "scheduler": "continuous", "decoding": "greedy",
-                      "quant": "none"}
+                      "quant": "none", "model": "llama"}
 
 
 @dataclass(frozen=True)
@@ -63,10 +66,14 @@ def substitutions(kind: str, name: str) -> dict[str, str]:
     suffix = CLASS_SUFFIX[kind]
     class_name = camel if camel.endswith(suffix) else camel + suffix
     package = "tessellm_" + name.replace("-", "_")
-    run = (f'tessellm generate --set {kind}.name={name} --max-tokens 16 "Hello"' if kind != "decoding"
+    section = SECTION.get(kind, kind)
+    run = (f'tessellm generate --set {section}.name={name} --max-tokens 16 "Hello"' if kind != "decoding"
            else f'tessellm generate --set decoding.name={name} --temperature 0 --max-tokens 16 "Hello"')
+    if kind == "model":  # it serves Llama checkpoints as written
+        run = f'tessellm generate --set model=A_LLAMA_FOLDER --set architecture.name={name} --max-tokens 16 "Hello"'
     return {"kind": kind, "name": name, "class_name": class_name, "options_class": f"{class_name}Options",
             "plan_class": f"{camel}Plan", "linear_class": f"{camel}Int8Linear", "package": package,
+            "layer_class": f"{camel}Layer", "module_class": f"{camel}ForCausalLM", "section": section,
             "dist": f"tessellm-{name}", "suite": f"{kind.capitalize()}Conformance", "api_version": PLUGIN_API_VERSION,
             "requirement": requirement(), "builtin": BUILTIN_TO_COMPARE[kind], "run_hint": run}
 
