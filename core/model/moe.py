@@ -158,7 +158,7 @@ class MoE(nn.Module):
         return torch.zeros_like(x).index_add_(0, token, y)
 
 
-_STACKED = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<kind>gate_up_proj|down_proj)$")
+_STACKED = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<kind>gate_up_proj|down_proj)$")  # a model's or a block's names
 
 
 def unstack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
