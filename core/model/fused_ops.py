@@ -11,7 +11,7 @@ These kernels do each step in one pass:
 - ``silu_mul``: SwiGLU's ``silu(gate) * up``.
 
 Each has a plain-torch reference (``*_reference``), which is what the CPU path runs; the model
-uses the kernels on CUDA (``LlamaForCausalLM.fused``). Under ``TRITON_INTERPRET=1`` they also
+uses the kernels on CUDA (``DecoderForCausalLM.fused``). Under ``TRITON_INTERPRET=1`` they also
 run on CPU tensors, which is how they are tested without a GPU.
 """
 

@@ -154,7 +154,9 @@ def load_shard(folder: Path, spec: ModelSpec, shard: Shard, architecture: Any = 
     stacked = {k: v for k, v in state.items() if v.dim() == 3 and k.endswith(("experts.gate_up_proj",
                                                                                 "experts.down_proj"))}
     for name, tensor in unstack_experts(stacked).items():
-        state[name] = _sliced(lambda t=tensor: t, tensor, slice_rule(module_name(name), spec, shard), shard.rank)
+        # a copy: a view would keep the whole stack, every rank's share of every expert, alive
+        part = _sliced(lambda t=tensor: t, tensor, slice_rule(module_name(name), spec, shard), shard.rank)
+        state[name] = part.clone(memory_format=torch.contiguous_format)
     for name in stacked:
         del state[name]
     return state

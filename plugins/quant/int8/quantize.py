@@ -45,15 +45,24 @@ def reference_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
     return out if bias is None else out + bias.double()
 
 
+KEPT_FLOAT = frozenset({"shared_expert_gate"})
+"""Linears left in the model dtype whatever the options: the MoE block's shared-expert gate
+(core/model/moe.py; Qwen2-MoE), one output whose sigmoid scales the whole shared expert.
+Quantizing its hidden_size weights saves nothing worth the error (and torch._int_mm on CUDA
+cannot take one output channel). The MoE router (``mlp.gate``, moe.Router) is no nn.Linear and
+stays in float32 too."""
+
+
 def replace_linears(model: nn.Module, make: Callable[[str, nn.Linear], nn.Module], quantize_lm_head: bool,
                     plugin: str) -> nn.Module:
-    """Replace every ``nn.Linear`` of model (``lm_head`` only when quantize_lm_head) by
-    ``make(full_name, linear)`` at the same name; a model with none is a ConfigError naming
-    the plugin."""
+    """Replace every ``nn.Linear`` of model (``lm_head`` only when quantize_lm_head; never one
+    named in ``KEPT_FLOAT``) by ``make(full_name, linear)`` at the same name; a model with none
+    is a ConfigError naming the plugin."""
     replaced = 0
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or (child_name == "lm_head" and not quantize_lm_head):
+            if type(child) is not nn.Linear or child_name in KEPT_FLOAT or \
+                    (child_name == "lm_head" and not quantize_lm_head):
                 continue
             full = f"{parent_name}.{child_name}" if parent_name else child_name
             setattr(parent, child_name, make(full, child))

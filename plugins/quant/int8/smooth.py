@@ -15,8 +15,9 @@ o_proj and down_proj included.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -31,10 +32,28 @@ def calibration_chunks(token_ids: list[int], max_tokens: int, chunk: int = 512) 
     return [ids[i:i + chunk] for i in range(0, len(ids), chunk)]
 
 
+@contextlib.contextmanager
+def experts_one_at_a_time(model: nn.Module) -> Iterator[None]:
+    """Every MoE block of ``model`` on its per-expert path for the duration: the grouped path
+    (core/model/moe.py's ``stack_experts``, on CUDA) multiplies the stacked weights directly,
+    so the experts' linears, and hooks on them, would never see an input."""
+    from tessellm.core.model.moe import MoE
+
+    grouped = [m for m in model.modules() if isinstance(m, MoE) and m.grouped]
+    for m in grouped:
+        m.grouped = False
+    try:
+        yield
+    finally:
+        for m in grouped:
+            m.grouped = True
+
+
 def observe_input_ranges(linears: dict[str, nn.Module], run: Callable[[list[int]], object],
                          chunks: list[list[int]]) -> dict[str, torch.Tensor]:
     """Name -> largest |input| per input channel (float32 [in_features]) of each module while
-    ``run`` runs every chunk; the hooks are gone when it returns, whatever happened."""
+    ``run`` runs every chunk; the hooks are gone when it returns, whatever happened. A module
+    that saw no input (an expert no token was routed to) has no entry."""
     ranges: dict[str, torch.Tensor] = {}
 
     def recorder(name: str):

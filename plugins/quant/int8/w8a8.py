@@ -35,8 +35,8 @@ from tessellm.core.interfaces.quantizer import CalibrationContext, Quantizer
 from tessellm.core.plugin import PluginOptions
 from tessellm.plugins.quant.int8.linear import Int8Linear
 from tessellm.plugins.quant.int8.quantize import replace_linears
-from tessellm.plugins.quant.int8.smooth import (DEFAULT_CALIBRATION_TEXT, calibration_chunks, observe_input_ranges,
-                                                smoothing_scales)
+from tessellm.plugins.quant.int8.smooth import (DEFAULT_CALIBRATION_TEXT, calibration_chunks, experts_one_at_a_time,
+                                                observe_input_ranges, smoothing_scales)
 
 CUDA_MIN_ROWS = 17
 """torch._int_mm on CUDA takes only more than 16 rows."""
@@ -147,7 +147,8 @@ class W8A8Quantizer(Quantizer):
             raise ConfigError(f"quant.options.calibration_text {str(path)!r} has {len(ids)} tokens; give at least 16")
         linears = {name: m for name, m in model.named_modules() if type(m) is nn.Linear}
         chunks = calibration_chunks(ids, options.calibration_tokens, min(512, ctx.max_tokens))
-        self.input_ranges = observe_input_ranges(linears, ctx.run, chunks)
+        with experts_one_at_a_time(model):
+            self.input_ranges = observe_input_ranges(linears, ctx.run, chunks)
 
     def apply(self, model: nn.Module) -> nn.Module:
         alpha = self.options.smoothquant_alpha
