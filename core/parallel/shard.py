@@ -7,9 +7,9 @@ row-parallel o_proj); the MLP's (and every expert's) intermediate columns the sa
 counts allow, so they may differ by one head or column: SmolLM2's 9 heads in 3 KV groups
 split 3 + 6 over two ranks. With more ranks than KV heads each KV head is replicated on the
 ranks that split its group of query heads. Embeddings, norms, the LM head, MLA's latent
-projections and the MoE router are replicated: each rank computes full logits, so sampling
-needs no gather, at the cost of holding them whole (SmolLM2's tied embedding: 113 MB of
-540 MB in float32).
+projections, the MoE router and the shared-expert gate are replicated: each rank computes
+full logits, so sampling needs no gather, at the cost of holding them whole (SmolLM2's tied
+embedding: 113 MB of 540 MB in float32).
 """
 
 from __future__ import annotations

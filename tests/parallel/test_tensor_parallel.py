@@ -1,7 +1,9 @@
 """Tensor parallelism on the CPU (gloo): the shard arithmetic, and real torchrun launches of
 two (and three) ranks whose greedy outputs equal one rank's for generate, bench and serve,
-on the default model, a GQA Llama with an uneven head split and a DeepSeek-V2 (MLA + MoE);
-bad sizes and a rank that raises or dies end every rank with a clear error, quickly."""
+on the default model, a GQA Llama with an uneven head split, a DeepSeek-V2 (MLA + MoE) and
+Qwen3, Qwen3-MoE, Qwen2-MoE and Mixtral (one launch for the four); the MoE shard rules on
+mapped checkpoint names and on experts stacked as 3-D tensors; bad sizes and a rank that
+raises or dies end every rank with a clear error, quickly."""
 
 from __future__ import annotations
 
@@ -15,13 +17,14 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, strategies as st
 
 from tessellm.cli import main
 from tessellm.core.errors import ConfigError
 from tessellm.core.model.spec import ModelSpec
-from tessellm.core.parallel.shard import ZERO, allowed_sizes, local_spec, plan_shard, slice_rule
-from tessellm.testing.models import build_tiny_deepseek, build_tiny_llama
+from tessellm.core.parallel.shard import ZERO, allowed_sizes, load_shard, local_spec, plan_shard, slice_rule
+from tessellm.testing.models import TINY_SHAPES, build_tiny, build_tiny_deepseek, build_tiny_llama
 
 PROMPTS = ["t5 t6 t7", "t100 t3", "t9 t9 t9 t9 t41"]
 FAULT_SCRIPT = Path(__file__).with_name("fault_rank.py")
@@ -69,6 +72,89 @@ def test_slice_rules_column_then_row():
     assert slice_rule("model.layers.0.mlp.down_proj.weight", spec, shard) == (1, 48, 96)
     assert slice_rule("model.layers.0.input_layernorm.weight", spec, shard) is None
     assert slice_rule("model.embed_tokens.weight", spec, shard) is None
+
+
+def shard_of(model_type: str, size: int, rank: int):
+    """A tiny ``model_type`` config's whole spec, rank ``rank``'s shard of ``size``, and the
+    slice rule of a checkpoint tensor name (mapped through the model plugin, as load_shard does)."""
+    from transformers import AutoConfig
+
+    from tessellm.core.registry import get_registry
+
+    config = AutoConfig.for_model(model_type, vocab_size=64, **TINY_SHAPES[model_type])
+    arch = get_registry().architecture_for(config)
+    spec = arch.load_spec(config)
+    shard = plan_shard(spec, size, rank)
+    return spec, shard, lambda name: slice_rule(arch.checkpoint_name(name), spec, shard)
+
+
+def test_qwen2_moe_shard_splits_the_shared_expert_and_replicates_its_gate():
+    spec, shard, rule = shard_of("qwen2_moe", 2, 1)  # experts 24 wide, the shared expert 48, MHA 4 heads
+    assert (shard.moe_intermediate, shard.shared_intermediate) == ((12, 24), (24, 48))
+    local = local_spec(spec, shard)
+    assert (local.moe.intermediate_size, local.moe.shared_intermediate_size, local.moe.num_experts) == (12, 24, 6)
+    assert local.moe.shared_gate and local.intermediate_size == 48
+    assert rule("model.layers.1.mlp.shared_expert.gate_proj.weight") == (0, 24, 48)
+    assert rule("model.layers.1.mlp.shared_expert.up_proj.weight") == (0, 24, 48)
+    assert rule("model.layers.1.mlp.shared_expert.down_proj.weight") == (1, 24, 48)
+    assert rule("model.layers.1.mlp.experts.5.up_proj.weight") == (0, 12, 24)
+    assert rule("model.layers.1.mlp.experts.5.down_proj.weight") == (1, 12, 24)
+    assert rule("model.layers.0.mlp.down_proj.weight") == (1, 48, 96)  # a dense layer
+    assert rule("model.layers.1.mlp.shared_expert_gate.weight") is None  # replicated, as the router is
+    assert rule("model.layers.1.mlp.gate.weight") is None
+    assert rule("model.layers.1.mlp.experts.gate_up_proj") is None  # stacked: read whole, sliced once split
+    assert rule("model.layers.1.self_attn.q_proj.bias") == (0, 32, 64)
+    assert [shard_of("qwen2_moe", 3, r)[1].shared_intermediate for r in range(3)] == [(0, 16), (16, 32), (32, 48)]
+
+
+def test_mixtral_shard_reads_its_checkpoint_names():
+    spec, shard, rule = shard_of("mixtral", 2, 0)  # experts 48 wide, head_dim 32, GQA 4:2
+    assert shard.shared_intermediate == (0, 0) and local_spec(spec, shard).moe.shared_intermediate_size == 0
+    assert rule("model.layers.0.block_sparse_moe.experts.7.w1.weight") == (0, 0, 24)  # gate_proj
+    assert rule("model.layers.0.block_sparse_moe.experts.7.w3.weight") == (0, 0, 24)  # up_proj
+    assert rule("model.layers.0.block_sparse_moe.experts.7.w2.weight") == (1, 0, 24)  # down_proj
+    assert rule("model.layers.0.block_sparse_moe.gate.weight") is None  # the router
+    assert rule("model.layers.0.self_attn.k_proj.weight") == (0, 0, 32)
+
+
+def test_qwen3_shard_replicates_the_head_norms():
+    _, shard, rule = shard_of("qwen3", 2, 1)  # 4 query heads on 1 KV head: both ranks hold it
+    assert (shard.heads, shard.kv_heads, shard.moe_intermediate) == ((2, 4), (0, 1), None)
+    assert rule("model.layers.0.self_attn.q_norm.weight") is None
+    assert rule("model.layers.0.self_attn.k_norm.weight") is None
+    assert rule("model.layers.0.self_attn.q_proj.weight") == (0, 48, 96)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "mixtral"])
+def test_stacked_experts_load_the_same_shards_as_per_expert_ones(tmp_path, model_type):
+    """transformers 5 holds experts stacked (``experts.gate_up_proj`` [E, 2I, H],
+    ``experts.down_proj`` [E, H, I]); its save_pretrained writes them per expert. A folder of
+    the module's own state_dict gives every rank the tensors the per-expert folder does."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from tessellm.core.model.loader import checkpoint_state, load_hf_config
+    from tessellm.core.registry import get_registry
+
+    per_expert = build_tiny(model_type, tmp_path / "per-expert", vocab_size=64)
+    state = AutoModelForCausalLM.from_pretrained(per_expert).state_dict()
+    assert any(k.endswith("experts.gate_up_proj") and v.dim() == 3 for k, v in state.items())
+    stacked = tmp_path / "stacked"
+    stacked.mkdir()
+    save_file({k: v.contiguous() for k, v in state.items()}, stacked / "model.safetensors")
+    config = load_hf_config(per_expert)
+    arch = get_registry().architecture_for(config)
+    spec = arch.load_spec(config)
+    for rank in range(2):
+        shard = plan_shard(spec, 2, rank)
+        want = checkpoint_state(arch, load_shard(per_expert, spec, shard, arch))
+        got = checkpoint_state(arch, load_shard(stacked, spec, shard, arch))
+        assert got.keys() == want.keys()
+        for name, tensor in want.items():
+            assert torch.equal(got[name], tensor), name
+        expert = got["model.layers.1.mlp.experts.0.down_proj.weight"]
+        assert expert.shape[1] == spec.moe.intermediate_size // 2 and expert.is_contiguous()
+        assert expert.untyped_storage().nbytes() == expert.numel() * expert.element_size()  # no whole stack kept
 
 
 def test_tensor_above_one_outside_torchrun_names_the_launch(monkeypatch, tiny_model, cpu_config):
@@ -157,6 +243,47 @@ def test_deepseek_mla_and_moe_shard(tmp_path, capsys):
     run = torchrun(2, *generate_args(config, "--set", "parallel.tensor=2"))
     assert run.returncode == 0, run.stderr[-3000:]
     assert token_ids(run.stdout) == expected
+
+
+NEW_ARCHITECTURES = ["qwen3", "qwen3_moe", "qwen2_moe", "mixtral"]
+SEVERAL_PIPELINES = """\
+import json, sys
+from tessellm import LLM
+
+configs, params = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+for config in configs:
+    try:
+        llm = LLM(config)
+    except SystemExit as stop:  # a follower serves rank 0's pipeline inside LLM(), then leaves so
+        if stop.code:
+            raise
+        continue
+    print(json.dumps([o.token_ids for o in llm.generate(params["prompts"], params["sampling"])]), flush=True)
+    llm.pipeline.engine.sync.stop()  # the followers go on to the next pipeline (not at exit)
+"""
+
+
+def test_new_architectures_shard(tmp_path):
+    """Qwen3 (per-head q/k norms on a replicated KV head), Qwen3-MoE, Qwen2-MoE (the shared
+    expert split, its gate replicated) and Mixtral (its checkpoint's names mapped), float64:
+    two ranks give one rank's greedy tokens. One launch runs the four pipelines in turn."""
+    from tessellm import LLM
+
+    configs = []
+    for model_type in NEW_ARCHITECTURES:
+        model = build_tiny(model_type, tmp_path / model_type, vocab_size=512)
+        configs.append(json.loads(write_config(tmp_path / f"{model_type}.json", model).read_text()))
+    params = {"prompts": PROMPTS, "sampling": {"max_tokens": 12, "ignore_eos": True, "temperature": 0.0}}
+    expected = [[o.token_ids for o in LLM(c).generate(PROMPTS, params["sampling"])] for c in configs]
+    script = tmp_path / "several_pipelines.py"
+    script.write_text(SEVERAL_PIPELINES)
+    two = [{**c, "parallel": {**c["parallel"], "tensor": 2}} for c in configs]
+    run = torchrun(2, json.dumps(two), json.dumps(params), script=[str(script)])
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = [json.loads(line) for line in run.stdout.strip().splitlines()]
+    assert len(got) == len(NEW_ARCHITECTURES)  # rank 0 alone prints
+    for model_type, tokens, want in zip(NEW_ARCHITECTURES, got, expected):
+        assert tokens == want, model_type
 
 
 def test_bench_under_torchrun(gqa_config):
