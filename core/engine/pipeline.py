@@ -26,7 +26,7 @@ from tessellm.core.interfaces.decoder import Decoder, DecoderContext
 from tessellm.core.interfaces.quantizer import CalibrationContext, Quantizer
 from tessellm.core.interfaces.scheduler import SchedulerLimits
 from tessellm.core.model.kernel_builds import build_log
-from tessellm.core.model.loader import build_model, load_hf_config, load_state_dict, load_tokenizer
+from tessellm.core.model.loader import build_model, load_hf_config, load_state_dict, load_tokenizer, quantized
 from tessellm.core.model.runner import ModelRunner
 from tessellm.core.parallel.group import TensorParallel, init_tensor_parallel
 from tessellm.core.parallel.shard import load_shard, local_spec, plan_shard
@@ -153,7 +153,7 @@ class Pipeline:
         ctx = CalibrationContext(self.tokenizer, lambda ids: score_tokens(self.runner, self.cache, ids, limit), limit)
         with torch.inference_mode():
             quantizer.calibrate(self.model, ctx)
-        self.model = self.runner.model = quantizer.apply(self.model)
+        self.model = self.runner.model = quantized(self.model, quantizer)
 
     def _warm_up(self) -> None:
         """Compile every kernel variant now, not inside a request's step."""

@@ -26,7 +26,7 @@ from tessellm.core.errors import ModelLoadError, PluginCallError
 from tessellm.core.interfaces.model import ModelArchitecture
 from tessellm.core.interfaces.quantizer import Quantizer
 from tessellm.core.model.decoder import RotaryEmbedding
-from tessellm.core.model.moe import unstack_experts
+from tessellm.core.model.moe import drop_stale_stacks, unstack_experts
 from tessellm.core.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -196,7 +196,15 @@ def build_model(spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.d
     model.eval().requires_grad_(False)
     architecture.after_load(model, device, dtype)
     _no_meta_left(model, architecture)
-    return quantizer.apply(model) if quantizer is not None else model
+    return quantized(model, quantizer) if quantizer is not None else model
+
+
+def quantized(model: nn.Module, quantizer: Quantizer) -> nn.Module:
+    """``quantizer.apply(model)``, with the float expert stacks of the MoE grouped path let go
+    where the quantizer replaced the experts."""
+    model = quantizer.apply(model)
+    drop_stale_stacks(model)
+    return model
 
 
 def _no_meta_left(model: nn.Module, architecture: ModelArchitecture) -> None:

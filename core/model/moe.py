@@ -17,7 +17,7 @@ expert either way.
 
 ``MoE.forward`` runs either path: the plain-torch reference (each expert once over its
 tokens, added in expert order) or, after ``stack_experts``, the grouped path (tokens sorted
-by expert, one batched product per projection over the used experts), used on CUDA.
+by expert, one batched product per projection over the experts), used on CUDA.
 """
 
 from __future__ import annotations
@@ -121,9 +121,13 @@ class MoE(nn.Module):
     def stack_experts(self) -> None:
         """Stack the routed experts' weights for the grouped path (after loading). The
         per-expert modules stay, as the reference, their weights re-pointed at views of the
-        stacks so nothing is held twice. Quantized or biased experts keep the reference."""
+        stacks so nothing is held twice. Quantized or biased experts keep the reference, and
+        stacks made before a quantizer replaced the experts are let go (called again then)."""
         linears = [getattr(e, name) for e in self.experts for name in ("gate_proj", "up_proj", "down_proj")]
         if any(type(m) is not nn.Linear or m.bias is not None for m in linears):
+            self._stacked, self.grouped = None, False
+            return
+        if self._stacked is not None:
             return
         stacks = []
         for name in ("gate_proj", "up_proj", "down_proj"):
@@ -135,30 +139,50 @@ class MoE(nn.Module):
         self.grouped = True
 
     def _grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The same sum as ``reference``: token copies sorted by expert into a [used experts,
-        busiest count, hidden] batch, three batched products, scattered back."""
-        gate_w, up_w, down_w = self._stacked  # [E, I, H], [E, I, H], [E, H, I]
+        """The same sum as ``reference``: token copies sorted by expert into an [experts in
+        the batch, busiest count, hidden] batch, three batched products, scattered back."""
         flat = ids.reshape(-1)
         order = flat.argsort(stable=True)
         expert = flat[order]
         token = order // ids.shape[1]
-        counts = torch.bincount(flat, minlength=gate_w.shape[0])
+        counts = torch.bincount(flat, minlength=self._stacked[0].shape[0])
         starts = torch.cumsum(counts, 0) - counts
         rank = torch.arange(flat.numel(), device=x.device) - starts[expert]  # position within its expert
-        used = counts.nonzero().squeeze(1)  # only experts with tokens enter the batched product
-        slot = torch.full((gate_w.shape[0],), -1, dtype=torch.long, device=x.device)
-        slot[used] = torch.arange(used.numel(), device=x.device)
-        width = int(counts.max())
-        h = x.new_zeros(used.numel(), width, x.shape[1])
+        slot, (gate_w, up_w, down_w) = _batch_experts(counts, self._stacked)  # [N, I, H], [N, I, H], [N, H, I]
+        h = x.new_zeros(gate_w.shape[0], int(counts.max()), x.shape[1])
         h[slot[expert], rank] = x[token]
-        a = torch.bmm(h, gate_w[used].transpose(1, 2))
-        b = torch.bmm(h, up_w[used].transpose(1, 2))
-        y = torch.bmm(F.silu(a) * b, down_w[used].transpose(1, 2))[slot[expert], rank]  # [T*k, H]
+        a = torch.bmm(h, gate_w.transpose(1, 2))
+        b = torch.bmm(h, up_w.transpose(1, 2))
+        y = torch.bmm(F.silu(a) * b, down_w.transpose(1, 2))[slot[expert], rank]  # [T*k, H]
         y = (y * weights.reshape(-1)[order, None]).to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, y)
 
 
-_STACKED = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<kind>gate_up_proj|down_proj)$")  # a model's or a block's names
+def _batch_experts(counts: torch.Tensor, stacks: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, tuple]:
+    """(each expert's slot in the batched products, the stacks the products use), given the
+    tokens per expert ``counts`` [E]. When more than a third of the experts have tokens, all
+    of them enter, the stacks as they are (the idle ones multiply zero rows); else only those
+    with tokens, their weights copied out: a copy reads and writes them once before the
+    products read them, three passes over the used experts against one over all."""
+    used = counts.nonzero().squeeze(1)
+    num_experts = counts.numel()
+    if 3 * used.numel() > num_experts:
+        return torch.arange(num_experts, device=counts.device), stacks
+    slot = torch.full((num_experts,), -1, dtype=torch.long, device=counts.device)
+    slot[used] = torch.arange(used.numel(), device=counts.device)
+    return slot, tuple(w[used] for w in stacks)
+
+
+# a model's names (``model.layers.0.mlp.experts.down_proj``) or a block's own (``experts.down_proj``)
+def drop_stale_stacks(model: nn.Module) -> None:
+    """Let every MoE block of ``model`` whose experts a quantizer replaced free the float
+    stacks it made for the grouped path (it runs the reference over the new experts)."""
+    for module in model.modules():
+        if isinstance(module, MoE) and module._stacked is not None:
+            module.stack_experts()
+
+
+_STACKED = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<kind>gate_up_proj|down_proj)$")
 
 
 def unstack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
