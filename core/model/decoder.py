@@ -252,6 +252,13 @@ class DecoderForCausalLM(nn.Module):
             if isinstance(layer.mlp, MLP):
                 layer.mlp.fuse_projections()
 
+    def cuda_graphs_unsupported(self) -> str | None:
+        """Why this module's decode forward cannot be captured in a CUDA graph (None: it can):
+        an MoE block sizes its work by the tokens each expert got, read on the host."""
+        if self.moe_layers():
+            return "the model's mixture-of-experts layers size their work on the host (decode steps run eagerly)"
+        return None
+
     def moe_layers(self) -> list["MoE"]:
         """The mixture-of-experts blocks, in layer order."""
         from tessellm.core.model.moe import MoE

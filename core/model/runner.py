@@ -38,6 +38,9 @@ class ModelRunner:
             return f"the device is {self.device.type}, not cuda"
         if not self.backend.supports_cuda_graphs:
             return f"attention backend {self.backend.name!r} does not support CUDA graphs"
+        why = getattr(self.model, "cuda_graphs_unsupported", lambda: None)()
+        if why:
+            return why
         if self.cache.scratch_block is None:
             return f"cache {self.cache.name!r} has no scratch block for padded rows"
         return None

@@ -119,3 +119,19 @@ def test_stacked_and_per_expert_names_give_one_state(tmp_path):
                                   for p in ("gate", "up", "down")}
     assert torch.equal(state["model.layers.0.mlp.experts.1.up_proj.weight"], gate_up[1, 4:])
     assert torch.equal(state["model.layers.0.mlp.experts.2.down_proj.weight"], down[2])
+
+
+def test_moe_models_decode_eagerly_on_cuda(tmp_path):
+    """An MoE block reads each expert's token count on the host, which a CUDA graph cannot
+    replay: the runner says so instead of capturing."""
+    from tessellm.core.model.runner import ModelRunner
+    from tessellm.testing.models import build_tiny
+
+    moe = LLM({"model": str(build_tiny("mixtral", tmp_path / "m")), "device": "cpu"})
+    runner = moe.pipeline.runner
+    assert "mixture-of-experts" in moe.pipeline.model.cuda_graphs_unsupported()
+    on_cuda = ModelRunner(runner.model, runner.spec, runner.backend, runner.cache, torch.device("cuda"))
+    backend = type("GraphBackend", (), {"supports_cuda_graphs": True, "name": "g"})()
+    on_cuda.backend = backend
+    on_cuda.cache = type("Cache", (), {"scratch_block": 0, "name": "c"})()
+    assert "mixture-of-experts" in on_cuda.graphs_unsupported()
