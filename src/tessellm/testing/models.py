@@ -27,14 +27,18 @@ def build_tiny_llama(target: Path, *, seed: int = 0, vocab_size: int = 512, **sh
 
 def save_word_tokenizer(target: Path, vocab_size: int) -> None:
     """A word-level tokenizer over ids 0..vocab_size-1 (``t0``, ``t1``, ...; 1 is BOS, 2 EOS)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {f"t{i}": i for i in range(vocab_size)}
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()  # a text is one token per word (t0 if unknown)
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", bos_token="t1", eos_token="t2",
-                            pad_token="t0").save_pretrained(target)
+
+    def special(word: str) -> AddedToken:  # whole words only: "t17" is t17, not t1 and an unknown "7"
+        return AddedToken(word, single_word=True, special=True)
+
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=special("t0"), bos_token=special("t1"),
+                            eos_token=special("t2"), pad_token=special("t0")).save_pretrained(target)
 
 
 TINY_DEEPSEEK: dict[int, dict[str, Any]] = {

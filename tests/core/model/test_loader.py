@@ -112,3 +112,16 @@ def test_weights_load_in_requested_dtype(tiny_model, cpu_config):
     llm = LLM(cpu_config(tiny_model("llama"), dtype="bfloat16"))
     assert {p.dtype for p in llm.pipeline.model.parameters()} == {torch.bfloat16}
     assert llm.generate([[5, 6, 7]], {"max_tokens": 3, "ignore_eos": True})[0].finish_reason == "length"
+
+
+def test_the_word_tokenizer_reads_whole_words(tmp_path):
+    """The tiny models' tokenizer: a word is its own id, special tokens match whole words only
+    (``t17`` is 17, not BOS and an unknown ``7``)."""
+    from transformers import AutoTokenizer
+
+    from tessellm.testing.models import save_word_tokenizer
+
+    save_word_tokenizer(tmp_path, 512)
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    assert tokenizer("t5 t17 t300 t1 t2 t200 t0")["input_ids"] == [5, 17, 300, 1, 2, 200, 0]
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (1, 2, 0)
