@@ -70,7 +70,14 @@ VOCAB = 512
 MOE_TOLERANCE, DENSE_TOLERANCE = 1e-5, 1e-9
 
 
-@pytest.fixture(scope="module", params=FAMILIES, ids=lambda f: f[0] + "".join(f"-{k}={v}" for k, v in f[1].items()))
+VARIED = [f for f in FAMILIES if f[1]]  # the default shapes' greedy tokens: tests/conformance/test_model_builtins.py
+
+
+def family_id(family: tuple) -> str:
+    return family[0] + "".join(f"-{k}={v}" for k, v in family[1].items())
+
+
+@pytest.fixture(scope="module")
 def family(request, tmp_path_factory):
     """(model_type, folder, transformers' model in float64)."""
     from transformers import AutoModelForCausalLM
@@ -99,6 +106,7 @@ def hf_greedy(hf, prompt: list[int], new: int) -> list[int]:
     return ids[len(prompt):]
 
 
+@pytest.mark.parametrize("family", FAMILIES, ids=family_id, indirect=True)
 def test_family_prefill_logits_match_transformers_in_float64(family, cpu_config):
     model_type, folder, hf = family
     llm = LLM(cpu_config(folder, dtype="float64"))
@@ -112,9 +120,11 @@ def test_family_prefill_logits_match_transformers_in_float64(family, cpu_config)
         assert (ours - ref).abs().max().item() < tolerance, model_type
 
 
+@pytest.mark.parametrize("family", VARIED, ids=family_id, indirect=True)
 def test_family_greedy_tokens_match_transformers_in_float32(family, cpu_config):
     """transformers' greedy tokens (float32), alone and batched, through the default paged
-    cache and continuous batching."""
+    cache and continuous batching, on the varied shapes (the model conformance suite covers
+    each family's default shapes)."""
     model_type, folder, hf = family
     hf32 = hf.float()
     try:
