@@ -290,8 +290,8 @@ def test_a_full_waiting_queue_answers_429(cpu_config, tiny_model):
             lines = first.iter_lines()  # keep it: a dropped iterator closes the connection
             next(lines)  # running
             second = threading.Thread(target=httpx.post, args=(url + "/v1/completions",),
-                                      kwargs={"json": {**body, "stream": False}, "timeout": 120})
-            second.start()  # its answer waits for a free sequence slot
+                                      kwargs={"json": {**body, "stream": False, "max_tokens": 4}, "timeout": 120})
+            second.start()  # its answer waits for a free sequence slot (then is short: nothing waits on it)
             deadline = time.time() + 20
             while "tessellm_requests_waiting 1.0" not in httpx.get(url + "/metrics").text:
                 assert time.time() < deadline

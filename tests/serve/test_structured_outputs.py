@@ -45,8 +45,16 @@ TIME = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def server(smollm2_llm):
-    with serving(build_app(smollm2_llm, model_name="smol")) as url:
+def server():
+    """The server's default plugins (paged cache, continuous batching): requests sent at once
+    share their steps. (Behind the session's static batches, a request that arrived a moment
+    after the first waited for that whole batch to finish: nearly twice the steps.)"""
+    from tessellm import LLM
+
+    llm = LLM({"model": "smollm2-135m", "device": "cpu", "dtype": "float32",
+               "cache": {"name": "paged", "options": {"num_blocks": 256}},
+               "scheduler": {"name": "continuous", "options": {"max_num_seqs": 16}}})
+    with serving(build_app(llm, model_name="smol")) as url:
         yield url
 
 

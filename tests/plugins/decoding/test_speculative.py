@@ -164,7 +164,8 @@ def exact_distribution(reference: LLM, prompt: list[int], temperature: float) ->
 
 
 def sample_paths(llm: LLM, prompt: list[int], temperature: float) -> list[tuple[int, ...]]:
-    params = [SamplingParams(max_tokens=LENGTH, temperature=temperature, top_k=TOP_K, n=16, seed=s) for s in range(128)]
+    params = [SamplingParams(max_tokens=LENGTH, temperature=temperature, top_k=TOP_K, n=16, seed=s)
+              for s in range(NUM_REQUESTS)]
     outs = llm.generate([prompt] * len(params), params)
     return [tuple(o.token_ids) for out in outs for o in out.outputs]
 
@@ -179,21 +180,24 @@ def fit(paths: list[tuple[int, ...]], exact: dict[tuple[int, ...], float]):
 
 PROMPT = [ALPHABET[i % 5] for i in range(11)]
 TEMPERATURE = 1.3
+# 1,024 samples: the right rule's p-values are about 0.3 to 0.5, the wrong rule's about 1e-10
+# (2,048 samples gave 0.3 to 0.6 and 1e-19 at twice the time)
+NUM_REQUESTS = 64
 
 
 @pytest.mark.parametrize("variant", ["layer-skip", "draft-other"])
 def test_sampled_output_has_the_target_distribution(variant, cpu_config, tiny_model, other_draft, reference):
-    """2,048 samples (128 requests with n = 16 and their own seeds) of 3 tokens, drafted and
+    """1,024 samples (64 requests with n = 16 and their own seeds) of 3 tokens, drafted and
     verified by rejection sampling inside the engine, against the target's exact
     distribution of 3-token continuations (chi-square; fixed seeds)."""
     llm = speculative_llm(cpu_config, tiny_model, other_draft, variant, 2, False, wide=True)
     engine = llm.engine
     engine.stats = type(engine.stats)()
     paths = sample_paths(llm, PROMPT, TEMPERATURE)
-    assert len(paths) == 2048 and all(len(p) == LENGTH for p in paths)
+    assert len(paths) == NUM_REQUESTS * 16 and all(len(p) == LENGTH for p in paths)
     result = fit(paths, exact_distribution(reference, PROMPT, TEMPERATURE))
     assert result is not None and result.p_value > 1e-3, result
-    assert engine.stats.draft_tokens > 500  # speculation did the work
+    assert engine.stats.draft_tokens > len(paths) / 4  # speculation did the work
     assert 0 < engine.stats.accepted_draft_tokens < engine.stats.draft_tokens
     assert_nothing_left(llm)
 

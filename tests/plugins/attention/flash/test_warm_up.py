@@ -7,10 +7,17 @@ launch every variant a run launches. Without a GPU the kernels run interpreted, 
 ``VariantRecorder`` computes the key Triton would compile each launch under on a Hopper GPU,
 so the check runs here: warm up (and capture the padded graph path), record, then serve
 prompts of mixed lengths through prefill chunks, mixed steps, split and single-split
-decodes and graph replays; no key may be new."""
+decodes and graph replays; no key may be new.
+
+A key depends on the launch's arguments only (constexprs, options, integer values, pointer
+alignment, dtypes), and with ``ignore_eos`` and fixed lengths the steps' shapes do not depend
+on the tokens. So on a CPU one case (float32) runs the kernels interpreted, end to end, and
+the others record each launch's key without running the kernel's body (the interpreter takes
+about half a minute a case): the same launches, in the same order, with the same keys."""
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import torch
@@ -39,11 +46,34 @@ def _llm(cpu_config, model, dtype: str = "float32", **flash_options):
                           decoding={"name": "greedy"}, cuda_graphs=False, max_model_len=MAX_LEN))
 
 
-@pytest.mark.parametrize("dtype, packed", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
-def test_warm_up_launches_every_kernel_variant_a_run_launches(tiny_model, cpu_config, dtype, packed):
+def _hooks_only(kernel):
+    """``kernel``'s launch as the interpreter makes it, up to its pre-run hooks (where
+    ``VariantRecorder`` computes the key, from the same arguments), without running the body."""
+    names = set(inspect.signature(kernel.fn).parameters)
+
+    def run(*args, grid, warmup=False, **kwargs):
+        if not warmup:  # the interpreter's GridExecutor passes the hooks the kernel's own arguments only
+            kwargs = {k: v for k, v in kwargs.items() if k in names}
+            for hook in kernel.pre_run_hooks:
+                hook(*args, **kwargs)
+
+    return run
+
+
+@pytest.mark.parametrize("dtype, packed, run_kernels", [
+    pytest.param("float32", False, True, id="float32-False"),
+    pytest.param("bfloat16", False, CUDA, id="bfloat16-False"),  # on a CPU: keys recorded, kernels not run
+    pytest.param("bfloat16", True, CUDA, id="bfloat16-True"),
+])
+def test_warm_up_launches_every_kernel_variant_a_run_launches(tiny_model, cpu_config, monkeypatch, dtype, packed,
+                                                              run_kernels):
     from tessellm.core.model import fused_ops
     from tessellm.plugins.attention.flash import decode, prefill, rope_store
 
+    kernels = triton_kernels(prefill, decode, rope_store, fused_ops)
+    if not run_kernels:
+        for kernel in kernels:
+            monkeypatch.setattr(kernel, "run", _hooks_only(kernel))
     llm = _llm(cpu_config, tiny_model("llama"), dtype, packed_prefill=packed)
     pipeline = llm.pipeline
     model = pipeline.model
@@ -51,7 +81,7 @@ def test_warm_up_launches_every_kernel_variant_a_run_launches(tiny_model, cpu_co
         model.fused = True
         model.fuse_projections()
     cache = pipeline.cache
-    with VariantRecorder(triton_kernels(prefill, decode, rope_store, fused_ops)) as rec:
+    with VariantRecorder(kernels) as rec:
         assert warm_up(pipeline.runner, pipeline.scheduler.max_step_tokens, MAX_LEN) == 3
         pipeline.runner.capture_graphs(max_batch=4, max_model_len=MAX_LEN, capture=CUDA)
         warm = set(rec.seen)
