@@ -116,6 +116,15 @@ def _options_problem(cls: type[Plugin]) -> str | None:
     return None
 
 
+def _unimplemented(base: type[Plugin], cls: type[Plugin]) -> str | None:
+    """Which of its interface's ``required`` methods the plugin class leaves as the base's
+    (a model plugin without ``build`` fails here, not with a traceback when a pipeline loads)."""
+    missing = [m for m in getattr(base, "required", ()) if getattr(cls, m) is getattr(base, m)]
+    if missing:
+        return f"it does not implement {', '.join(missing)} (required of every {cls.kind} plugin)"
+    return None
+
+
 def did_you_mean(name: str, choices: Iterable[str]) -> str:
     """' (did you mean X?)' when ``name`` is close to one of ``choices``, else ''."""
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.6)
@@ -212,7 +221,7 @@ class PluginRegistry:
         problem = api_version_problem(cls.__dict__.get("api_version"))
         if problem:
             raise PluginLoadError(f"{kind} plugin {name!r}: {problem}")
-        problem = _options_problem(cls)
+        problem = _options_problem(cls) or _unimplemented(base, cls)
         if problem:
             raise PluginLoadError(f"{kind} plugin {name!r}: {problem}")
         return PluginEntry(cls, package)

@@ -39,6 +39,8 @@ class ModelArchitecture(Plugin):
     model_types: ClassVar[tuple[str, ...]] = ()
     """The Hugging Face ``model_type`` values this plugin builds."""
     auto_priority: ClassVar[int | None] = 0
+    required: ClassVar[tuple[str, ...]] = ("spec", "build")
+    """Methods a model plugin must implement; the registry refuses to load one without them."""
 
     def __init__(self, options: PluginOptions | None = None):
         self.options = options if options is not None else self.Options()

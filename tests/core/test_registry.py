@@ -62,6 +62,7 @@ def plugin_source(name: str, *, kind: str = "attention", api_version: str | None
             {version_line}
             description = "fake {kind} plugin {name}"
             auto_priority = None
+            {"spec = build = lambda self, arg: None  # what a model plugin must implement" if kind == "model" else ""}
 
         @tessellm.hookimpl
         def {hook or "register_" + kind}(register):

@@ -135,3 +135,23 @@ def test_moe_models_decode_eagerly_on_cuda(tmp_path):
     on_cuda.backend = backend
     on_cuda.cache = type("Cache", (), {"scratch_block": 0, "name": "c"})()
     assert "mixture-of-experts" in on_cuda.graphs_unsupported()
+
+
+def test_a_model_plugin_without_build_does_not_load():
+    class Half(tessellm.ModelArchitecture):
+        name = "half"
+        api_version = "1.6"
+        model_types = ("half",)
+
+        def spec(self, hf_config):
+            return tessellm.decoder_spec(hf_config)
+
+    @tessellm.hookimpl
+    def register_model(register):
+        register(Half)
+
+    registry = PluginRegistry(entry_points=False)
+    registry.add_module(type("M", (), {"register_model": staticmethod(register_model)})(), package="half-pkg")
+    assert registry.get("model", "half") is None
+    assert "model plugin 'half': it does not implement build (required of every model plugin)" in \
+        str(registry.failures[0])
