@@ -29,6 +29,12 @@ class PluginCallError(PluginError):
     shape or dtype. The message names the plugin and its module."""
 
 
+class ContractError(PluginCallError):
+    """A plugin broke a rule of its contract while the engine ran it (a backend that left its
+    layer's new cache slots unwritten, a decoder that returned the wrong count or type of
+    tokens, ...). The message names the plugin, the rule and the docs section."""
+
+
 class PluginLoadError(PluginError):
     """A plugin failed to import, register, or targets another plugin-API version."""
 

@@ -110,9 +110,11 @@ class Plugin(ABC):
 
     Contract for subclasses:
     - ``name``: unique within its kind; it is what configs select.
-    - ``api_version``: the plugin-API version the class was written for ("1.0"). It must be
-      set on the concrete class; a missing or incompatible version stops the plugin loading.
-    - ``Options``: a ``PluginOptions`` subclass validating the config's ``options``.
+    - ``api_version``: the plugin-API version the class was written for, a string ("1.0"). It
+      must be set on the concrete class; a missing, non-string or incompatible version stops
+      the plugin loading.
+    - ``Options``: a ``PluginOptions`` subclass validating the config's ``options``; a field
+      without a default stops the plugin loading.
     - ``auto_priority``: rank when the config says ``auto`` (higher first); None means the
       plugin is only used when named.
     - ``unsupported_reasons(ctx)``: every reason it cannot serve ``ctx`` (empty if it can).

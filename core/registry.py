@@ -2,7 +2,8 @@
 built-in ones included) and keeps every registered plugin class by kind and name.
 
 A module that fails to import, names an unknown hook, registers something that is not a
-plugin, or targets another plugin-API version is recorded as a ``LoadFailure`` with its
+plugin, targets another plugin-API version (or states it as anything but a string), or
+declares an option without a default is recorded as a ``LoadFailure`` with its
 package and error; the rest keep working. Two packages registering the same kind and name
 raise ``PluginConflictError`` naming both.
 """
@@ -97,21 +98,23 @@ def _hook_problem(module: object) -> str | None:
 
 def _options_problem(cls: type[Plugin]) -> str | None:
     """Why the plugin's ``Options`` cannot serve as its options model, or None: it must
-    subclass ``tessellm.PluginOptions`` (which rejects unknown keys), and its defaults must
-    validate against their own declared types (else every user would be blamed for them)."""
+    subclass ``tessellm.PluginOptions`` (which rejects unknown keys), every field must have a
+    default (a config that names the plugin without options must be valid), and the defaults
+    must validate against their own declared types (else every user would be blamed for them)."""
     options = cls.Options
     if not (isinstance(options, type) and issubclass(options, PluginOptions)):
         return (f"Options is {options!r}; it must be a subclass of tessellm.PluginOptions (a pydantic model "
                 f"that rejects misspelt option names)")
+    required = [name for name, field in options.model_fields.items() if field.is_required()]
+    if required:
+        return (f"its Options field{'s' if len(required) > 1 else ''} {', '.join(map(repr, required))} "
+                f"{'have' if len(required) > 1 else 'has'} no default; every option needs one (Field(default, ...)), "
+                f"so that a config giving no options is valid")
     # pydantic does not validate defaults: validate them as if a user had given them
-    defaults = {name: field.get_default(call_default_factory=True)
-                for name, field in options.model_fields.items() if not field.is_required()}
+    defaults = {name: field.get_default(call_default_factory=True) for name, field in options.model_fields.items()}
     try:
         options.model_validate(defaults)
     except Exception as exc:
-        errors = getattr(exc, "errors", None)
-        if callable(errors) and all(e.get("type") == "missing" for e in errors()):
-            return None  # required options without defaults: the user must give them
         return f"its Options' defaults do not validate against their own declared types: {exc}"
     return None
 

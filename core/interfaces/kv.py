@@ -18,21 +18,22 @@ import torch
 @dataclass(frozen=True)
 class KVLayout:
     """What a cache stores, declared before anything is allocated, so attention backends can
-    say which layouts they read.
-
-    - ``format``: what one slot holds: "kv" (a key and a value per KV head), "latent" (one
-      compressed vector per token, MLA). Quantized storage keeps its format and sets ``dtype``.
-    - ``block_size``: tokens per block (a contiguous cache: max_model_len).
-    - ``dtype``: the storage dtype; torch.int8 means values plus per-token scales.
-    - ``extras``: side data the cache keeps current on every store. "key_bounds": per
-      block, the elementwise minimum and maximum of its keys (``KVStorage.key_bounds``),
-      which query-aware sparse attention (QUEST) scores blocks by.
-    """
+    say which layouts they read. A cache returns it from ``kv_layout``; every plugin reads it
+    (``SelectionContext.kv_layout``, ``KVStorage.layout``) and none changes it (frozen)."""
 
     format: str
+    """What one slot holds: "kv" (a key and a value per KV head) or "latent" (one compressed
+    vector per token, MLA). Quantized storage keeps its format and sets ``dtype``."""
     block_size: int
+    """Tokens per block; slot ``s`` is token ``s % block_size`` of block ``s // block_size``
+    (a contiguous cache: one block of max_model_len slots per sequence)."""
     dtype: torch.dtype
+    """The storage dtype; torch.int8 means int8 values plus per-token scales
+    (``KVStorage.kv_scales``)."""
     extras: frozenset[str] = frozenset()
+    """Side data the cache keeps current on every store. "key_bounds": per block, the
+    elementwise minimum and maximum of its keys (``KVStorage.key_bounds``), which
+    query-aware sparse attention (QUEST) scores blocks by."""
 
 
 class KVStorage(ABC):
@@ -50,6 +51,8 @@ class KVStorage(ABC):
       selected for one without them.
     - A slot that was never written may hold anything, NaN included: backends must not read
       it, not even under a mask (a zero weight times NaN is NaN).
+    - ``copy_slots(src, dst)`` copies stored tokens exactly: what a cache calls to fork a
+      sequence or copy a shared block before writing to it.
 
     For the "latent" format (MLA) ``k`` is the compressed latent [T, 1, latent_dim] and
     ``v`` is None: one vector per token serves as both key and value; ``gather`` returns
@@ -107,6 +110,17 @@ class KVStorage(ABC):
         contain the keys of every sequence holding it. Storage without them raises TypeError."""
         raise TypeError(f"{type(self).__name__} keeps no key bounds (layout {self.layout}); an attention "
                         f"backend that needs them lists 'key_bounds' in its kv_extras")
+
+    def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the tokens stored in slots ``src`` into slots ``dst`` (both [N] int64, on
+        ``device``), so that ``gather(dst)`` then reads exactly what ``gather(src)`` read, and
+        any ``extras`` stay current: what a cache calls on each layer's storage to fork a
+        sequence or to copy a shared block before writing to it (copy-on-write). ``src`` and
+        ``dst`` must not overlap. The default goes through ``gather`` and ``store``; storage
+        whose round trip through them is not exact (quantized values) overrides it to copy
+        what it stores, as the built-in storages do."""
+        k, v = self.gather(src)
+        self.store(k, v, dst)
 
     def read(self, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """K and V of one sequence's first ``length`` tokens, [length, num_kv_heads, head_dim]."""

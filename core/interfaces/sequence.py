@@ -15,7 +15,15 @@ from tessellm.core.plugin import reject_booleans_for_numbers
 
 
 class SamplingParams(BaseModel):
-    """How one request is decoded. Temperature 0 means greedy."""
+    """How one request is decoded. Temperature 0 means greedy.
+
+    A sampler applies the filters in this order (the conformance suite's target distribution
+    and the ``sample`` decoder follow it): temperature scales the logits; ``top_k`` keeps the
+    k most likely tokens; ``top_p``, on the distribution top-k left (renormalised), keeps the
+    most likely tokens until their mass reaches top_p; ``min_p`` keeps, of those, the tokens
+    at least min_p times as likely as the most likely token after temperature. The token is
+    drawn from what is left, in proportion to its probability after temperature.
+    """
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
@@ -25,14 +33,19 @@ class SamplingParams(BaseModel):
     """Fewest tokens to generate before EOS, a stop token id or a stop string may end the
     output (EOS and the stop ids cannot be picked before then)."""
     temperature: float = Field(0.0, ge=0.0, le=100.0)
-    """Softmax temperature; 0 picks the most likely token."""
+    """Softmax temperature, applied first: the logits are divided by it before any filter;
+    0 picks the most likely token."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    """Keep the smallest set of tokens whose probability mass reaches top_p."""
+    """Applied after top_k, on the distribution top_k left (renormalised): keep the smallest
+    set of most likely tokens whose probability mass reaches top_p (the token that reaches
+    it stays; the most likely token always stays); 1 keeps all."""
     top_k: int = Field(0, ge=0)
-    """Keep the top_k most likely tokens; 0 keeps all."""
+    """Applied after temperature, before top_p: keep the top_k most likely tokens; 0 keeps
+    all, 1 is greedy."""
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    """Keep only tokens at least min_p times as likely as the most likely one (after the
-    temperature); 0 keeps all."""
+    """Applied last, to what top_k and top_p kept: keep only tokens at least min_p times as
+    likely as the most likely one (probabilities after temperature, before any filter; the
+    most likely token always stays); 0 keeps all."""
     seed: Optional[int] = Field(None, ge=0)
     """Seed of this request's own generator: the same seed gives the same tokens."""
     n: int = Field(1, ge=1, le=64)
@@ -121,39 +134,74 @@ class Sequence:
     ``num_computed_tokens`` counts the leading tokens whose KV is in the cache; the tokens
     after it are what the next forward must process (a prompt chunk, or the one token
     sampled last). A speculative step may compute more and roll back.
+
+    Every plugin may read every attribute. The engine owns them all but two, which a
+    scheduler writes: ``status`` and ``num_computed_tokens``; a decoder draws from
+    ``generator``. Each attribute's docstring says who writes it; nothing else may.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  *, priority: int = 0, arrival_time: float | None = None, sample_index: int = 0,
                  cache_salt: str | None = None):
         self.seq_id = next(_seq_ids)
+        """Read only. Unique in the process; caches and decoders key their per-sequence state
+        by it (samples of one request have different ids)."""
         self.request_id = request_id
+        """Read only. The request's id, shared by its ``n`` samples."""
         self.token_ids = list(prompt_token_ids)
+        """Read only. The prompt's token ids, then the generated ones that have reached the host
+        (the engine appends each accepted token)."""
         self.num_prompt_tokens = len(prompt_token_ids)
+        """Read only. How many of ``token_ids`` are the prompt."""
         self.params = params
+        """Read only. The request's ``SamplingParams``."""
         self.priority = priority
+        """Read only. The request's priority (lower runs first under a priority scheduler; 0 by
+        default)."""
         self.sample_index = sample_index
+        """Read only. Which of the request's ``n`` samples this is (0 for the first)."""
         self.cache_salt = cache_salt
+        """Read only. A prefix cache may share blocks only between sequences with the same salt
+        (None is a salt of its own)."""
         self.num_computed_tokens = 0
+        """The scheduler writes it: the result of ``cache.match_prefix`` for a sequence with
+        nothing computed, and 0 when it preempts the sequence or cannot start it after a
+        match; the engine advances it after each step. The leading tokens whose K/V are in
+        the cache."""
         self.status = SequenceStatus.WAITING
+        """The scheduler writes it: RUNNING when it starts the sequence, WAITING when it puts
+        it back in the queue; the engine sets FINISHED."""
         self.finish_reason: FinishReason | None = None
+        """Read only. Why the engine finished the sequence (None while it runs)."""
         self.arrival_time = time.perf_counter() if arrival_time is None else arrival_time
+        """Read only. When the request arrived (``time.perf_counter()``)."""
         self.first_token_time: float | None = None
+        """Read only. When the engine produced the first output token (None before)."""
         self.finish_time: float | None = None
-        self.generator: torch.Generator | None = None  # set by the engine for sampling
-        self.stop_text_len: int | None = None  # where a stop string cut the text
-        self.logprobs: list[TokenLogprob] = []  # one per output token when params.logprobs is set
+        """Read only. When the engine finished the sequence (None before)."""
+        self.generator: torch.Generator | None = None
+        """A decoder draws from it (which advances it) and never replaces it; the engine sets
+        it. The sequence's own random generator, seeded from ``params.seed`` (or the config's
+        seed and a counter): drawing from it keeps a seeded request's tokens independent of
+        the rest of the batch."""
+        self.stop_text_len: int | None = None
+        """Read only. Where a stop string cut the output text (None: no cut)."""
+        self.logprobs: list[TokenLogprob] = []
+        """Read only. One ``TokenLogprob`` per output token when ``params.logprobs`` is set,
+        filled by the engine."""
         self.prompt_logprobs: list[TokenLogprob | None] = []
-        """One per prompt token when ``params.prompt_logprobs`` is set, filled as the prefill
-        runs (None for the first token, which nothing predicts)."""
+        """Read only. One per prompt token when ``params.prompt_logprobs`` is set, filled as the
+        prefill runs (None for the first token, which nothing predicts)."""
         self.num_cached_tokens: int | None = None
-        """Prompt tokens the prefix cache held when the sequence first ran (set by the engine)."""
+        """Read only. Prompt tokens the prefix cache held when the sequence first ran (set by
+        the engine)."""
         self.num_pending = 0
-        """Tokens sampled on the device whose values have not reached the host yet (async
-        scheduling): counted in ``num_tokens``, absent from ``token_ids``."""
+        """Read only. Tokens sampled on the device whose values have not reached the host yet
+        (async scheduling): counted in ``num_tokens``, absent from ``token_ids``."""
 
     @property
     def output_token_ids(self) -> list[int]:
+        """The generated tokens that have reached the host: ``token_ids`` after the prompt."""
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
@@ -163,10 +211,12 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
+        """How many generated tokens have reached the host."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def is_finished(self) -> bool:
+        """Whether ``status`` is FINISHED."""
         return self.status is SequenceStatus.FINISHED
 
     def fork(self, sample_index: int) -> "Sequence":

@@ -360,6 +360,45 @@ def test_api_version_failure_from_entry_point(fake_dist):
     assert registry.get("attention", "sdpa") is not None
 
 
+@pytest.mark.parametrize("version, shown", [(1.5, "1.5 (float)"), (1, "1 (int)"), (True, "True (bool)"),
+                                            (b"1.0", "b'1.0' (bytes)")])
+def test_a_non_string_api_version_is_a_load_failure(version, shown):
+    registry = empty_registry()
+    registry.add_module(module_with("vmod", registering(attention_class("numver", version))), package="testpkg")
+    assert registry.get("attention", "numver") is None
+    [failure] = registry.failures
+    assert "attention plugin 'numver'" in failure.error  # the plugin
+    assert f"api_version is {shown}" in failure.error  # what it got
+    assert "must be a string" in failure.error and repr(PLUGIN_API_VERSION) in failure.error  # what is allowed
+
+
+def test_a_float_api_version_that_loses_a_digit_fails_from_an_entry_point(fake_dist, monkeypatch, capsys):
+    """``api_version = 1.10`` is the float 1.1: it must not load as if it said "1.1"."""
+    from tessellm import cli
+
+    source = plugin_source("float-ten", api_version="1.6").replace("api_version = '1.6'", "api_version = 1.10")
+    assert "api_version = 1.10" in source
+    fake_dist("floatpkg", {"attention.float-ten": (MODULE_PREFIX + "float_ten", source)})
+    registry = PluginRegistry()
+    [failure] = registry.failures
+    assert failure.source == "attention.float-ten" and failure.package == "floatpkg"
+    assert "api_version is 1.1 (float)" in failure.error and "1.10 reads as 1.1" in failure.error
+    assert registry.get("attention", "float-ten") is None
+    monkeypatch.setattr(registry_module, "_default", None)
+    assert cli.main(["plugins"]) == 0
+    err = capsys.readouterr().err
+    assert "plugin 'attention.float-ten' from package 'floatpkg' failed to load" in err and "must be a string" in err
+
+
+def test_api_version_problem_takes_strings_only():
+    from tessellm.core.version import api_version_problem
+
+    assert api_version_problem(PLUGIN_API_VERSION) is None and api_version_problem("1") is None
+    assert "must be a string" in api_version_problem(1.0)
+    assert "does not state" in api_version_problem(None)
+    assert "not of the form" in api_version_problem("1.x")
+
+
 # ---------------------------------------------------------------------------- bad registrations
 
 
@@ -652,17 +691,55 @@ def test_options_whose_defaults_break_their_own_types_blame_the_plugin():
     class WrongDefault(tessellm.PluginOptions):
         block: int = Field("sixty-four")  # the author's mistake, not the user's
 
-    class Required(tessellm.PluginOptions):
-        path: str  # no default: the user must give it, which is allowed
+    cls = attention_class("defaults-wrong")
+    cls.Options = WrongDefault
+    registry = empty_registry()
+    registry.add_module(module_with("defaults_mod", registering(cls)), package="testpkg")
+    [failure] = registry.failures
+    assert "'defaults-wrong'" in failure.error
+    assert "defaults do not validate against their own declared types" in failure.error
 
-    for options, fails in ((WrongDefault, True), (Required, False)):
-        cls = attention_class(f"defaults-{options.__name__.lower()}")
-        cls.Options = options
-        registry = empty_registry()
-        registry.add_module(module_with("defaults_mod", registering(cls)), package="testpkg")
-        assert bool(registry.failures) is fails
-    assert "defaults do not validate against their own declared types" in registry.failures[0].error \
-        if registry.failures else True
+
+def test_an_option_without_a_default_is_a_load_failure_naming_the_plugin_and_the_field():
+    """A field without a default would load, then fail every config that names the plugin
+    without giving that option, far from the plugin's code: it fails at load instead."""
+    from pydantic import Field
+
+    class Required(tessellm.PluginOptions):
+        path: str
+        """Where the tables are."""
+        block: int = Field(..., ge=1)
+        scale: float = 1.0
+
+    cls = attention_class("needs-path")
+    cls.Options = Required
+    registry = empty_registry()
+    registry.add_module(module_with("required_mod", registering(cls)), package="testpkg")
+    assert registry.get("attention", "needs-path") is None
+    [failure] = registry.failures
+    assert failure.package == "testpkg"
+    assert "attention plugin 'needs-path'" in failure.error
+    assert "'path', 'block'" in failure.error and "'scale'" not in failure.error
+    assert "no default" in failure.error
+
+
+def test_an_option_without_a_default_from_an_entry_point_is_listed_by_tessellm_plugins(
+        fake_dist, monkeypatch, capsys):
+    from tessellm import cli
+
+    source = plugin_source("needs-path", api_version=PLUGIN_API_VERSION, extra=textwrap.dedent("""\
+        class NeedsPath(tessellm.PluginOptions):
+            path: str
+
+        FakePlugin.Options = NeedsPath
+        """))
+    fake_dist("needspkg", {"attention.needs-path": (MODULE_PREFIX + "needs_path", source)})
+    monkeypatch.setattr(registry_module, "_default", None)
+    assert cli.main(["plugins", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert ("attention", "needs-path") not in {(r["kind"], r["name"]) for r in json.loads(out)}
+    assert "'attention.needs-path' from package 'needspkg' failed to load" in err
+    assert "'path' has no default" in err
 
 
 def test_a_boolean_for_a_number_is_an_error_in_options_and_sampling():
