@@ -9,6 +9,7 @@ import itertools
 import numpy as np
 import torch
 
+from tessellm.core.engine.contracts import check_slots
 from tessellm.core.interfaces.batch import PENDING_TOKEN, BatchMetadata, PromptRows, SampleSlot, ScheduledSeq
 from tessellm.core.interfaces.cache import CacheManager
 from tessellm.core.interfaces.sequence import Sequence
@@ -106,6 +107,7 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
     seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
     pos = np.arange(num_tokens, dtype=np.int64) + np.repeat(np.asarray(starts, dtype=np.int64) - qsl_np[:-1], query_lens)
     slots = padded[seq_of_token, pos // bs] * bs + pos % bs
+    check_slots(cache, slots)
     seq_lens = np.asarray(starts, dtype=np.int64) + query_lens
     # two host-to-device copies (one per dtype) instead of one per field, from pinned memory
     # on a GPU: a copy from pageable memory may wait for the kernels already queued

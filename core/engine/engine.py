@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from tessellm.core.engine import contracts
 from tessellm.core.engine.batch_builder import build_batch
 from tessellm.core.engine.faults import find_culprits
 from tessellm.core.engine.grammar import GrammarSession
@@ -85,6 +86,7 @@ class Engine:
         self._finished: dict[str, RequestState] = {}  # finished, not yet handed out by ``step``
         self._min_tokens_live = 0  # live sequences with a min_tokens bar (rare: skip the mask without)
         self._biased_live = 0  # live sequences with a logit_bias (rare: skip it without)
+        self._kv_check = contracts.KVWriteCheck(runner.backend, cache, runner.spec.num_layers)
 
     # ------------------------------------------------------------------ requests
 
@@ -103,6 +105,7 @@ class Engine:
         outside = [t for t in params.logit_bias if t >= self.vocab_size]
         if outside:
             raise InvalidRequestError(f"logit_bias token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})")
+        self.decoder.validate_request_fields(params)
         self.decoder.validate_request_args(params)
         self.decoder.check(params)
         if params.structured_output is not None and params.min_tokens:
@@ -189,9 +192,16 @@ class Engine:
         return out
 
     def _check_idle(self) -> None:
-        if self.has_unfinished():
-            raise RuntimeError("scheduler returned an empty batch while requests are waiting "
-                               f"({self.scheduler.num_waiting} waiting, {self.scheduler.num_running} running)")
+        """An empty batch with requests unfinished: the scheduler broke its contract, and
+        nothing would ever run them. Each fails with the one-line error (``failures``)."""
+        if not self.has_unfinished():
+            return
+        error = contracts.idle_scheduler_error(self.scheduler, self.scheduler.num_waiting, self.scheduler.num_running)
+        stuck = {seq.request_id for seq in self.scheduler.unfinished()}
+        for request_id in stuck:
+            self.failures[request_id] = error
+            self.abort(request_id)
+        logger.error("%s; failed %d requests", error, len(stuck))
 
     def _run_step(self, out: SchedulerOutput) -> None:
         """Run ``out`` synchronously: pack, run, then append its tokens."""
@@ -200,8 +210,8 @@ class Engine:
         if self.sync is not None:
             drafts = self.sync.drafts(out, drafts)
         if any(len(d) > self.decoder.num_lookahead_tokens for d in drafts.values()):
-            raise RuntimeError(f"decoding plugin {self.decoder.name!r} proposed more drafts than its "
-                               f"num_lookahead_tokens ({self.decoder.num_lookahead_tokens}), the slots reserved")
+            raise contracts.broken(self.decoder, f"propose returned more drafts than num_lookahead_tokens "
+                                                 f"({self.decoder.num_lookahead_tokens}), the slots reserved")
         plan = self._pack(out, drafts, self._plan_forks(out))
         result = self._run_isolating_faults(plan)
         if result is None:  # every request of the step failed alone
@@ -225,7 +235,11 @@ class Engine:
                         f"cache plugin {self.cache.name!r} gave a request that asks for prompt logprobs "
                         f"{seq.num_computed_tokens} cached prompt tokens; match_prefix must return 0 for such a "
                         f"sequence (its prompt positions must run through the model)")
-        return StepPlan(out, drafts, forks, build_batch(out.scheduled, self.cache, self.runner.device, drafts, forks))
+        batch = build_batch(out.scheduled, self.cache, self.runner.device, drafts, forks)
+        if self._kv_check.always:
+            contracts.check_slots_not_held(self.cache, contracts.query_slots(batch),
+                                           list(self.scheduler.running_sequences()))
+        return StepPlan(out, drafts, forks, batch)
 
     def _run_isolating_faults(self, plan: StepPlan) -> tuple[StepPlan, torch.Tensor, list[list[int]]] | None:
         """Forward and decode ``plan``. If that raises, run each request alone, abort the ones
@@ -265,7 +279,7 @@ class Engine:
     def _forward_and_decode(self, batch: BatchMetadata) -> tuple[torch.Tensor, list[list[int]]]:
         """The batch's logits (as the model gave them: logprobs read these) and each sample
         slot's accepted tokens (the decoder's side of the contract checked)."""
-        logits = self.runner.forward(batch)
+        logits = self._forward(batch)
         # the decoder reads the sample rows only; prompt-scoring rows follow them
         barred = logits[:batch.num_sample_rows] if batch.prompt_rows else logits
         if self._min_tokens_live:
@@ -278,12 +292,19 @@ class Engine:
         tokens = self.decoder.decode(barred, batch) if batch.samples else []
         if self.sync is not None and batch.samples:
             tokens = self.sync.tokens(tokens)
-        if len(tokens) != len(batch.samples) or any(not 1 <= len(t) <= len(s.draft_tokens) + 1
-                                                    for s, t in zip(batch.samples, tokens)):
-            raise RuntimeError(f"decoding plugin {self.decoder.name!r} broke its contract: it must return 1 to "
-                               f"drafts + 1 tokens for each of the {len(batch.samples)} sample slots, got "
-                               f"{[len(t) for t in tokens]}")
+        contracts.check_decoded(self.decoder, tokens, batch, logits.shape[-1])
         return logits, tokens
+
+    def _forward(self, batch: BatchMetadata, **kwargs: Any) -> torch.Tensor:
+        """The model's forward over ``batch``; on the engine's first (or, with
+        ``TESSELLM_CHECK_CONTRACTS``, every) forward, checked to store every layer's new K/V."""
+        check = self._kv_check
+        if not check.wanted():
+            return self.runner.forward(batch, **kwargs)
+        marked = check.mark(batch)
+        logits = self.runner.forward(batch, **kwargs)
+        check.verify(batch, marked)
+        return logits
 
     def _advance(self, plan: StepPlan) -> None:
         """Every query token (chunk, last token, drafts) now has KV in the cache; children of

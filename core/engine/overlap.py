@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from tessellm.core.engine import contracts
 from tessellm.core.engine.batch_builder import build_batch
 from tessellm.core.engine.engine import Engine
 from tessellm.core.interfaces.batch import BatchMetadata, SchedulerOutput
@@ -126,10 +127,14 @@ class OverlappedEngine(Engine):
                       i.seq.num_computed_tokens + 1 == len(i.seq.token_ids) + i.seq.num_pending
                       for i in out.scheduled)
         batch = build_batch(out.scheduled, self.cache, device, decodes_only=decodes)
+        if self._kv_check.always:
+            contracts.check_slots_not_held(self.cache, contracts.query_slots(batch),
+                                           list(self.scheduler.running_sequences()))
         if previous is not None:
             self._inputs_from(previous, batch, decodes)
-        logits = self.runner.forward(batch, native_logits=self.decoder.device_tokens_any_dtype)
+        logits = self._forward(batch, native_logits=self.decoder.device_tokens_any_dtype)
         tokens = self.decoder.device_tokens(logits, batch)
+        contracts.check_device_tokens(self.decoder, tokens, batch)
         host, ready = tokens, None
         if tokens.is_cuda:  # pinned, so the copy waits for this step only, not for the next
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)

@@ -16,6 +16,16 @@ from tessellm.core.interfaces.cache import CacheManager
 from tessellm.core.interfaces.sequence import SamplingParams, Sequence
 from tessellm.core.model.spec import ModelSpec
 from tessellm.core.plugin import Plugin, PluginOptions
+from tessellm.core.version import api_minor
+
+DECODER_FIELDS: dict[str, str] = {"temperature": "1.0", "top_k": "1.0", "top_p": "1.0", "seed": "1.0", "n": "1.0",
+                                  "min_p": "1.1"}
+"""The ``SamplingParams`` fields a decoder applies itself, with the plugin-API version that
+added each. (The engine applies the others for every decoder: max_tokens, min_tokens, stop,
+logprobs, logit_bias, structured_output; ``extra_args`` go to the decoder's ``RequestArgs``.)
+A request that sets a field newer than a decoder's ``api_version`` to other than its default
+is refused for that decoder, unless the decoder lists the field in ``request_fields``: a
+decoder cannot honour what did not exist when it was written."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,9 @@ class Decoder(Plugin):
     kind: ClassVar[str] = "decoding"
     num_lookahead_tokens: int = 0
     device_tokens_any_dtype: ClassVar[bool] = False
+    request_fields: ClassVar[frozenset[str] | None] = None
+    """The ``DECODER_FIELDS`` this decoder honours; None: those its ``api_version`` knows.
+    A decoder written for an older plugin API that honours a newer field lists it here."""
     RequestArgs: ClassVar[type[PluginOptions] | None] = None
     """The per-request settings this decoder takes from ``SamplingParams.extra_args``, as a
     ``PluginOptions`` model (typed fields with defaults; unknown keys refused). None: it
@@ -120,6 +133,16 @@ class Decoder(Plugin):
             params._request_args = _validated_request_args(self, params)
         return params._request_args
 
+    def validate_request_fields(self, params: SamplingParams) -> None:
+        """InvalidRequestError naming the first field ``params`` set (to other than its
+        default) that this decoder does not honour (``DECODER_FIELDS``, ``request_fields``)."""
+        for field in unhonoured_fields(type(self), params):
+            raise InvalidRequestError(
+                f"decoding plugin {self.name!r} (written for plugin API {self.api_version}) does not honour "
+                f"SamplingParams.{field}, added in plugin API {DECODER_FIELDS[field]}, and would ignore it; leave "
+                f"{field} at {SamplingParams.model_fields[field].default!r} or choose a decoder that honours it "
+                f"(its author lists it in request_fields)")
+
     def validate_request_args(self, params: SamplingParams) -> None:
         """InvalidRequestError naming this plugin when ``params.extra_args`` do not fit
         ``RequestArgs`` (or it declares none and some were sent)."""
@@ -127,6 +150,15 @@ class Decoder(Plugin):
             raise InvalidRequestError(f"decoding plugin {self.name!r} takes no extra_args, but the request sends "
                                       f"{', '.join(sorted(params.extra_args))}")
         self.request_args(params)
+
+    def target_probs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
+        """The distribution this decoder draws a token from, given one row of logits [vocab]
+        (float64) and the request's parameters: probabilities [vocab] summing to 1. The
+        decoding suite checks the decoder's draws against it. None (the default): the standard
+        rule, which ``tessellm.testing.reference_probs`` implements (the temperature, then
+        top-k, top-p and min-p, each cut applied to the distribution the previous one left).
+        A sampler with a rule of its own (top-a, typical-p, mirostat) overrides this."""
+        return None
 
     def propose(self, out: SchedulerOutput) -> dict[int, list[int]]:
         """Draft tokens per decoding sequence; none by default."""
@@ -147,6 +179,22 @@ class Decoder(Plugin):
     @abstractmethod
     def decode(self, logits: torch.Tensor, batch: BatchMetadata) -> list[list[int]]:
         """Accepted tokens for each sample slot of ``batch``."""
+
+
+def honoured_fields(decoder: type[Decoder]) -> frozenset[str]:
+    """The ``DECODER_FIELDS`` a decoder class honours: its ``request_fields``, or else the
+    fields its ``api_version`` knows."""
+    if decoder.request_fields is not None:
+        return frozenset(decoder.request_fields)
+    minor = api_minor(decoder.api_version)
+    return frozenset(f for f, since in DECODER_FIELDS.items() if api_minor(since) <= minor)
+
+
+def unhonoured_fields(decoder: type[Decoder], params: SamplingParams) -> list[str]:
+    """The fields ``params`` sets to other than their defaults that ``decoder`` does not honour."""
+    honoured = honoured_fields(decoder)
+    fields = SamplingParams.model_fields
+    return [f for f in DECODER_FIELDS if f not in honoured and getattr(params, f) != fields[f].default]
 
 
 def _validated_request_args(decoder: Decoder, params: SamplingParams) -> PluginOptions:

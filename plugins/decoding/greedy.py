@@ -19,6 +19,8 @@ class GreedyDecoder(Decoder):
     api_version = "1.6"
     description = "argmax decoding; refuses requests that ask for sampling"
     auto_priority = 5
+    # the argmax is what every setting of these keeps; other temperatures are refused (check)
+    request_fields = frozenset({"temperature", "top_k", "top_p", "min_p", "seed", "n"})
     device_tokens_any_dtype = True  # an argmax: bfloat16 logits give the same tokens
 
     def check(self, params: SamplingParams) -> None:

@@ -72,6 +72,7 @@ class SampleDecoder(Decoder):
     api_version = "1.6"
     description = "temperature / top-k / top-p / min-p sampling with per-request seeds (temperature 0: greedy)"
     auto_priority = 10
+    request_fields = frozenset({"temperature", "top_k", "top_p", "min_p", "seed", "n"})
     device_tokens_any_dtype = True  # device_tokens serves temperature 0 only: an argmax
 
     def decode(self, logits: torch.Tensor, batch: BatchMetadata) -> list[list[int]]:

@@ -149,3 +149,48 @@ def test_a_decoder_overriding_bind_still_gets_the_pipeline(tiny_model, cpu_confi
     greedy = LLM(cpu_config(tiny_model("llama"), decoding={"name": "greedy"}))
     prompts, params = [[5, 6, 7]], {"max_tokens": 4, "ignore_eos": True}
     assert llm.generate(prompts, params)[0].token_ids == greedy.generate(prompts, params)[0].token_ids
+
+
+class _LegacyTopK(tessellm.Decoder):
+    """A 1.0 sampler: temperature and top-k; it knows nothing of min_p (plugin API 1.1)."""
+
+    name = "legacy-top-k"
+    api_version = "1.0"
+
+    def decode(self, logits, batch):
+        rows = tessellm.slot_logits(logits, batch)
+        return [[int(row.argmax())] for row in rows]
+
+
+class _LegacyTopKThatLearnedMinP(_LegacyTopK):
+    name = "legacy-top-k-min-p"
+    api_version = "1.0"
+    request_fields = frozenset({"temperature", "top_k", "top_p", "seed", "n", "min_p"})
+
+
+@pytest.mark.parametrize("decoder", [_LegacyTopK, _LegacyTopKThatLearnedMinP])
+def test_a_request_field_newer_than_a_decoder_is_refused_unless_it_declares_it(decoder, tiny_model, cpu_config):
+    registry = PluginRegistry()
+    registry._plugins["decoding"][decoder.name] = registry_module.PluginEntry(decoder, "tests")
+    llm = LLM(pipeline=tessellm.Pipeline.from_config(cpu_config(tiny_model("llama"), decoding={"name": decoder.name}),
+                                                     registry=registry))
+    prompts = [[5, 6, 7]]
+    assert llm.generate(prompts, {"max_tokens": 2, "min_p": 0.0})  # at its default: nothing to ignore
+    if decoder is _LegacyTopK:
+        with pytest.raises(tessellm.InvalidRequestError,
+                           match=r"^decoding plugin 'legacy-top-k' \(written for plugin API 1.0\) does not honour "
+                                 r"SamplingParams.min_p, added in plugin API 1.1, and would ignore it; leave min_p "
+                                 r"at 0.0 "):
+            llm.generate(prompts, {"max_tokens": 2, "min_p": 0.1})
+        assert not llm.engine.requests
+    else:
+        assert len(llm.generate(prompts, {"max_tokens": 2, "min_p": 0.1})[0].token_ids) == 2
+
+
+def test_built_in_decoders_declare_every_field_they_honour():
+    from tessellm.core.interfaces.decoder import DECODER_FIELDS, honoured_fields
+
+    registry = PluginRegistry()
+    for name in ("greedy", "sample", "speculative"):
+        cls = registry.get("decoding", name).cls
+        assert cls.request_fields is not None and honoured_fields(cls) == set(DECODER_FIELDS), name

@@ -89,6 +89,7 @@ class SpeculativeDecoder(Decoder):
     description = "speculative decoding (n-gram lookup, draft model or layer-skip) with exact rejection sampling"
     Options = SpeculativeOptions
     auto_priority = None  # trades work for latency: chosen by name only
+    request_fields = frozenset({"temperature", "top_k", "top_p", "min_p", "seed", "n"})
 
     def __init__(self, options: SpeculativeOptions, model, device: torch.device):
         super().__init__(options, model, device)

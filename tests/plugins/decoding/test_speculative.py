@@ -273,18 +273,20 @@ def test_drafts_never_pass_max_tokens_or_the_context_window(cpu_config, tiny_mod
 def test_engine_refuses_a_decoder_that_breaks_its_contract(monkeypatch, cpu_config, tiny_model):
     """Too many tokens back from decode, or more drafts than the reserved lookahead: a clear
     error, and the requests are aborted with every block returned."""
+    from tessellm import ContractError
     from tessellm.plugins.decoding.speculative.proposer import Draft
 
     llm = LLM(spec_config(cpu_config, tiny_model("llama"), "ngram", k=2, adaptive_k=False))
     decoder = llm.pipeline.decoder
     with monkeypatch.context() as m:
         m.setattr(decoder, "decode", lambda logits, batch: [[1, 2, 3, 4]] * len(batch.samples))
-        with pytest.raises(RuntimeError, match="broke its contract"):
+        with pytest.raises(ContractError, match="decoding plugin 'speculative'.* broke its contract: decode returned 4 "
+                                                "tokens for sample slot 0, which verifies 0 drafts"):
             llm.generate([[17, 230] * 4], {"max_tokens": 5})
     assert_nothing_left(llm)
     with monkeypatch.context() as m:
         m.setattr(decoder.proposer, "propose", lambda seqs, budgets: [Draft([17] * 5) for _ in seqs])
-        with pytest.raises(RuntimeError, match="num_lookahead_tokens"):
+        with pytest.raises(ContractError, match="num_lookahead_tokens"):
             llm.generate([[17, 230] * 4], {"max_tokens": 5})
     assert_nothing_left(llm)
     assert llm.generate([[17, 230] * 4], {"max_tokens": 5})[0].finish_reason == "length"  # still serving
