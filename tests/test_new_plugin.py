@@ -103,6 +103,23 @@ def test_each_generated_package_passes_its_own_tests(scaffolded, tmp_path):
     assert " failed" not in done.stdout.splitlines()[-1] and " passed" in done.stdout.splitlines()[-1], tail
 
 
+def test_the_registration_test_ignores_other_packages_failures(scaffolded, tmp_path):
+    """One broken plugin installed elsewhere does not fail an author's registration test,
+    which checks only its own package."""
+    import importlib.util
+
+    folder = scaffolded("cache")
+    info = tmp_path / "tessellm_elsewhere_broken-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: tessellm-elsewhere-broken\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[tessellm]\ncache.elsewhere = tessellm_no_such_module_here\n")
+    assert any(f.package == "tessellm-elsewhere-broken" for f in PluginRegistry().failures)
+    spec = importlib.util.spec_from_file_location("generated_test_my_cache", folder / "tests" / "test_my_cache.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.test_installed_through_its_entry_point()
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_each_generated_plugin_passes_the_check(scaffolded, kind, capsys):
     scaffolded(kind)

@@ -38,13 +38,21 @@ class Quantizer(Plugin):
     prompts, ||logits_quantized - logits_float|| / ||logits_float|| (Frobenius norms over
     every position, the float model being the same pipeline with quant ``none``) stays at or
     below it. The quant conformance suite holds a plugin to the bound it declares; declare
-    the tightest one it meets.
+    the tightest one it meets. Where the error depends on the options (bits, group size),
+    override ``error_bound(options)``; by default it is ``max_relative_error`` for any options.
     """
 
     kind: ClassVar[str] = "quant"
     max_relative_error: ClassVar[float] = 0.05
     """Declared bound on the relative logits error (see above). The default, 5%, is about
     what 4-bit weight-only quantization costs a small model; 8-bit schemes meet ~1%."""
+
+    @classmethod
+    def error_bound(cls, options: PluginOptions) -> float:
+        """The relative logits error promised with ``options`` (validated by ``Options``):
+        ``max_relative_error`` unless the quantizer overrides this. The quant suite holds the
+        plugin to this bound."""
+        return cls.max_relative_error
 
     def __init__(self, options: PluginOptions, device: torch.device, dtype: torch.dtype):
         self.options = options

@@ -39,7 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="run KIND's conformance suite on the installed plugin NAME (needs the [conformance] extra)")
     p.add_argument("--options", metavar="JSON", default="{}", help="with --check: the plugin's options, as JSON")
     p.add_argument("--examples", type=int, default=20, metavar="N",
-                   help="with --check: hypothesis cases per property (default 20)")
+                   help="with --check: at most N cases per property, and N parameter sets of a parametrized "
+                        "one (default 20)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="with --check: show pytest's output and each failure's whole traceback")
 
     g = sub.add_parser("generate", help="generate text from prompts (run as one batch)")
     _add_config_args(g)
@@ -115,7 +118,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     require("hypothesis", "conformance")
     from tessellm.testing.conformance.check import run_check
 
-    report = run_check(kind, name, options, examples=args.examples)
+    if args.examples < 1:
+        raise ConfigError(f"--examples must be at least 1, got {args.examples}")
+    report = run_check(kind, name, options, examples=args.examples, verbose=args.verbose)
     print(report.table())
     return 0 if report.ok else 1
 

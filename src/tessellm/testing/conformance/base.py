@@ -26,6 +26,24 @@ def property_settings(**overrides: Any) -> Any:
                                                           HealthCheck.differing_executors], **overrides)
 
 
+def example_budget() -> int:
+    """The cases a property may run under the loaded hypothesis profile (``--examples`` in a
+    check): what bounds a property that loops over a list of its own (``spread`` it)."""
+    from hypothesis import settings
+
+    return settings().max_examples
+
+
+def spread(count: int, keep: int) -> list[int]:
+    """``keep`` indices of ``range(count)`` spread evenly, first and last included (all of
+    them when ``keep >= count``): a deterministic sample of a list."""
+    if keep >= count:
+        return list(range(count))
+    if keep <= 1:
+        return [0][:keep]
+    return sorted({round(i * (count - 1) / (keep - 1)) for i in range(keep)})
+
+
 CASES: Counter[str] = Counter()
 """Cases tried per test node id, across the session (hypothesis examples and parameters)."""
 

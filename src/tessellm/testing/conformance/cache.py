@@ -75,7 +75,7 @@ class CacheMachine(RuleBasedStateMachine):
         self.cache = self.suite.build()
         self.start_free = self.cache.num_free_blocks
         self.live: list[Sequence] = []
-        self.limit = self.suite.max_model_len - 1
+        self.limit = self.suite.capacity() - 1
 
     def _store(self, seq: Sequence, start: int, end: int) -> None:
         """Reserve, write tokens [start, end) of ``seq`` and commit them, as a step would."""
@@ -198,7 +198,9 @@ class CacheConformance(ConformanceSuite):
       match_prefix, grow, fork, truncate and free in any order: every live sequence reads
       back exactly its own K/V after each operation, and freeing all gives back every block.
 
-    ``max_model_len`` is the pipeline's context length the cache is built for.
+    ``max_model_len`` is the pipeline's context length the cache is built for. No property
+    asks one sequence for more tokens than the cache declares it holds (``capacity``: the
+    smaller of ``max_model_len`` and ``max_seq_tokens``).
     """
 
     kind = "cache"
@@ -215,6 +217,21 @@ class CacheConformance(ConformanceSuite):
         self.require(ctx, "a float32 CPU cache")
         layout = plugin.kv_layout(options, ctx)
         return plugin(options, CacheSpec(1, HEADS, HEAD_DIM, torch.float32, device, self.max_model_len), layout)
+
+    def capacity(self) -> int:
+        """The most tokens one sequence may hold here: ``max_model_len``, or less where the
+        cache declares less (``CacheManager.max_seq_tokens``)."""
+        if not hasattr(self, "_capacity"):
+            self._capacity = min(self.max_model_len, self.build().max_seq_tokens)
+        return self._capacity
+
+    def need(self, tokens: int, what: str) -> int:
+        """``capacity()``, after skipping the running property (saying why) when a sequence of
+        ``tokens`` tokens does not fit."""
+        capacity = self.capacity()
+        if capacity < tokens:
+            pytest.skip(f"{self.label()} holds {capacity} tokens per sequence; {what} needs {tokens}")
+        return capacity
 
     def test_any_sequence_of_operations_keeps_every_sequence_intact(self) -> None:
         """The state machine (``CacheMachine``): admit with match_prefix, grow, fork,
@@ -234,7 +251,9 @@ class CacheConformance(ConformanceSuite):
         run_state_machine_as_test(Machine, settings=hypothesis_settings(settings, stateful_step_count=25))
 
     def test_stored_kv_reads_back_and_free_returns_every_block(self) -> None:
-        @given(st.lists(st.integers(1, self.max_model_len - 1), min_size=1, max_size=4), st.data())
+        capacity = self.need(2, "this property")
+
+        @given(st.lists(st.integers(1, capacity - 1), min_size=1, max_size=4), st.data())
         @property_settings(max_examples=self.max_examples)
         def run(lengths: list[int], data: Any) -> None:
             self.case()
@@ -263,7 +282,9 @@ class CacheConformance(ConformanceSuite):
         run()
 
     def test_a_fork_child_never_writes_into_its_parent(self) -> None:
-        @given(st.integers(1, self.max_model_len // 2), st.integers(0, 8), st.integers(0, 2**16))
+        capacity = self.need(5, "a fork that grows by 4 tokens")
+
+        @given(st.integers(1, min(capacity // 2, capacity - 4)), st.integers(0, 8), st.integers(0, 2**16))
         @property_settings(max_examples=self.max_examples)
         def run(n: int, rewrite: int, seed: int) -> None:
             self.case()
@@ -295,7 +316,9 @@ class CacheConformance(ConformanceSuite):
         run()
 
     def test_truncate_rolls_back_exactly(self) -> None:
-        @given(st.integers(2, self.max_model_len - 8), st.data())
+        capacity = self.need(6, "a truncated sequence that grows by 4 tokens")
+
+        @given(st.integers(2, capacity - 4), st.data())
         @property_settings(max_examples=self.max_examples)
         def run(n: int, data: Any) -> None:
             self.case()
@@ -324,7 +347,7 @@ class CacheConformance(ConformanceSuite):
             self.case()
             cache = self.build()
             bs = cache.layout.block_size
-            if bs * blocks + 1 >= self.max_model_len:
+            if bs * blocks + 1 >= self.capacity():
                 pytest.skip(f"{self.label()}: blocks of {bs} tokens leave no room for a shared prefix")
             tokens = list(range(3, 3 + bs * blocks + 1))
             first = Sequence("a", list(tokens), SamplingParams(), cache_salt=salt)

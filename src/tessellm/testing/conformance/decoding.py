@@ -1,5 +1,6 @@
 """The decoding plugin contract as properties: greedy rows take the argmax, sampled tokens
-follow the filtered target distribution (chi-square), seeded requests repeat exactly, and a
+follow the target distribution (chi-square; the decoder's own ``target_probs``, else the
+standard rule ``tessellm.testing.reference_probs``), seeded requests repeat exactly, and a
 speculative decoder's outputs keep the target's distribution (greedy: the argmax at every
 step, which is plain greedy decoding; sampled: chi-square over whole continuations).
 
@@ -22,8 +23,9 @@ from hypothesis import given, strategies as st
 from tessellm.core.errors import InvalidRequestError
 from tessellm.core.interfaces.batch import BatchMetadata, SampleSlot, ScheduledSeq, SchedulerOutput
 from tessellm.core.interfaces.sequence import SamplingParams, Sequence
+from tessellm.testing import reference_probs
 from tessellm.testing.conformance.base import ConformanceSuite, property_settings
-from tessellm.testing.conformance.pipeline import build_llm, selection_context
+from tessellm.testing.conformance.pipeline import build_llm, require_capacity, selection_context
 from tessellm.testing.stats import chi_square
 
 ALPHA = 1e-3
@@ -62,8 +64,11 @@ HALF_TOLERANCE = 5e-2
 
 @dataclass(frozen=True)
 class SamplingCase:
-    """One sampling setting checked at decoder level; ``ignored`` names the settings whose
-    omission the case must be able to detect (its power is checked, see ``_assert_power``)."""
+    """One sampling setting checked at decoder level. ``params`` are ``SamplingParams``
+    fields, ``extra_args`` among them for a decoder's own per-request settings (its
+    ``RequestArgs``); ``ignored`` names the settings (fields, or keys of ``extra_args``)
+    whose omission the case must be able to detect (its power is checked, see
+    ``_assert_power``)."""
 
     name: str
     params: dict[str, Any]
@@ -83,7 +88,8 @@ SAMPLING_CASES = [
 """Temperature scales the logits first; then top_k keeps the k most likely tokens, top_p the
 smallest set of those (renormalised) whose mass reaches p, min_p the tokens at least min_p
 times as likely as the most likely one. A case whose setting ``SamplingParams`` lacks
-(min_p, where absent) is skipped."""
+(min_p, where absent) is skipped. A suite runs the cases of its ``sampling_cases``: these by
+default; an author adds cases for the plugin's own settings there."""
 
 HEAD = [0.30, 0.20, 0.15, 0.10, 0.08, 0.05]
 """Probabilities of the six most likely tokens of the decoder-level logits; the other 12%
@@ -91,23 +97,27 @@ spreads unevenly over the rest of the vocabulary, so top_p and min_p cut real ma
 
 def target_distribution(logits: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
                         min_p: float = 0.0) -> torch.Tensor:
-    """The distribution a sampling request asks for, from one row of logits [V] (float64):
-    the reference every decoder is held to (see ``SAMPLING_CASES`` for the order)."""
-    probs = (logits.double() / temperature).softmax(dim=-1)
-    order = probs.argsort(descending=True)
-    keep = torch.ones_like(probs, dtype=torch.bool)
-    if top_k > 0:
-        keep[order[top_k:]] = False
-    ranked = torch.where(keep, probs, 0.0)[order]
-    ranked = ranked / ranked.sum()
-    before = ranked.cumsum(0) - ranked  # mass of the kept tokens ranked above each one
-    cut = before >= top_p
-    cut[0] = False  # the most likely token always stays
-    keep[order[cut]] = False
-    if min_p > 0:
-        keep &= probs >= min_p * probs.max()
-    out = torch.where(keep, probs, 0.0)
-    return out / out.sum()
+    """The standard rule from one row of logits [V]: ``tessellm.testing.reference_probs``
+    (this name stays for code written against earlier releases)."""
+    return reference_probs(logits, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+
+
+def target_probs(decoder: Any, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution ``decoder`` must draw from for ``params`` given one row of logits
+    [V]: its own ``target_probs`` when it declares one, else the standard rule. A declared
+    distribution that is not one (wrong shape, negative, not summing to 1) fails here."""
+    logits = logits.double()
+    declared = decoder.target_probs(logits, params) if hasattr(decoder, "target_probs") else None
+    if declared is None:
+        return reference_probs(logits, params)
+    declared = declared.detach().double().cpu()
+    name = getattr(decoder, "name", type(decoder).__name__)
+    assert declared.shape == logits.shape, (f"decoding plugin {name!r}: target_probs returned shape "
+                                            f"{tuple(declared.shape)} for logits of shape {tuple(logits.shape)}")
+    assert bool((declared >= 0).all()) and abs(float(declared.sum()) - 1) < 1e-6, (
+        f"decoding plugin {name!r}: target_probs for {params.model_dump(exclude_defaults=True)} is not a "
+        f"distribution (sum {float(declared.sum()):.6g}, min {float(declared.min()):.3g})")
+    return declared
 
 
 def head_logits(vocab: int, seed: int = 0) -> torch.Tensor:
@@ -186,18 +196,20 @@ def run_prompt_step(decoder: Any, logits: torch.Tensor, params: list[SamplingPar
     return [t[0] for t in tokens]
 
 
-def exact_paths(reference: FloatReference, prompt: list[int], temperature: float, top_k: int,
+def exact_paths(reference: FloatReference, prompt: list[int], decoder: Any, params: SamplingParams,
                 length: int) -> dict[tuple[int, ...], float]:
-    """P(continuation) of every ``length``-token continuation of ``prompt`` the filtered
-    target allows, from teacher-forced float64 logits."""
+    """P(continuation) of every ``length``-token continuation of ``prompt`` the decoder's
+    target (``target_probs``) allows for ``params``, from teacher-forced float64 logits."""
     out: dict[tuple[int, ...], float] = {(): 1.0}
     for _ in range(length):
         grown = {}
         for path, prob in out.items():
             logits = reference.logits(prompt + list(path))[-1]
-            ranked = (logits / temperature).sort(descending=True).values
-            assert float(ranked[top_k - 1] - ranked[top_k]) > 1e-3, "the suite's prompt gives a near tie at top_k"
-            p = target_distribution(logits, temperature, top_k=top_k)
+            if params.top_k > 0:
+                ranked = (logits / params.temperature).sort(descending=True).values
+                assert float(ranked[params.top_k - 1] - ranked[params.top_k]) > 1e-3, \
+                    "the suite's prompt gives a near tie at top_k"
+            p = target_probs(decoder, logits, params)
             for t in torch.nonzero(p).flatten().tolist():
                 grown[path + (t,)] = prob * float(p[t])
         out = grown
@@ -218,6 +230,14 @@ class DecodingConformance(ConformanceSuite):
     - a request with a ``seed`` repeats its tokens exactly;
     - no drafts for a sequence with no output yet.
 
+    The target is the decoder's own ``target_probs(logits, params)`` when it returns a
+    distribution (a sampler with a rule of its own: top-a, typical-p), else the standard rule
+    (``tessellm.testing.reference_probs``). ``sampling_cases`` holds the decoder-level cases
+    (``SAMPLING_CASES`` by default): a subclass adds its plugin's own settings as
+    ``SamplingCase``s whose params carry ``extra_args``, e.g.
+    ``sampling_cases = (*SAMPLING_CASES, SamplingCase("top_a=0.3", {"temperature": 1.0,
+    "extra_args": {"top_a": 0.3}}, ("top_a",)))``.
+
     A setting the decoder refuses through ``check(params)`` (InvalidRequestError) skips its
     case with the decoder's own message; a pipeline the plugin declares unsupported skips
     with its ``unsupported_reasons``. ``engine`` holds the config pieces of the pipeline
@@ -227,6 +247,12 @@ class DecodingConformance(ConformanceSuite):
 
     kind = "decoding"
     engine: ClassVar[dict[str, Any]] = {"device": "cpu", "dtype": "float32"}
+    sampling_cases: ClassVar[tuple[SamplingCase, ...]] = tuple(SAMPLING_CASES)
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "sampling_case" in metafunc.fixturenames:
+            cases = list(self.sampling_cases)
+            metafunc.parametrize("sampling_case", cases, ids=[c.name for c in cases])
 
     # ------------------------------------------------------------------ fixtures
 
@@ -258,8 +284,11 @@ class DecodingConformance(ConformanceSuite):
 
     @staticmethod
     def accepted(decoder: Any, params: SamplingParams) -> None:
-        """Skip the running case, with the decoder's message, if it refuses ``params``."""
+        """Skip the running case, with the decoder's message, if it refuses ``params``
+        (through ``check``, or ``extra_args`` its ``RequestArgs`` do not take)."""
         try:
+            if hasattr(decoder, "validate_request_args"):
+                decoder.validate_request_args(params)
             decoder.check(params)
         except InvalidRequestError as exc:
             pytest.skip(f"the decoder refuses {params.model_dump(exclude_defaults=True)}: {exc}")
@@ -284,11 +313,12 @@ class DecodingConformance(ConformanceSuite):
         tokens = run_prompt_step(decoder, logits, [params] * rows, list(range(rows)))
         assert tokens == logits.argmax(dim=-1).tolist(), "a greedy row did not get its argmax"
 
-    @pytest.mark.parametrize("case", SAMPLING_CASES, ids=[c.name for c in SAMPLING_CASES])
-    def test_sampling_follows_the_target_distribution(self, decoding_llm: Any, case: SamplingCase) -> None:
-        """``DRAWS`` first tokens, each from its own seeded generator, against the filtered
-        target (chi-square at ``ALPHA``; a draw the target gives probability 0 fails)."""
+    def test_sampling_follows_the_target_distribution(self, decoding_llm: Any, sampling_case: SamplingCase) -> None:
+        """``DRAWS`` first tokens, each from its own seeded generator, against the target
+        (chi-square at ``ALPHA``; a draw the target gives probability 0 fails). One test per
+        case of ``sampling_cases``."""
         self.case()
+        case = sampling_case
         missing = [k for k in case.params if k not in SamplingParams.model_fields]
         if missing:
             pytest.skip(f"SamplingParams has no {', '.join(missing)}")
@@ -296,8 +326,8 @@ class DecodingConformance(ConformanceSuite):
         decoder = decoding_llm.pipeline.decoder
         self.accepted(decoder, params)
         logits = head_logits(decoding_llm.pipeline.spec.vocab_size)
-        target = target_distribution(logits, **case.params)
-        _assert_power(logits, case, target)
+        target = target_probs(decoder, logits, params)
+        _assert_power(decoder, logits, case, target)
         tokens = run_prompt_step(decoder, logits.float()[None].expand(DRAWS, -1), [params] * DRAWS,
                                  [1_000 + i for i in range(DRAWS)])
         counts = torch.bincount(torch.tensor(tokens), minlength=logits.numel())
@@ -318,10 +348,12 @@ class DecodingConformance(ConformanceSuite):
         prompt, or tokens of its alphabet): every output token is the argmax of the float64
         logits after the tokens before it (plain greedy decoding), drafts or not."""
         self.case()
+        capacity = require_capacity(type(self), decoding_llm, 2, "a one-token prompt and one new token")
         alphabet = sorted(set(prompt))
-        prompts = st.one_of(st.integers(1, len(prompt)).map(lambda n: prompt[:n]),
-                            st.lists(st.sampled_from(alphabet), min_size=1, max_size=24))
-        requests = data.draw(st.lists(st.tuples(prompts, st.integers(1, 12)), min_size=1, max_size=4))
+        prompts = st.one_of(st.integers(1, min(len(prompt), capacity - 1)).map(lambda n: prompt[:n]),
+                            st.lists(st.sampled_from(alphabet), min_size=1, max_size=min(24, capacity - 1)))
+        request = prompts.flatmap(lambda p: st.tuples(st.just(p), st.integers(1, min(12, capacity - len(p)))))
+        requests = data.draw(st.lists(request, min_size=1, max_size=4))
         params = [SamplingParams(max_tokens=m, ignore_eos=True) for _, m in requests]
         outs = decoding_llm.generate([p for p, _ in requests], params)
         for (p, m), out in zip(requests, outs):
@@ -336,6 +368,7 @@ class DecodingConformance(ConformanceSuite):
         1.3) against their exact probabilities (chi-square at ``ALPHA``); a decoder that
         drafts must have drafted here (else the check says nothing about verification)."""
         self.case()
+        require_capacity(type(self), decoding_llm, len(prompt) + PATH_LENGTH, "the suite's continuations")
         decoder = decoding_llm.pipeline.decoder
         params = [SamplingParams(max_tokens=PATH_LENGTH, temperature=PATH_TEMPERATURE, top_k=PATH_TOP_K,
                                  n=PATH_SAMPLES, seed=s, ignore_eos=True) for s in range(PATH_REQUESTS)]
@@ -344,7 +377,7 @@ class DecodingConformance(ConformanceSuite):
         drafted = stats.draft_tokens
         outs = decoding_llm.generate([prompt] * PATH_REQUESTS, params)
         paths = [tuple(o.token_ids) for out in outs for o in out.outputs]
-        exact = exact_paths(float_reference, prompt, PATH_TEMPERATURE, PATH_TOP_K, PATH_LENGTH)
+        exact = exact_paths(float_reference, prompt, decoder, params[0], PATH_LENGTH)
         index = {path: i for i, path in enumerate(exact)}
         outside = [p for p in paths if p not in index]
         assert not outside, f"{len(outside)} continuations the target gives probability 0, e.g. {outside[0]}"
@@ -357,6 +390,7 @@ class DecodingConformance(ConformanceSuite):
     def test_seeded_requests_repeat(self, decoding_llm: Any, prompt: list[int]) -> None:
         """The same seeded requests (n = 2) run twice give the same tokens."""
         self.case()
+        require_capacity(type(self), decoding_llm, len(prompt) + 10, "the suite's seeded requests")
         params = [SamplingParams(max_tokens=10, temperature=0.9, top_k=20, seed=7 + i, n=2, ignore_eos=True)
                   for i in range(4)]
         self.accepted(decoding_llm.pipeline.decoder, params[0])
@@ -377,13 +411,25 @@ def _assert_argmax_path(reference: FloatReference, prompt: list[int], tokens: li
             f"{int(logits[i].argmax())} (logit {best:.6f}); prompt {prompt}, output {tokens}")
 
 
-def _assert_power(logits: torch.Tensor, case: SamplingCase, target: torch.Tensor) -> None:
+def _assert_power(decoder: Any, logits: torch.Tensor, case: SamplingCase, target: torch.Tensor) -> None:
     """The case can tell its target from the distribution a decoder ignoring each of
-    ``case.ignored`` would draw from: mass >= 0.01 outside the target's support, or a
-    chi-square distance >= ``PHI2_MIN`` (see ``DRAWS``). Guards the case table itself."""
-    defaults = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    ``case.ignored`` would draw from (the same decoder's target without that setting: a
+    field at its neutral value, an ``extra_args`` key left out): mass >= 0.01 outside the
+    target's support, or a chi-square distance >= ``PHI2_MIN`` (see ``DRAWS``). Guards the
+    case table itself, the author's cases included."""
+    neutral = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
     for setting in case.ignored:
-        wrong = target_distribution(logits, **{**case.params, setting: defaults[setting]})
+        params = dict(case.params)
+        extra = dict(params.get("extra_args") or {})
+        if setting in extra:
+            del extra[setting]
+            params["extra_args"] = extra
+        elif setting in neutral:
+            params[setting] = neutral[setting]
+        else:
+            raise AssertionError(f"suite design: case {case.name} names {setting!r} as ignored, which is neither "
+                                 f"a sampling setting ({', '.join(neutral)}) nor one of its extra_args")
+        wrong = target_probs(decoder, logits, SamplingParams(**params))
         leak = float(wrong[target == 0].sum())
         support = target > 0
         phi2 = float(((wrong[support] - target[support]) ** 2 / target[support]).sum())

@@ -63,3 +63,20 @@ def build_llm(suite: type[ConformanceSuite], model_dir: Path, engine: dict[str, 
 
     config = {"model": str(model_dir), **engine, suite.kind: part}
     return LLM(pipeline=Pipeline.from_config(config, registry=registry_for(suite)))
+
+
+def sequence_capacity(llm: Any) -> int:
+    """The most tokens (prompt and output) one request may have in ``llm``'s pipeline: its
+    context length, or less where its cache declares less (``max_seq_tokens``), less the
+    decoder's draft slots. A property draws its requests within it."""
+    pipeline = llm.pipeline
+    return min(pipeline.resolved.max_model_len, pipeline.cache.max_seq_tokens) - pipeline.decoder.num_lookahead_tokens
+
+
+def require_capacity(suite: type[ConformanceSuite], llm: Any, tokens: int, what: str) -> int:
+    """``sequence_capacity(llm)``, after skipping the running property (saying why) when a
+    request of ``tokens`` tokens does not fit."""
+    capacity = sequence_capacity(llm)
+    if capacity < tokens:
+        pytest.skip(f"{suite.label()}: the pipeline holds {capacity} tokens per sequence; {what} needs {tokens}")
+    return capacity

@@ -1,5 +1,6 @@
 """The quant plugin contract as properties: the quantized model's logits stay within the
-relative error the plugin declares (``Quantizer.max_relative_error``) of the float model's,
+relative error the plugin declares for its options (``Quantizer.error_bound(options)``,
+by default ``max_relative_error``) of the float model's,
 and every linear layer keeps its name, input and output shapes."""
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import torch
 from hypothesis import given, strategies as st
 from torch import nn
 
-from tessellm.testing.conformance.base import ConformanceSuite, property_settings
-from tessellm.testing.conformance.pipeline import build_llm, selection_context
+from tessellm.testing.conformance.base import ConformanceSuite, example_budget, property_settings, spread
+from tessellm.testing.conformance.pipeline import build_llm, selection_context, sequence_capacity
 
 
 def relative_error(quantized: torch.Tensor, reference: torch.Tensor) -> float:
@@ -27,7 +28,8 @@ class QuantConformance(ConformanceSuite):
     ``plugin_class``) with ``options``, applied to ``tessellm_tiny_model``:
 
     - forward error: for batches of random prompts, the quantized pipeline's logits are
-      within the plugin's declared ``max_relative_error`` of the float pipeline's (the same
+      within the bound the plugin declares for ``options`` (``error_bound(options)``, by
+      default its ``max_relative_error``) of the float pipeline's (the same
       config with quant ``none``), relative Frobenius norm over every position;
     - every ``nn.Linear`` of the float model is still at its name after ``apply``, and maps
       random inputs of shape [..., in_features] to finite outputs [..., out_features].
@@ -61,26 +63,41 @@ class QuantConformance(ConformanceSuite):
     def test_forward_error_within_the_declared_bound(self, quantized_llm: Any, float_llm: Any, seed: int,
                                                      lengths: list[int]) -> None:
         """Random prompts scored by both pipelines (teacher forcing): relative logits error
-        at most ``max_relative_error``, and every logit finite."""
+        at most the declared ``error_bound(options)``, and every logit finite."""
         self.case()
-        bound = self.under_test().max_relative_error
+        bound = self.error_bound()
         vocab = float_llm.pipeline.spec.vocab_size
+        capacity = min(sequence_capacity(quantized_llm), sequence_capacity(float_llm))
         g = torch.Generator().manual_seed(seed)
-        prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+        prompts = [torch.randint(3, vocab, (min(n, capacity),), generator=g).tolist() for n in lengths]
         quantized = torch.cat([quantized_llm.engine.score(p) for p in prompts])
         reference = torch.cat([float_llm.engine.score(p) for p in prompts])
         assert torch.isfinite(quantized).all(), "the quantized model gave non-finite logits"
         error = relative_error(quantized, reference)
-        assert error <= bound, (f"relative logits error {error:.4g} exceeds the declared max_relative_error "
-                                f"{bound:.4g} (prompt lengths {lengths})")
+        assert error <= bound, (f"relative logits error {error:.4g} exceeds the bound {bound:.4g} declared for "
+                                f"options {self.options} (error_bound) (prompt lengths {lengths})")
+
+    @classmethod
+    def error_bound(cls) -> float:
+        """The bound the plugin declares for the suite's ``options``; a declared bound that is
+        not a positive number fails here."""
+        plugin, options = cls.under_test(), cls.plugin_options()
+        declare = getattr(plugin, "error_bound", None)
+        bound = declare(options) if declare is not None else plugin.max_relative_error
+        if not isinstance(bound, (int, float)) or not bound > 0:
+            pytest.fail(f"{cls.label()}: error_bound({options!r}) returned {bound!r}, not a positive number")
+        return float(bound)
 
     def test_linears_keep_their_names_and_shapes(self, quantized_llm: Any, float_llm: Any) -> None:
         """Each linear of the float model, at the same name in the quantized model (replaced
-        or not), maps [3, in] and [2, 5, in] random inputs to [3, out] and [2, 5, out]."""
+        or not), maps [3, in] and [2, 5, in] random inputs to [3, out] and [2, 5, out]. One
+        case a linear; under a profile of fewer examples, that many linears spread over the
+        model."""
         quantized = quantized_llm.pipeline.model
         g = torch.Generator().manual_seed(0)
         linears = [(name, m) for name, m in float_llm.pipeline.model.named_modules() if isinstance(m, nn.Linear)]
         assert linears, "the float model has no linear layer to check"
+        linears = [linears[i] for i in spread(len(linears), example_budget())]  # --examples bounds this too
         for name, linear in linears:
             self.case()
             try:

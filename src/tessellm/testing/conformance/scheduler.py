@@ -12,20 +12,22 @@ from hypothesis import given, strategies as st
 
 from tessellm.core.interfaces.sequence import SamplingParams
 from tessellm.testing.conformance.base import ConformanceSuite, property_settings
-from tessellm.testing.conformance.pipeline import build_llm, selection_context
+from tessellm.testing.conformance.pipeline import build_llm, require_capacity, selection_context, sequence_capacity
 from tessellm.testing.engine import run_arrivals
 
 
 @st.composite
-def arrivals(draw: Any, min_requests: int = 1, max_requests: int = 6,
-             min_prompt: int = 1) -> list[tuple[int, list[int], SamplingParams]]:
+def arrivals(draw: Any, min_requests: int = 1, max_requests: int = 6, min_prompt: int = 1,
+             capacity: int = 52) -> list[tuple[int, list[int], SamplingParams]]:
     """Requests of random prompts and lengths, arriving at random steps (greedy, EOS ignored
-    so every request runs exactly ``max_tokens``); some with n > 1 samples."""
+    so every request runs exactly ``max_tokens``); some with n > 1 samples. Prompt and
+    output of each fit in ``capacity`` tokens (at least ``min_prompt + 1``)."""
     count = draw(st.integers(min_requests, max_requests))
     out = []
     for _ in range(count):
-        prompt = draw(st.lists(st.integers(3, 250), min_size=min_prompt, max_size=40))
-        params = SamplingParams(max_tokens=draw(st.integers(1, 12)), ignore_eos=True, n=draw(st.sampled_from((1, 1, 2))))
+        prompt = draw(st.lists(st.integers(3, 250), min_size=min_prompt, max_size=min(40, capacity - 1)))
+        new = draw(st.integers(1, min(12, capacity - len(prompt))))
+        params = SamplingParams(max_tokens=new, ignore_eos=True, n=draw(st.sampled_from((1, 1, 2))))
         out.append((draw(st.integers(0, 6)), prompt, params))
     return out
 
@@ -43,6 +45,10 @@ class SchedulerConformance(ConformanceSuite):
     - aborting requests mid-run (some waiting, some running) frees every block they held:
       the cache's free blocks return to their number before the run, and the scheduler holds
       nothing.
+
+    Every request fits the pipelines' declared capacities (``max_model_len``, the caches'
+    ``max_seq_tokens``): a property never counts the rejection of a request that cannot fit
+    as a failure.
     """
 
     kind = "scheduler"
@@ -89,7 +95,9 @@ class SchedulerConformance(ConformanceSuite):
                 f"{self.label()}: {rid} (prompt {prompt}) batched gave {together[rid]}, alone {expected[rid]}"
 
     def test_every_request_finishes_as_if_alone(self, llm: Any) -> None:
-        @given(arrivals())
+        capacity = require_capacity(self, llm, 2, "a one-token prompt and one new token")
+
+        @given(arrivals(capacity=capacity))
         @property_settings(max_examples=self.max_examples)
         def run(requests: list) -> None:
             self.check_all_finish_as_alone(llm, llm, requests)
@@ -97,7 +105,10 @@ class SchedulerConformance(ConformanceSuite):
         run()
 
     def test_preemption_loses_nothing(self, llm: Any, small_llm: Any) -> None:
-        @given(arrivals(min_requests=4, max_requests=8, min_prompt=16))
+        capacity = min(require_capacity(self, small_llm, 17, "a 16-token prompt and one new token"),
+                       sequence_capacity(llm))
+
+        @given(arrivals(min_requests=4, max_requests=8, min_prompt=16, capacity=capacity))
         @property_settings(max_examples=self.max_examples)
         def run(requests: list) -> None:
             self.check_all_finish_as_alone(small_llm, llm, requests)
@@ -109,7 +120,9 @@ class SchedulerConformance(ConformanceSuite):
                         f"give a smaller one")
 
     def test_abort_frees_everything(self, llm: Any) -> None:
-        @given(arrivals(), st.integers(0, 4), st.data())
+        capacity = require_capacity(self, llm, 2, "a one-token prompt and one new token")
+
+        @given(arrivals(capacity=capacity), st.integers(0, 4), st.data())
         @property_settings(max_examples=self.max_examples)
         def run(requests: list, steps: int, data: Any) -> None:
             self.case()
