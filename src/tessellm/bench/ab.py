@@ -4,7 +4,10 @@ Both pipelines stay loaded and run the same requests for ``rounds`` rounds, inte
 the order alternating (A B, B A, ...), so drift over time (clock boost, other load) hits both
 arms alike. The throughput ratio B / A comes with a paired bootstrap interval over rounds.
 Output agreement compares the arms' greedy outputs token for token, and their next-token
-distributions (KL) on one and the same teacher-forced sequence.
+distributions (KL) on one and the same teacher-forced sequence. When either arm's requests
+sample (its request parameters have a temperature above 0), each arm also draws many seeded
+continuations of the agreement prompts, and ``bench.distributions`` tests whether both arms'
+samples could come from one distribution.
 """
 
 from __future__ import annotations
@@ -19,14 +22,19 @@ from typing import Any
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 
+from tessellm.bench.distributions import DistributionComparison, compare_continuations, format_comparison
 from tessellm.bench.offline import BenchResult, describe_device, request_limit, run_offline, summarize, warm_up
 from tessellm.bench.workloads import BenchRequest, Workload
 from tessellm.core.config import PipelineConfig, apply_overrides, config_from_dict, default_config_data, read_config_file
-from tessellm.core.errors import ConfigError
+from tessellm.core.errors import ConfigError, validation_problems
+from tessellm.core.interfaces.sequence import SamplingParams
 
 AGREEMENT_PROMPT_TOKENS = 128  # agreement prompts are cut to this; it is a check, not a benchmark
 AGREEMENT_NEW_TOKENS = 32
+SAMPLES_PER_REQUEST = 64  # SamplingParams.n's bound: more continuations take more requests
+CHECK_OWNS = ("max_tokens", "ignore_eos", "n", "seed")  # request fields the workload and the checks set
 _NEXT_KEY = re.compile(r",(?=\s*[A-Za-z_][\w.]*\s*=)")  # a comma followed by KEY=: a comma in [1, 2] is not
 
 
@@ -36,12 +44,53 @@ def split_overrides(values: list[str]) -> list[str]:
     return [part.strip() for v in values for part in _NEXT_KEY.split(v) if part.strip()]
 
 
+def parse_request_params(values: list[str], flag: str, base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``--params``/``--a-params``/``--b-params`` values (``KEY=VALUE[,KEY=VALUE...]``, repeatable,
+    values in ``--set``'s YAML syntax, ``extra_args.KEY`` for a decoder's own) as a mapping of
+    ``SamplingParams`` fields, on top of a copy of ``base``. Raises ConfigError naming the flag
+    and the item."""
+    params: dict[str, Any] = json.loads(json.dumps(base or {}))
+    for item in split_overrides(values):
+        key, sep, raw = item.partition("=")
+        path = key.strip().split(".")
+        if not sep or not all(path):
+            raise ConfigError(f"{flag} {item!r}: expected KEY=VALUE, e.g. temperature=1.0,min_p=0.1")
+        if path[0] in CHECK_OWNS:
+            raise ConfigError(f"{flag} {item!r}: {path[0]} is set by the workload and the agreement checks "
+                              f"(see --num-samples, --sample-tokens)")
+        node = params
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = _yaml_scalar(raw.strip())
+    try:
+        SamplingParams.model_validate({**params, "max_tokens": 1})
+    except ValidationError as exc:
+        raise ConfigError(f"{flag} {','.join(split_overrides(values))!r}: {validation_problems(exc)}") from None
+    return params
+
+
+def _yaml_scalar(text: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(text) if text else ""
+    except yaml.YAMLError:
+        return text
+
+
+def requests_sample(params: dict[str, Any]) -> bool:
+    """Whether requests with these parameters sample (rather than take the argmax)."""
+    return SamplingParams.model_validate({**params, "max_tokens": 1}).temperature > 0
+
+
 def load_arm_configs(files: list[str], *, base: str | None = None, shared: list[str] = (),
-                     a: list[str] = (), b: list[str] = ()) -> tuple[PipelineConfig, PipelineConfig]:
+                     a: list[str] = (), b: list[str] = (),
+                     params_differ: bool = False) -> tuple[PipelineConfig, PipelineConfig]:
     """A's and B's configs, checked against the plugin registry (names, options, device)
     without loading a model. Either ``files`` (two config files) or ``base`` (a file; None: the
     embedded config) plus each arm's overrides ``a``/``b``; ``shared`` (``--set``) applies to
-    both. Raises ConfigError naming the arm and the field."""
+    both. With ``params_differ`` (the arms' request parameters differ) both arms may be the
+    base config. Raises ConfigError naming the arm and the field."""
     from tessellm.core.registry import get_registry
     from tessellm.core.resolve import precheck
 
@@ -49,9 +98,10 @@ def load_arm_configs(files: list[str], *, base: str | None = None, shared: list[
         raise ConfigError("give either two config files (tessellm ab A.yaml B.yaml) or --config/--a/--b, not both")
     if files and len(files) != 2:
         raise ConfigError(f"give exactly two config files, A's and B's; got {len(files)}: {' '.join(files)}")
-    if not files and not (a or b):
-        raise ConfigError("nothing to compare: give two config files (tessellm ab A.yaml B.yaml) "
-                          "or each arm's overrides (--a KEY=VALUE --b KEY=VALUE)")
+    if not files and not (a or b or params_differ):
+        raise ConfigError("nothing to compare: give two config files (tessellm ab A.yaml B.yaml), "
+                          "each arm's overrides (--a KEY=VALUE --b KEY=VALUE) or request parameters "
+                          "(--a-params KEY=VALUE --b-params KEY=VALUE)")
     configs = []
     for arm, path, own in (("A", files[0] if files else base, a), ("B", files[1] if files else base, b)):
         data = apply_overrides(read_config_file(path) if path is not None else default_config_data(), list(shared))
@@ -83,22 +133,42 @@ def bootstrap_ratio_ci(a: Any, b: Any, *, seed: int = 0, resamples: int = 10_000
     return float(low), float(high)
 
 
-def run_rounds(llm_a: Any, llm_b: Any, requests: list[BenchRequest], rounds: int, *,
-               progress: bool = False) -> tuple[list[BenchResult], list[BenchResult]]:
+@dataclass(frozen=True)
+class ArmRequest(BenchRequest):
+    """A workload request with its arm's request parameters (``temperature``, ``min_p``, ...);
+    the workload still sets ``max_tokens`` and ``ignore_eos``."""
+
+    params: dict[str, Any] = dataclasses.field(default_factory=dict, hash=False)
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams.model_validate({"temperature": 0.0, **self.params, "max_tokens": self.output_len,
+                                              "ignore_eos": self.ignore_eos})
+
+
+def arm_request(r: BenchRequest, request_id: str, params: dict[str, Any]) -> BenchRequest:
+    """A copy of ``r`` named ``request_id`` that runs with ``params`` (none: as the workload says)."""
+    if not params:
+        return dataclasses.replace(r, request_id=request_id)
+    return ArmRequest(request_id, r.prompt_token_ids, r.output_len, r.ignore_eos, params=params)
+
+
+def run_rounds(llm_a: Any, llm_b: Any, requests: list[BenchRequest], rounds: int, *, progress: bool = False,
+               params: tuple[dict[str, Any], dict[str, Any]] = ({}, {})) -> tuple[list[BenchResult], list[BenchResult]]:
     """Warm both arms up once, then run ``requests`` through each arm ``rounds`` times, round i
-    A then B for even i and B then A for odd i. Every run starts with an empty prefix cache,
-    so each round measures what one ``bench`` run does. Returns A's and B's results by round."""
+    A then B for even i and B then A for odd i, with each arm's request ``params``. Every run
+    starts with an empty prefix cache, so each round measures what one ``bench`` run does.
+    Returns A's and B's results by round."""
     for llm in (llm_a, llm_b):
         warm_up(llm, requests)
-    arms, out = {"a": llm_a, "b": llm_b}, {"a": [], "b": []}
+    arms, out = {"a": (llm_a, params[0]), "b": (llm_b, params[1])}, {"a": [], "b": []}
     for i in range(rounds):
         for arm in ("a", "b") if i % 2 == 0 else ("b", "a"):
-            llm = arms[arm]
+            llm, own = arms[arm]
             reset = getattr(llm.pipeline.cache, "reset_prefix_cache", None)
             if reset is not None:
                 reset()
             # request ids must be unique among an engine's live requests: tag each run's copies
-            fresh = [dataclasses.replace(r, request_id=f"{r.request_id}#{arm}{i}") for r in requests]
+            fresh = [arm_request(r, f"{r.request_id}#{arm}{i}", own) for r in requests]
             out[arm].append(run_offline(llm, fresh, progress=progress, warmup=False))
     return out["a"], out["b"]
 
@@ -145,12 +215,46 @@ def output_agreement(llm_a: Any, llm_b: Any, prompts: list[list[int]],
                      len(prompts), max_tokens)
 
 
+def draw_continuations(llm: Any, prompts: list[list[int]], params: dict[str, Any], num_samples: int,
+                       max_tokens: int, *, first_seed: int, seed_step: int = 1) -> list[list[list[int]]]:
+    """``num_samples`` continuations of ``max_tokens`` tokens (``ignore_eos``) per prompt, as
+    one batch of requests of at most 64 samples each (fewer if a step holds fewer sequences);
+    request j has seed ``first_seed + j * seed_step``, so the draws are reproducible."""
+    most = min(SAMPLES_PER_REQUEST, llm.pipeline.scheduler.max_step_seqs or SAMPLES_PER_REQUEST)
+    chunks = [min(most, num_samples - start) for start in range(0, num_samples, most)]
+    batch = [{**params, "max_tokens": max_tokens, "ignore_eos": True, "n": n,
+              "seed": first_seed + (i * len(chunks) + c) * seed_step}
+             for i in range(len(prompts)) for c, n in enumerate(chunks)]
+    outs = llm.generate([p for p in prompts for _ in chunks], batch, progress=False)
+    drawn = [[o.token_ids for o in out.outputs] for out in outs]
+    return [sum(drawn[i * len(chunks):(i + 1) * len(chunks)], []) for i in range(len(prompts))]
+
+
+def sampled_agreement(llm_a: Any, llm_b: Any, prompts: list[list[int]], params_a: dict[str, Any],
+                      params_b: dict[str, Any], *, num_samples: int = 64, max_tokens: int = 8, seed: int = 0,
+                      alpha: float = 0.05) -> DistributionComparison:
+    """Draw ``num_samples`` seeded continuations of every prompt from each arm, with its request
+    parameters, and test whether both arms' draws come from one distribution
+    (``compare_continuations``). A's requests are seeded ``1 + 2_000_000 * seed``, then 2, 4, ...
+    above it, and B's 1 above each of A's: no two samples share a generator stream (the engine
+    seeds a request's sample i > 0 with ``seed * 1_000_003 + i``), so two identical arms give
+    independent samples of one distribution, as the test assumes."""
+    first = 1 + 2_000_000 * seed
+    drawn_a = draw_continuations(llm_a, prompts, params_a, num_samples, max_tokens, first_seed=first, seed_step=2)
+    drawn_b = draw_continuations(llm_b, prompts, params_b, num_samples, max_tokens, first_seed=first + 1,
+                                 seed_step=2)
+    return compare_continuations(drawn_a, drawn_b, alpha=alpha)
+
+
 def run_ab(llm_a: Any, llm_b: Any, workload: Workload, *, seed: int = 0, num_requests: int | None = 16,
-           rounds: int = 5, num_agreement_prompts: int = 8, progress: bool = False,
-           command: str = "") -> dict[str, Any]:
+           rounds: int = 5, num_agreement_prompts: int = 8, progress: bool = False, command: str = "",
+           params: tuple[dict[str, Any], dict[str, Any]] = ({}, {}), num_samples: int = 64,
+           sample_tokens: int = 8, alpha: float = 0.05) -> dict[str, Any]:
     """Draw the workload once (requests fit both arms), time it in interleaved rounds
-    (``run_rounds``), check output agreement on its first ``num_agreement_prompts`` prompts
-    (0: skip) and return the report ``tessellm ab --json`` prints."""
+    (``run_rounds``, each arm with its request ``params``), check output agreement on its first
+    ``num_agreement_prompts`` prompts (0: skip) and return the report ``tessellm ab --json``
+    prints. If either arm's ``params`` sample, the check also compares ``num_samples``
+    continuations of ``sample_tokens`` tokens per prompt and arm (``sampled_agreement``)."""
     if rounds < 2:
         raise ConfigError(f"rounds must be at least 2 for an interval over rounds, got {rounds}")
     vocab = {llm.pipeline.spec.vocab_size for llm in (llm_a, llm_b)}
@@ -160,13 +264,14 @@ def run_ab(llm_a: Any, llm_b: Any, workload: Workload, *, seed: int = 0, num_req
     limit = min(request_limit(llm_a), request_limit(llm_b))
     requests = workload.requests(seed=seed, num_requests=num_requests, tokenizer=llm_a.tokenizer,
                                  max_model_len=limit, vocab_size=vocab.pop(), encode=llm_a.encode)
-    runs = dict(zip("ab", run_rounds(llm_a, llm_b, requests, rounds, progress=progress)))
+    runs = dict(zip("ab", run_rounds(llm_a, llm_b, requests, rounds, progress=progress, params=params)))
     tps = {arm: [sum(t.output_tokens for t in r.requests) / r.elapsed_s for r in rs] for arm, rs in runs.items()}
     report: dict[str, Any] = {}
     for arm, llm in (("a", llm_a), ("b", llm_b)):
         p = llm.pipeline
         report[arm] = {
             "config": json.loads(json.dumps({"model": p.config.model, **p.resolved.summary()}, default=str)),
+            "request_params": params["ab".index(arm)],
             "kv_cache_slots": p.cache.num_blocks * p.cache.layout.block_size,
             "output_tokens_per_s": {"per_round": [round(x, 3) for x in tps[arm]],
                                     "mean": round(float(np.mean(tps[arm])), 3)},
@@ -175,7 +280,7 @@ def run_ab(llm_a: Any, llm_b: Any, workload: Workload, *, seed: int = 0, num_req
     low, high = bootstrap_ratio_ci(tps["a"], tps["b"], seed=seed)
     report.update(ratio=round(float(np.mean(tps["b"]) / np.mean(tps["a"])), 4),
                   ratio_ci95=[round(low, 4), round(high, 4)], exact_match_rate=None, mean_kl=None, max_kl=None,
-                  divergences=[], agreement={"prompts": 0, "max_tokens": 0})
+                  divergences=[], agreement={"prompts": 0, "max_tokens": 0}, distribution=None)
     k = min(num_agreement_prompts, len(requests))
     if k:
         new = max(1, min(AGREEMENT_NEW_TOKENS, limit // 2))
@@ -184,6 +289,13 @@ def run_ab(llm_a: Any, llm_b: Any, workload: Workload, *, seed: int = 0, num_req
         report.update(exact_match_rate=round(g.exact_match_rate, 4), mean_kl=g.mean_kl, max_kl=g.max_kl,
                       divergences=[{"prompt": i, "first_divergence": j} for i, j in g.first_divergence.items()],
                       agreement={"prompts": k, "max_tokens": new})
+        if requests_sample(params[0]) or requests_sample(params[1]):
+            new = max(1, min(sample_tokens, limit // 2))
+            prompts = [r.prompt_token_ids[:min(AGREEMENT_PROMPT_TOKENS, limit - new)] for r in requests[:k]]
+            comparison = sampled_agreement(llm_a, llm_b, prompts, *params, num_samples=num_samples,
+                                           max_tokens=new, seed=seed, alpha=alpha)
+            report["distribution"] = {"prompts": k, "samples_per_arm": num_samples, "max_tokens": new,
+                                      **comparison.as_dict()}
     devices = [describe_device(llm.pipeline.resolved.device) for llm in (llm_a, llm_b)]
     report.update(rounds=rounds, order=["AB" if i % 2 == 0 else "BA" for i in range(rounds)],
                   workload=workload.describe(seed, len(requests)),
@@ -200,9 +312,13 @@ def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _params_text(params: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in _flat(params).items()) or "(the workload's: greedy)"
+
+
 def format_ab_report(report: dict[str, Any]) -> str:
     """A plain-text view of a report: what differs between the arms, A beside B, the ratio with
-    its interval, and output agreement."""
+    its interval, output agreement and, when the arms sample, the distribution test."""
     a, b, w = report["a"], report["b"], report["workload"]
     fa, fb = _flat(a["config"]), _flat(b["config"])
     diff = [f"{k}: {fa.get(k, '-')} -> {fb.get(k, '-')}" for k in fa.keys() | fb.keys()
@@ -213,7 +329,10 @@ def format_ab_report(report: dict[str, Any]) -> str:
              for stat in ("p50", "p90", "p99")]
     lines = [f"tessellm ab: workload {w['name']} ({w['num_requests']} requests, seed {w['seed']}), "
              f"{report['rounds']} interleaved rounds on {report['device']}",
-             "A -> B: " + ("; ".join(sorted(diff)) or "identical resolved configs (an A/A test)")]
+             "A -> B: " + ("; ".join(sorted(diff)) or "identical resolved configs" + (
+                 "" if a.get("request_params") != b.get("request_params") else " (an A/A test)"))]
+    if a.get("request_params") or b.get("request_params"):
+        lines.append(f"request params: A {_params_text(a['request_params'])}; B {_params_text(b['request_params'])}")
     lines += [f"{'':<22}{'A':>12}{'B':>12}"] + [f"{k:<22}" + "".join(f"{cell(v):>12}" for v in vs) for k, vs in rows]
     for arm in ("a", "b"):
         lines.append(f"{arm.upper()} per round (tokens/s): "
@@ -227,8 +346,11 @@ def format_ab_report(report: dict[str, Any]) -> str:
     if g["prompts"]:
         lines.append(f"agreement on {g['prompts']} prompts x {g['max_tokens']} greedy tokens: exact match "
                      f"{100 * report['exact_match_rate']:.1f}%, mean KL(A||B) {report['mean_kl']:.3g}, "
-                     f"max {report['max_kl']:.3g}")
+                     f"max {report['max_kl']:.3g}" + (" (the arms' logits; their sampling is compared below)"
+                                                      if report.get("distribution") else ""))
         lines += [f"  prompt {d['prompt']}: first differs at output token {d['first_divergence']}"
                   for d in report["divergences"]]
+    if report.get("distribution"):
+        lines += format_comparison(report["distribution"])
     lines.append(f"{report['date']}  $ {report['command']}")
     return "\n".join(lines)

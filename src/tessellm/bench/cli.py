@@ -51,7 +51,9 @@ def add_parsers(sub: Any, add_config_args: Callable[[argparse.ArgumentParser], N
     ab = sub.add_parser("ab", help="A/B test two pipelines: interleaved rounds, throughput ratio, output agreement",
                         description="Run one workload through two pipelines in interleaved rounds (A B, B A, ...); "
                                     "report each arm's throughput and latency, the throughput ratio B/A with a "
-                                    "bootstrap 95% interval over rounds, and how far their greedy outputs agree.")
+                                    "bootstrap 95% interval over rounds, and how far their greedy outputs agree; "
+                                    "when either arm's requests sample, also whether their sampled outputs "
+                                    "differ in distribution.")
     ab.add_argument("configs", nargs="*", metavar="CONFIG", help="A's and B's config files (instead of --a/--b)")
     add_config_args(ab)
     for arm in ("a", "b"):
@@ -68,7 +70,20 @@ def add_parsers(sub: Any, add_config_args: Callable[[argparse.ArgumentParser], N
     ab.add_argument("--seed", type=int, default=0, metavar="S",
                     help="seed of the workload and the bootstrap (default 0)")
     ab.add_argument("--num-agreement-prompts", type=int, default=8, metavar="N",
-                    help="workload prompts on which to compare greedy outputs and KL (default 8; 0 skips)")
+                    help="workload prompts on which to compare greedy outputs and KL, and sampled outputs "
+                         "when an arm samples (default 8; 0 skips)")
+    ab.add_argument("--params", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                    help="request parameters of both arms' requests (timed runs and agreement check), e.g. "
+                         "temperature=1.0,top_p=0.9 (repeatable; default: greedy)")
+    for arm in ("a", "b"):
+        ab.add_argument(f"--{arm}-params", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                        help=f"arm {arm.upper()}'s own request parameters on top of --params, e.g. min_p=0.1")
+    ab.add_argument("--num-samples", type=int, default=64, metavar="N",
+                    help="when an arm samples: continuations per agreement prompt and arm (default 64)")
+    ab.add_argument("--sample-tokens", type=int, default=8, metavar="T",
+                    help="when an arm samples: tokens per sampled continuation (default 8)")
+    ab.add_argument("--alpha", type=float, default=0.05,
+                    help="when an arm samples: level of the distribution test (default 0.05)")
     ab.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ab.add_argument("--plot", metavar="FILE.png", help="also draw per-round throughput and the ratio into FILE.png")
     ab.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -178,7 +193,7 @@ def _bench_serve(args: argparse.Namespace, workload: Any, progress: bool, plots:
 
 
 def cmd_ab(args: argparse.Namespace) -> int:
-    from tessellm.bench.ab import format_ab_report, load_arm_configs, run_ab
+    from tessellm.bench.ab import format_ab_report, load_arm_configs, parse_request_params, run_ab
     from tessellm.bench.offline import progress_enabled
     from tessellm.bench.workloads import get_workload
     from tessellm.core.engine.llm import LLM
@@ -186,19 +201,29 @@ def cmd_ab(args: argparse.Namespace) -> int:
     # every argument and both configs are checked before a model is loaded
     workload = get_workload(args.workload, args.workload_overrides)
     for flag, value, least in (("--num-requests", args.num_requests, 1), ("--rounds", args.rounds, 2),
-                               ("--seed", args.seed, 0), ("--num-agreement-prompts", args.num_agreement_prompts, 0)):
+                               ("--seed", args.seed, 0), ("--num-agreement-prompts", args.num_agreement_prompts, 0),
+                               ("--num-samples", args.num_samples, 2), ("--sample-tokens", args.sample_tokens, 1)):
         if value < least:
             raise ConfigError(f"{flag} must be at least {least}, got {value}")
+    if not 0 < args.alpha < 1:
+        raise ConfigError(f"--alpha must be between 0 and 1, got {args.alpha}")
+    shared = parse_request_params(args.params, "--params")
+    params = tuple(parse_request_params(own, f"--{arm}-params", shared)
+                   for arm, own in (("a", args.a_params), ("b", args.b_params)))
     if args.plot is not None and not args.plot.lower().endswith(".png"):
         raise ConfigError(f"--plot {args.plot!r}: the figure is written as PNG; give a FILE.png")
     folder = os.path.dirname(os.path.abspath(args.plot or "."))
     if not os.path.isdir(folder):
         raise ConfigError(f"--plot {args.plot!r}: folder {folder!r} does not exist")
     plots = require("tessellm.bench.plots", "bench") if args.plot else None  # before any model loads
-    config_a, config_b = load_arm_configs(args.configs, base=args.config, shared=args.overrides, a=args.a, b=args.b)
-    llm_a, llm_b = LLM(config_a), LLM(config_b)
+    config_a, config_b = load_arm_configs(args.configs, base=args.config, shared=args.overrides, a=args.a, b=args.b,
+                                          params_differ=params[0] != params[1])
+    llm_a = LLM(config_a)
+    # arms that differ only in their request parameters share one pipeline
+    llm_b = llm_a if config_a == config_b and params[0] != params[1] else LLM(config_b)
     report = run_ab(llm_a, llm_b, workload, seed=args.seed, num_requests=args.num_requests, rounds=args.rounds,
-                    num_agreement_prompts=args.num_agreement_prompts,
+                    num_agreement_prompts=args.num_agreement_prompts, params=params, num_samples=args.num_samples,
+                    sample_tokens=args.sample_tokens, alpha=args.alpha,
                     progress=progress_enabled(args.no_progress, args.json),
                     command=shlex.join(["tessellm", *(sys.argv[1:] if args.argv is None else args.argv)]))
     if args.json and report["a"]["kv_cache_slots"] != report["b"]["kv_cache_slots"]:  # the text report says so itself
