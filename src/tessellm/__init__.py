@@ -60,6 +60,7 @@ _LAZY = {
     "Decoder": f"{_INTERFACES}.decoder",
     "DecoderContext": f"{_INTERFACES}.decoder",
     "slot_logits": f"{_INTERFACES}.decoder",
+    "DECODER_FIELDS": f"{_INTERFACES}.decoder",
     "Quantizer": f"{_INTERFACES}.quantizer",
     "CalibrationContext": f"{_INTERFACES}.quantizer",
     "GrammarBackend": f"{_INTERFACES}.grammar",

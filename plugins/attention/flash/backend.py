@@ -108,7 +108,7 @@ class FlashAttention(AttentionBackend):
     """
 
     name = "flash"
-    api_version = "1.6"
+    api_version = "1.7"
     description = "Triton FlashAttention over packed varlen batches, K/V read through block tables"
     Options = FlashOptions
     auto_priority = 30
