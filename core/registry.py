@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.metadata
+import logging
 import os
 from dataclasses import dataclass
 from types import ModuleType
@@ -22,7 +23,9 @@ import pluggy
 from tessellm.core import hookspecs
 from tessellm.core.errors import PluginConflictError, PluginLoadError
 from tessellm.core.plugin import KINDS, Plugin, PluginOptions
-from tessellm.core.version import api_version_problem
+from tessellm.core.version import api_minor, api_version_problem
+
+logger = logging.getLogger(__name__)
 
 ENTRY_POINT_GROUP = "tessellm"
 DISABLE_ENV = "TESSELLM_DISABLE_PLUGINS"
@@ -96,6 +99,11 @@ def _hook_problem(module: object) -> str | None:
     return None
 
 
+REQUIRED_OPTIONS_REFUSED_SINCE = 7
+"""The plugin-API minor version from which an Options field without a default is a load
+failure (a plugin written for an older one keeps loading, with a warning)."""
+
+
 def _options_problem(cls: type[Plugin]) -> str | None:
     """Why the plugin's ``Options`` cannot serve as its options model, or None: it must
     subclass ``tessellm.PluginOptions`` (which rejects unknown keys), every field must have a
@@ -106,6 +114,11 @@ def _options_problem(cls: type[Plugin]) -> str | None:
         return (f"Options is {options!r}; it must be a subclass of tessellm.PluginOptions (a pydantic model "
                 f"that rejects misspelt option names)")
     required = [name for name, field in options.model_fields.items() if field.is_required()]
+    if required and api_minor(cls.api_version) < REQUIRED_OPTIONS_REFUSED_SINCE:
+        logger.warning("%s plugin %r: its Options field(s) %s have no default, so a config naming it without "
+                       "options fails; plugin API 1.%d refuses such a plugin at load", cls.kind, cls.name,
+                       ", ".join(map(repr, required)), REQUIRED_OPTIONS_REFUSED_SINCE)
+        return None  # written when required options were allowed: it keeps loading
     if required:
         return (f"its Options field{'s' if len(required) > 1 else ''} {', '.join(map(repr, required))} "
                 f"{'have' if len(required) > 1 else 'has'} no default; every option needs one (Field(default, ...)), "

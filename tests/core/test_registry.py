@@ -759,3 +759,19 @@ def test_a_boolean_for_a_number_is_an_error_in_options_and_sampling():
     assert MinP(on=True, min_p=0.5).on is True
     with pytest.raises(ValidationError, match="temperature: expected a number, got true"):
         tessellm.SamplingParams(temperature=True)
+
+
+def test_an_option_without_a_default_still_loads_for_a_plugin_written_before_api_1_7(caplog):
+    """Plugin API 1.6 allowed required options: such a plugin keeps loading (a config must
+    then give the option), with a warning naming the field."""
+
+    class Required(tessellm.PluginOptions):
+        path: str
+
+    cls = attention_class("old-needs-path", api_version="1.6")
+    cls.Options = Required
+    registry = empty_registry()
+    with caplog.at_level("WARNING", logger="tessellm.core.registry"):
+        registry.add_module(module_with("old_required_mod", registering(cls)), package="testpkg")
+    assert registry.get("attention", "old-needs-path") is not None and not registry.failures
+    assert "'path'" in caplog.text and "have no default" in caplog.text
