@@ -122,14 +122,15 @@ def _bad_token(token: object, vocab: int) -> str | None:
 
 
 def check_decoded(decoder: Plugin, tokens: object, batch: BatchMetadata, vocab: int) -> None:
-    """``decode``'s return: a list of one list of 1 to drafts + 1 Python ints a sample slot."""
+    """``decode``'s return: a list of one list of 1 to drafts + 1 Python ints a sample slot
+    (tuples pass too: the engine only iterates them)."""
     slots = batch.samples
-    if not isinstance(tokens, list) or len(tokens) != len(slots):
-        got = f"a list of {len(tokens)}" if isinstance(tokens, list) else f"a {type(tokens).__name__}"
+    if not isinstance(tokens, (list, tuple)) or len(tokens) != len(slots):
+        got = f"a list of {len(tokens)}" if isinstance(tokens, (list, tuple)) else f"a {type(tokens).__name__}"
         raise broken(decoder, f"decode returned {got}; it returns a list with one entry for each of the "
                               f"{len(slots)} sample slots")
     for i, (slot, accepted) in enumerate(zip(slots, tokens)):
-        if not isinstance(accepted, list):
+        if not isinstance(accepted, (list, tuple)):
             raise broken(decoder, f"decode returned the {type(accepted).__name__} {accepted!r} for sample slot {i}; "
                                   f"each slot's entry is a list of tokens (one for plain decoding)")
         if not 1 <= len(accepted) <= len(slot.draft_tokens) + 1:
