@@ -222,6 +222,32 @@ def _unavailable(kind: str, name: str, options: dict[str, Any]) -> str:
     return ""
 
 
+_KEPT = ("base", "check", "pytest_plugin")  # counters, this runner and the fixtures: shared with the caller
+
+
+@contextlib.contextmanager
+def _fresh_suites() -> Any:
+    """The suites imported anew for the check, and the caller's modules put back after. A
+    property's example cap is fixed when its class is defined, under the hypothesis profile
+    loaded then: a suite module a test session imported earlier (under its own profile)
+    would ignore ``--examples``."""
+    package = "tessellm.testing.conformance"
+    saved = {name: module for name, module in sys.modules.items()
+             if (name == package or name.startswith(package + ".")) and name.rsplit(".", 1)[-1] not in _KEPT}
+    for name in saved:
+        del sys.modules[name]
+    parent = sys.modules.get("tessellm.testing")
+    try:
+        yield
+    finally:
+        for name in [n for n in sys.modules if n == package or n.startswith(package + ".")]:
+            if name.rsplit(".", 1)[-1] not in _KEPT:
+                del sys.modules[name]
+        sys.modules.update(saved)
+        if parent is not None and package in saved:
+            parent.conformance = saved[package]
+
+
 def _current_profile() -> str | None:
     from hypothesis import settings
 
@@ -258,11 +284,12 @@ def run_check(kind: str, name: str, options: dict[str, Any] | None = None, *, ex
         before = dict(CASES)
         profile = _current_profile()
         try:
-            if verbose:
-                pytest.main(args, plugins=[collector])
-            else:
-                with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            with _fresh_suites():
+                if verbose:
                     pytest.main(args, plugins=[collector])
+                else:
+                    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+                        pytest.main(args, plugins=[collector])
         finally:  # neither the check's profile nor its module may outlive it (a second check in
             # this process would otherwise find the first one's test module under the same name)
             for module_name, module in list(sys.modules.items()):
