@@ -60,10 +60,19 @@ def hf_model(smollm2_dir):
     return AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
 
 
+_REFERENCES: dict[str, tuple] = {}  # kind -> case: pytest rebuilds a module fixture that two params interleave
+
+
 @pytest.fixture(scope="module", params=["plain", "chat"])
 def case(request, smollm2_llm, hf_model):
     """(prompt token ids, transformers' greedy continuation) for each prompt, run alone."""
-    chat = request.param == "chat"
+    if request.param not in _REFERENCES:
+        _REFERENCES[request.param] = _reference_case(request.param, smollm2_llm, hf_model)
+    return _REFERENCES[request.param]
+
+
+def _reference_case(kind: str, smollm2_llm, hf_model) -> tuple:
+    chat = kind == "chat"
     prompts = CHAT_PROMPTS if chat else PROMPTS
     ids = [smollm2_llm.encode(p, chat=chat) for p in prompts]
     refs = []
@@ -72,7 +81,7 @@ def case(request, smollm2_llm, hf_model):
             out = hf_model.generate(torch.tensor([tokens]), max_new_tokens=NEW_TOKENS, do_sample=False,
                                     pad_token_id=2, eos_token_id=2)
         refs.append(out[0, len(tokens):].tolist())
-    return request.param, ids, refs
+    return kind, ids, refs
 
 
 def _check_agreement(hf_model, prompt: list[int], ours: list[int], ref: list[int], where: str) -> str | None:
@@ -104,9 +113,11 @@ def test_prompts_are_varied(case):
 
 
 def test_greedy_alone_matches_transformers(case, smollm2_llm, hf_model, record_property):
+    """Every other prompt alone (the batched test runs them all): a batch of one has its own
+    reduction orders."""
     kind, ids, refs = case
     reports = []
-    for n, (tokens, ref) in enumerate(zip(ids, refs)):
+    for n, (tokens, ref) in list(enumerate(zip(ids, refs)))[::2]:
         out = smollm2_llm.generate([tokens], {"max_tokens": NEW_TOKENS})[0]
         reports.append(_check_agreement(hf_model, tokens, out.token_ids, ref, f"{kind} prompt {n} alone"))
     reports = [r for r in reports if r]
