@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -80,6 +80,9 @@ class _QuestGroup:
     max_chosen: int  # the largest of them
     num_blocks: torch.Tensor  # [B] int32 blocks each sequence has
     kernel: bool  # decodes through the Triton kernels
+    seqs: list = field(default_factory=list)  # the member sequences, for an observer
+    observer: Any = None  # observe_selection's callback, with ``layer`` the layer attending
+    layer: int = -1
 
     def attend(self, q: torch.Tensor, kv: KVStorage, scale: float, out: torch.Tensor) -> None:
         b, r = self.rows.shape
@@ -91,6 +94,8 @@ class _QuestGroup:
         query = q[self.rows].view(b, r, hkv, -1, q.shape[-1])  # [B, R, Hkv, G, D]
         scores = block_scores(query, kmin[self.tables], kmax[self.tables])
         index, chosen_ok = select_blocks(scores, self.block_ok, self.forced, self.num_chosen)
+        if self.observer is not None:
+            self._report(index, chosen_ok)
         bs = self.block_size
         offs = torch.arange(bs, device=q.device)
         blocks = self.tables[:, None, :].expand(b, hkv, -1).gather(-1, index)  # [B, Hkv, K]
@@ -120,6 +125,17 @@ class _QuestGroup:
         k_scale, v_scale = kv.kv_scales() if k_cache.dtype == torch.int8 else (None, None)
         paged_decode_attention(q, k_cache, v_cache, out, rows, blocks, lengths, blocks.shape[-1] * self.block_size,
                                scale, self.block_size, k_scale=k_scale, v_scale=v_scale)
+        if self.observer is not None:  # block ids back to columns of the table; -(-len // bs) chosen per head
+            used = torch.arange(blocks.shape[-1], device=blocks.device) < -(-lengths[..., None] // self.block_size)
+            column = (self.tables[:, None, None, :] == blocks[..., None]).int().argmax(dim=-1)
+            self._report(column, used)
+
+    def _report(self, index: torch.Tensor, chosen_ok: torch.Tensor) -> None:
+        """Hand the observer each member's chosen blocks per KV head, as table columns
+        (logical blocks: position // block_size)."""
+        chosen = [[[c for c, ok in zip(cols, oks) if ok] for cols, oks in zip(heads, head_oks)]
+                  for heads, head_oks in zip(index.tolist(), chosen_ok.tolist())]
+        self.observer(self.layer, self.seqs, chosen)
 
 
 def _dense_is_flash(options: QuestOptions, device: torch.device) -> bool:
@@ -199,6 +215,7 @@ class QuestAttention(SdpaAttention):
 
     def __init__(self, options: QuestOptions, model, device: torch.device, dtype: torch.dtype):
         super().__init__(options, model, device, dtype)
+        self._observer = None
         self.flash = None
         if _dense_is_flash(options, device):
             from tessellm.plugins.attention.flash import FlashAttention, FlashOptions
@@ -218,7 +235,14 @@ class QuestAttention(SdpaAttention):
         chosen = set(sparse)
         rest = self._groups(batch, [i for i in range(batch.num_seqs) if i not in chosen], qsl)
         group = self._quest_group(batch, sparse, qsl, batch.input_ids.device)
-        return QuestPlan(dense, SdpaPlan(batch.slot_mapping, [group, *rest]))
+        return QuestPlan(dense, SdpaPlan(batch.slot_mapping, [group, *rest]), group=group)
+
+    def observe_selection(self, observer: Any) -> None:
+        """Call ``observer(layer, seqs, blocks)`` on every sparse attention: ``blocks[b][h]``
+        the logical blocks (position // block_size) KV head h of ``seqs[b]`` attends in
+        ``layer`` (evaluations: tessellm eval passkey); None stops. It costs a host copy of
+        the selection a layer, so it is off unless asked for."""
+        self._observer = observer
 
     def _budget_blocks(self, block_size: int) -> int:
         """Blocks each sparse query attends (before forced blocks beyond the budget)."""
@@ -264,7 +288,8 @@ class QuestAttention(SdpaAttention):
         return _QuestGroup(rows.to(device), (r < q_lens[:, None]).to(device), q_pos.to(device), tables.to(device),
                            block_ok.to(device), forced.to(device), kv_lens.to(torch.int32).to(device), bs,
                            chosen.to(torch.int32).to(device), int(chosen.max()),
-                           num_blocks.to(torch.int32).to(device), self._use_kernel())
+                           num_blocks.to(torch.int32).to(device), self._use_kernel(),
+                           [batch.seqs[i] for i in members] if self._observer is not None else [], self._observer)
 
     def _use_kernel(self) -> bool:
         return _kernel_is_triton(self.options, self.device)
@@ -272,6 +297,8 @@ class QuestAttention(SdpaAttention):
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 kv: KVStorage, plan: QuestPlan) -> torch.Tensor:
         dense = layer < self.options.dense_layers
+        if plan.group is not None:
+            plan.group.layer = layer
         if self.flash is None:
             return super().forward(layer, q, k, v, kv, plan.dense if dense or plan.sparse is None else plan.sparse)
         kv.store(k, v, plan.dense.slot_mapping)  # through the storage: it keeps the key bounds

@@ -24,8 +24,10 @@ def add_parser(sub: Any, add_config_args: Callable[[argparse.ArgumentParser], No
     k = kinds.add_parser("passkey", help="passkey retrieval accuracy at a context length")
     add_config_args(k)
     k.add_argument("--context", type=int, default=1024, help="prompt tokens, at most (default 1024; 128 up to max_model_len - 8)")
-    k.add_argument("--trials", type=int, default=10, help="prompts, the key's depth spread from start to end (default 10)")
-    k.add_argument("--seed", type=int, default=0, help="seed of the keys (default 0)")
+    k.add_argument("--trials", type=int, default=30,
+                   help="prompts, the key's depth uniform over the context, fillers, phrasings and key lengths in "
+                        "turn (default 30)")
+    k.add_argument("--seed", type=int, default=0, help="seed of the keys, depths and key lengths (default 0)")
     k.add_argument("--json", action="store_true", help="print one JSON object (key 'accuracy' and every trial)")
 
     h = kinds.add_parser("lm-eval", help="run lm-evaluation-harness with the 'tessellm' model registered (the [eval] extra)",
@@ -67,7 +69,13 @@ def _passkey(args: argparse.Namespace) -> int:
         print(json.dumps(result.as_dict()))
     else:
         for t in result.trials:
-            print(f"depth {t.depth:.2f}  key {t.key}  {'ok  ' if t.correct else 'MISS'}  answer {t.answer!r}")
+            print(f"depth {t.depth:.2f}  {t.filler:<5}  phrasing {t.phrasing}  key {t.key:<7}  "
+                  f"{'ok  ' if t.correct else 'MISS'}  answer {t.answer!r}")
+        print("by depth decile (found/trials): " + "  ".join(f"{i / 10:.1f}: {f}/{n}" for i, (f, n)
+                                                             in enumerate(result.by_decile) if n))
+        if result.selection:
+            print("share of the key's blocks selected, per sparse layer: " + "  ".join(
+                f"{layer}: {share:.2f}" for layer, share in result.selection.items()))
         print(f"passkey accuracy {result.accuracy:.0%} ({sum(t.correct for t in result.trials)}/{len(result.trials)}) "
               f"at {result.prompt_tokens} tokens of context, {result.seconds:.1f} s")
     return 0

@@ -333,3 +333,35 @@ def test_whole_model_triton_decode_gives_the_torch_paths_tokens(cpu_config, tiny
         return [o.token_ids for o in llm.generate(prompts, params)]
 
     assert tokens("triton", "flash") == tokens("torch", "sdpa")
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+def test_an_observer_sees_each_sparse_layers_chosen_blocks(cpu_config, tiny_model, kernel, monkeypatch):
+    """``observe_selection``: per sparse layer and sequence, each KV head's chosen blocks as
+    logical block indices: the budget's count, the first and the newest among them; the
+    Triton path (interpreted) reports what the torch path chooses."""
+    from tessellm import LLM
+
+    if kernel == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (60, 37)]
+    seen: dict[str, list] = {}
+
+    def observer(layer, seqs, blocks):
+        for seq, heads in zip(seqs, blocks):
+            seen.setdefault(kernel, []).append((layer, len(seq.token_ids), seq.num_prompt_tokens, heads))
+
+    llm = LLM(cpu_config(tiny_model("llama"), attention={"name": "quest", "options": {
+        "token_budget": 8, "dense_layers": 1, "kernel": kernel}},
+        cache={"name": "paged", "options": {"block_size": 4, "num_blocks": 256}}))
+    llm.pipeline.attention.observe_selection(observer)
+    llm.generate(prompts, {"max_tokens": 4, "ignore_eos": True})
+    records = seen[kernel]
+    assert {layer for layer, *_ in records} == {1}  # the tiny model's layer 0 runs dense
+    for _, length, prompt, heads in records:
+        newest = (length - 1) // 4  # the query's block: the last token, not yet appended, is at length - 1
+        assert len(heads) == 2 and all(len(h) == 2 and 0 in h and newest in h for h in heads), heads
+    llm.pipeline.attention.observe_selection(None)
+    llm.generate(prompts[:1], {"max_tokens": 2, "ignore_eos": True})
+    assert len(seen[kernel]) == len(records)
