@@ -25,7 +25,8 @@ How to run
 ----------
     python bench/quest_passkey.py --context 4096 --trials 30 --arms '{}' '{"token_budget": 512}' \\
         --budget 256 --diagnose 10 --json out.json
-(each arm is a JSON object of `quest` options; token_budget defaults to ``--budget``).
+(each arm is a JSON object of `quest` options, and optionally the cache's ``block_size`` and
+``bounds_page_size``; token_budget defaults to ``--budget``).
 """
 
 from __future__ import annotations
@@ -44,26 +45,39 @@ from tessellm.bench.offline import describe_device
 from tessellm.eval.passkey import case_prompt, draw_cases, passkey
 
 
-def pipeline(attention: dict, context: int, block_size: int, prefix_caching: bool = True) -> LLM:
+def pipeline(attention: dict, context: int, block_size: int, prefix_caching: bool = True,
+             bounds_page_size: int | None = None) -> LLM:
     cache = {"block_size": block_size, "prefix_caching": prefix_caching}
-    return LLM({"model": "smollm2-135m", "device": "cpu", "dtype": "float32", "max_model_len": context + 32,
+    if bounds_page_size is not None:
+        cache["bounds_page_size"] = bounds_page_size
+    return LLM({"model": "smollm2-135m", "device": "cpu", "dtype": "float32", "max_model_len": min(context + 32, 8192),
                 "attention": attention, "cache": {"name": "paged", "options": cache},
                 "scheduler": {"name": "continuous", "options": {"max_num_batched_tokens": 4096}}})
 
 
 def run_arms(args: argparse.Namespace, cases: list) -> list[dict]:
-    arms = [{"name": "sdpa"}] + [{"name": "quest", "options": {"token_budget": args.budget, **json.loads(a)}}
-                                 for a in args.arms]
+    arms = [({"name": "sdpa"}, args.block_size, None)]
+    for text in args.arms:
+        options = {"token_budget": args.budget, **json.loads(text)}
+        arms.append(({"name": "quest", "options": options}, options.pop("block_size", args.block_size),
+                     options.pop("bounds_page_size", None)))
     results, dense_found = [], None
-    for attention in arms:
-        llm = pipeline(attention, args.context, args.block_size)
+    for attention, block_size, page in arms:
+        llm = pipeline(attention, args.context, block_size, bounds_page_size=page)
         start = time.perf_counter()
-        result = passkey(llm, context=args.context, cases=cases)
+        # past dense, only the prompts dense answers (what an arm keeps of dense's finds)
+        run = cases if dense_found is None or not args.dense_found_only else \
+            [c for c, ok in zip(cases, dense_found) if ok]
+        result = passkey(llm, context=args.context, cases=run)
         found = [t.correct for t in result.trials]
         if dense_found is None:
             dense_found = found
+        elif args.dense_found_only:
+            it = iter(found)
+            found = [next(it) if ok else False for ok in dense_found]
         kept = sum(a and b for a, b in zip(found, dense_found)) / max(sum(dense_found), 1)
-        row = {"attention": attention, "accuracy": result.accuracy, "found": sum(found),
+        row = {"attention": attention, "block_size": block_size, "bounds_page": llm.pipeline.cache.layout.bounds_page,
+               "accuracy": result.accuracy, "found": sum(found),
                "found_of_dense": round(kept, 4), "by_decile": result.by_decile, "selection": result.selection,
                "misses": [i for i, ok in enumerate(found) if not ok], "seconds": round(time.perf_counter() - start, 1)}
         print(json.dumps(row), flush=True)
@@ -174,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=int, default=256)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--arms", nargs="*", default=[], metavar="JSON", help="quest options of each arm")
+    ap.add_argument("--dense-found-only", action="store_true",
+                    help="run the quest arms on the prompts dense answers only (the ratio is the same; accuracy "
+                         "and deciles then count those)")
     ap.add_argument("--diagnose", type=int, default=0, metavar="N", help="prompts to diagnose (0: none)")
     ap.add_argument("--dense-layers", type=int, default=2, help="layers the diagnosis skips (QUEST runs them dense)")
     ap.add_argument("--retrieval-mass", type=float, default=0.1,

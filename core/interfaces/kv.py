@@ -31,9 +31,18 @@ class KVLayout:
     """The storage dtype; torch.int8 means int8 values plus per-token scales
     (``KVStorage.kv_scales``)."""
     extras: frozenset[str] = frozenset()
-    """Side data the cache keeps current on every store. "key_bounds": per block, the
-    elementwise minimum and maximum of its keys (``KVStorage.key_bounds``), which
-    query-aware sparse attention (QUEST) scores blocks by."""
+    """Side data the cache keeps current on every store. "key_bounds": per page (see
+    ``page_size``), the elementwise minimum and maximum of its keys (``KVStorage.key_bounds``),
+    which query-aware sparse attention (QUEST) scores pages by."""
+    page_size: int | None = None
+    """Tokens per page of the "key_bounds" extra: slots ``p * page_size`` up to the next page
+    are page ``p`` (a divisor of ``block_size``, so a page never straddles two blocks);
+    None: one page per block (plugin API 1.7)."""
+
+    @property
+    def bounds_page(self) -> int:
+        """Tokens per key-bounds page: ``page_size``, or the block where it is None."""
+        return self.page_size or self.block_size
 
 
 class KVStorage(ABC):

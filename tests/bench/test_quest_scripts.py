@@ -33,3 +33,19 @@ def test_end_to_end_smoke_runs_both_arms(tmp_path):
     arms = json.loads(out.read_text())["arms"]
     assert [a["attention"]["name"] for a in arms] == ["sdpa", "quest"]
     assert all(a["tpot_ms"] > 0 for a in arms) and arms[1]["decode_speedup"] > 0
+
+
+def test_passkey_arms_and_diagnosis_report_what_they_claim(tmp_path, smollm2_dir):
+    """bench/quest_passkey.py on short prompts: dense and one quest arm with the share of
+    dense's keys each keeps, and the diagnosis' rules per layer, each share in [0, 1]."""
+    out = tmp_path / "passkey.json"
+    run("quest_passkey.py", "--context", "200", "--trials", "2", "--budget", "64", "--arms", "{}",
+        "--diagnose", "1", "--retrieval-mass", "0.0", "--json", str(out))
+    report = json.loads(out.read_text())
+    dense, quest = report["arms"]
+    assert dense["attention"] == {"name": "sdpa"} and dense["found_of_dense"] == 1.0
+    assert quest["attention"]["name"] == "quest" and quest["bounds_page"] == 4 and 0 <= quest["found_of_dense"] <= 1
+    assert quest["selection"] and all(0 <= v <= 1 for v in quest["selection"].values())
+    overall = report["diagnosis"]["overall"]
+    assert set(overall) == {"quest", "relative", "bound_mass", "per_query_head", "true_max", "attention"}
+    assert all(0 <= v <= 1 for v in overall.values()) and report["diagnosis"]["pairs"] > 0

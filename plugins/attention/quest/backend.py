@@ -1,5 +1,9 @@
 """Attention `quest`: query-aware sparse attention for long-context decode (Tang et al., ICML
-2024), over the `paged` cache's per-block key bounds.
+2024), over the `paged` cache's per-page key bounds.
+
+A page is what the cache keeps key bounds for: ``KVLayout.bounds_page`` tokens, a block or
+a part of one (the `paged` cache's ``bounds_page_size``, 4 by default). Below, "blocks" are
+these pages.
 
 Per step and layer:
 - prompts and prompt chunks (however short), query runs longer than ``max_query_len`` and
@@ -41,9 +45,9 @@ class QuestOptions(SdpaOptions):
     """Options of the `quest` attention backend."""
 
     token_budget: int = Field(2048, ge=1)
-    """Tokens each sparse query attends: ``token_budget // block_size`` whole blocks (the
-    first and the newest always among them, even where they alone exceed the budget). A
-    context of at most this many tokens runs dense, exactly."""
+    """Tokens each sparse query attends: ``token_budget // page`` whole pages (the cache's
+    key-bounds pages; the first and the newest always among them, even where they alone
+    exceed the budget). A context of at most this many tokens runs dense, exactly."""
     kernel: Literal["auto", "torch", "triton"] = "auto"
     """Decodes (one query row) in Triton: block scoring and top-K selection (kernels.py), then
     `flash`'s split-K decode kernel with each KV head reading only its chosen blocks
@@ -75,7 +79,7 @@ class _QuestGroup:
     block_ok: torch.Tensor
     forced: torch.Tensor
     kv_lens: torch.Tensor
-    block_size: int
+    block_size: int  # tokens per page: the tables hold page ids (slot // block_size)
     num_chosen: torch.Tensor  # [B] blocks each sequence attends
     max_chosen: int  # the largest of them
     num_blocks: torch.Tensor  # [B] int32 blocks each sequence has
@@ -155,6 +159,11 @@ def _in_prompt(batch: BatchMetadata, i: int) -> bool:
     return bool(batch.seqs) and batch.seq_lens_cpu[i] <= batch.seqs[i].num_prompt_tokens
 
 
+def _page(batch: BatchMetadata, cache: CacheManager | None) -> int:
+    """Tokens per key-bounds page: the cache layout's (a plan made without a cache: the block)."""
+    return cache.layout.bounds_page if cache is not None else batch.block_size
+
+
 @dataclass
 class QuestPlan:
     """The step's dense plan (the first ``dense_layers`` layers) and sparse plan (the rest).
@@ -202,10 +211,10 @@ class QuestAttention(SdpaAttention):
         if layout is not None and _kernel_is_triton(ctx.options, ctx.device) and importlib.util.find_spec("triton"):
             from tessellm.plugins.attention.quest.kernels import MAX_BLOCKS
 
-            if -(-ctx.max_model_len // layout.block_size) > MAX_BLOCKS:
-                reasons.append(f"kernel: triton selects among at most {MAX_BLOCKS} blocks per sequence; "
-                               f"max_model_len {ctx.max_model_len} at block_size {layout.block_size} makes more "
-                               f"(raise block_size, or set kernel: torch)")
+            if -(-ctx.max_model_len // layout.bounds_page) > MAX_BLOCKS:
+                reasons.append(f"kernel: triton selects among at most {MAX_BLOCKS} pages per sequence; "
+                               f"max_model_len {ctx.max_model_len} at pages of {layout.bounds_page} tokens makes "
+                               f"more (raise the cache's bounds_page_size, or set kernel: torch)")
         if ctx.options.kernel == "triton":
             if importlib.util.find_spec("triton") is None:
                 reasons.append("kernel: triton needs triton, which is not installed")
@@ -225,7 +234,8 @@ class QuestAttention(SdpaAttention):
     def plan(self, batch: BatchMetadata, cache: CacheManager) -> QuestPlan:
         if self.flash is not None:
             return self._flash_plan(batch, cache)
-        sparse = self._sparse_members(batch)
+        page = _page(batch, cache)
+        sparse = self._sparse_members(batch, page)
         if not sparse:
             dense = super().plan(batch, cache)
             return QuestPlan(dense, dense)
@@ -234,7 +244,7 @@ class QuestAttention(SdpaAttention):
         qsl = batch.query_starts_cpu
         chosen = set(sparse)
         rest = self._groups(batch, [i for i in range(batch.num_seqs) if i not in chosen], qsl)
-        group = self._quest_group(batch, sparse, qsl, batch.input_ids.device)
+        group = self._quest_group(batch, sparse, qsl, batch.input_ids.device, page)
         return QuestPlan(dense, SdpaPlan(batch.slot_mapping, [group, *rest]), group=group)
 
     def observe_selection(self, observer: Any) -> None:
@@ -244,51 +254,54 @@ class QuestAttention(SdpaAttention):
         the selection a layer, so it is off unless asked for."""
         self._observer = observer
 
-    def _budget_blocks(self, block_size: int) -> int:
-        """Blocks each sparse query attends (before forced blocks beyond the budget)."""
-        return max(self.options.token_budget // block_size, 1)
+    def _budget_pages(self, page_size: int) -> int:
+        """Pages each sparse query attends (before forced pages beyond the budget)."""
+        return max(self.options.token_budget // page_size, 1)
 
-    def _sparse_members(self, batch: BatchMetadata) -> list[int]:
+    def _sparse_members(self, batch: BatchMetadata, page_size: int) -> list[int]:
         """The sequences that attend sparsely this step (past their prompt, a short query run,
         a context beyond the budget)."""
-        bs = batch.block_size
         return [i for i in range(batch.num_seqs)
                 if batch.query_lens_cpu[i] <= self.options.max_query_len and not _in_prompt(batch, i)
-                and -(-batch.seq_lens_cpu[i] // bs) > self._budget_blocks(bs)
+                and -(-batch.seq_lens_cpu[i] // page_size) > self._budget_pages(page_size)
                 and batch.seq_lens_cpu[i] > self.options.token_budget]
 
     def _flash_plan(self, batch: BatchMetadata, cache: CacheManager) -> QuestPlan:
         dense = self.flash.plan(batch, cache)
-        sparse = self._sparse_members(batch)
+        page = _page(batch, cache)
+        sparse = self._sparse_members(batch, page)
         if not sparse:
             return QuestPlan(dense)
         qsl = batch.query_starts_cpu
         chosen = set(sparse)
         others = [i for i in range(batch.num_seqs) if i not in chosen]
         return QuestPlan(dense, None, self.flash.plan_members(batch, others) if others else None,
-                         self._quest_group(batch, sparse, qsl, batch.input_ids.device))
+                         self._quest_group(batch, sparse, qsl, batch.input_ids.device, page))
 
     def _quest_group(self, batch: BatchMetadata, members: list[int], qsl: list[int],
-                     device: torch.device) -> _QuestGroup:
-        bs = batch.block_size
+                     device: torch.device, page: int) -> _QuestGroup:
+        """The sparse members' page tables (a block's pages are its slots in runs of
+        ``page``: page ids block * pages_per_block + j), forced and chosen pages."""
+        per_block = batch.block_size // page
         q_lens = torch.tensor([batch.query_lens_cpu[i] for i in members])
         kv_lens = torch.tensor([batch.seq_lens_cpu[i] for i in members])
-        num_blocks = -(-kv_lens // bs)
-        width, rows_max = int(num_blocks.max()), int(q_lens.max())
-        tables = batch.padded_tables(members, width)
+        num_pages = -(-kv_lens // page)
+        width, rows_max = int(num_pages.max()), int(q_lens.max())
+        blocks = batch.padded_tables(members, -(-width // per_block))
+        tables = (blocks[:, :, None] * per_block + torch.arange(per_block)).flatten(1)[:, :width]
         col = torch.arange(width)[None, :]
-        block_ok = col < num_blocks[:, None]
+        block_ok = col < num_pages[:, None]
         tables = torch.where(block_ok, tables, tables[:, :1])
-        first_query_block = (kv_lens - q_lens) // bs
-        forced = block_ok & ((col == 0) | (col >= first_query_block[:, None]))
-        chosen = forced.sum(dim=1).clamp(min=self._budget_blocks(bs))  # forced blocks beyond the budget stay
+        first_query_page = (kv_lens - q_lens) // page
+        forced = block_ok & ((col == 0) | (col >= first_query_page[:, None]))
+        chosen = forced.sum(dim=1).clamp(min=self._budget_pages(page))  # forced pages beyond the budget stay
         r = torch.arange(rows_max)[None, :]
         rows = torch.tensor([qsl[i] for i in members])[:, None] + torch.minimum(r, q_lens[:, None] - 1)
         q_pos = (kv_lens - q_lens)[:, None] + torch.minimum(r, q_lens[:, None] - 1)
         return _QuestGroup(rows.to(device), (r < q_lens[:, None]).to(device), q_pos.to(device), tables.to(device),
-                           block_ok.to(device), forced.to(device), kv_lens.to(torch.int32).to(device), bs,
+                           block_ok.to(device), forced.to(device), kv_lens.to(torch.int32).to(device), page,
                            chosen.to(torch.int32).to(device), int(chosen.max()),
-                           num_blocks.to(torch.int32).to(device), self._use_kernel(),
+                           num_pages.to(torch.int32).to(device), self._use_kernel(),
                            [batch.seqs[i] for i in members] if self._observer is not None else [], self._observer)
 
     def _use_kernel(self) -> bool:

@@ -1,21 +1,23 @@
-"""Per-block key bounds for the `paged` cache (the "key_bounds" layout extra, which QUEST
-asks for): per block, KV head and channel, the minimum and maximum of the keys it holds.
+"""Per-page key bounds for the `paged` cache (the "key_bounds" layout extra, which QUEST
+asks for): per page (``KVLayout.page_size`` tokens, a divisor of the block; the whole block
+where it is None), KV head and channel, the minimum and maximum of the keys it holds.
 
-A block is written in position order by the one sequence that owns it (a shared block is
-copied before anyone writes to it), so after a store the block's valid tokens are its
-offsets 0 up to the largest offset just written. The bounds are recomputed over exactly
-those tokens, read back as stored (dequantized for int8), so they are exact, not merely
-grown: tokens past a rollback that a later step overwrites never linger in them. Per store
-that reads at most one block's tokens per written block (decode: one block per sequence).
+A block, and so each of its pages, is written in position order by the one sequence that
+owns it (a shared block is copied before anyone writes to it), so after a store the page's
+valid tokens are its offsets 0 up to the largest offset just written. The bounds are
+recomputed over exactly those tokens, read back as stored (dequantized for int8), so they
+are exact, not merely grown: tokens past a rollback that a later step overwrites never
+linger in them. Per store that reads at most one page's tokens per written page (decode:
+one page per sequence).
 
-Copy-on-write copies a block's bounds with its tokens; ``refresh_bounds`` recomputes a
-block that a truncation left partly filled (the manager calls it for blocks it owns alone).
-So every full block's bounds are exactly those of its keys, and stay so under prefix
-sharing, forks, rollback and preemption (tests/plugins/cache/paged/test_key_bounds.py). A
-partly filled block that several sequences hold and one of them truncated keeps bounds
-over the longest holder's keys until it is written again: they still contain every
-holder's keys, and a partly filled block is always its holder's newest, which QUEST
-attends whatever its score.
+Copy-on-write copies a block's page bounds with its tokens; ``refresh_bounds`` recomputes
+the pages of a block that a truncation left partly filled (the manager calls it for blocks
+it owns alone). So every full page's bounds are exactly those of its keys, and stay so
+under prefix sharing, forks, rollback and preemption
+(tests/plugins/cache/paged/test_key_bounds.py). A partly filled block that several
+sequences hold and one of them truncated keeps bounds over the longest holder's keys until
+it is written again: they still contain every holder's keys, and a partly filled block is
+always its holder's newest, which QUEST attends whatever its score.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ KEY_BOUNDS = "key_bounds"
 
 
 class KeyBoundsMixin:
-    """Adds ``key_bounds()`` to a paged layer storage: ``kmin``, ``kmax`` [num_blocks,
-    num_kv_heads, head_dim], refreshed by every ``store`` for the blocks it writes."""
+    """Adds ``key_bounds()`` to a paged layer storage: ``kmin``, ``kmax`` [num_pages,
+    num_kv_heads, head_dim], refreshed by every ``store`` for the pages it writes."""
 
     layout: KVLayout
     kmin: torch.Tensor
@@ -38,10 +40,10 @@ class KeyBoundsMixin:
 
     def _init_bounds(self, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                      device: torch.device) -> None:
-        num_blocks = num_slots // self.layout.block_size
-        # a block never written has empty bounds: +inf / -inf (no key lies inside them)
-        self.kmin = torch.full((num_blocks, num_kv_heads, head_dim), float("inf"), dtype=dtype, device=device)
-        self.kmax = torch.full((num_blocks, num_kv_heads, head_dim), float("-inf"), dtype=dtype, device=device)
+        num_pages = num_slots // self.layout.bounds_page
+        # a page never written has empty bounds: +inf / -inf (no key lies inside them)
+        self.kmin = torch.full((num_pages, num_kv_heads, head_dim), float("inf"), dtype=dtype, device=device)
+        self.kmax = torch.full((num_pages, num_kv_heads, head_dim), float("-inf"), dtype=dtype, device=device)
 
     def key_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.kmin, self.kmax
@@ -51,28 +53,28 @@ class KeyBoundsMixin:
         self.update_bounds(slot_mapping)
 
     def update_bounds(self, slots: torch.Tensor) -> None:
-        """Recompute the bounds of every block ``slots`` wrote, over its offsets 0 .. the
+        """Recompute the bounds of every page ``slots`` wrote, over its offsets 0 .. the
         largest offset written. For kernels that store K/V themselves (fused RoPE + store)."""
         if slots.numel() == 0:
             return
-        bs = self.layout.block_size
-        blocks, offsets = slots // bs, slots % bs
+        ps = self.layout.bounds_page
+        pages, offsets = slots // ps, slots % ps
         if not (slots.is_cuda and torch.cuda.is_current_stream_capturing()):
-            # only the token that ends a run of its block needs to recompute: its prefix
-            # covers the run's earlier tokens (the block's largest offset always ends a run)
-            ends = torch.ones_like(blocks, dtype=torch.bool)
-            ends[:-1] = (blocks[1:] != blocks[:-1]) | (offsets[1:] <= offsets[:-1])
-            blocks, offsets = blocks[ends], offsets[ends]
-        lo, hi = self._prefix_bounds(blocks, offsets)
-        index = blocks[:, None, None].expand_as(lo)
+            # only the token that ends a run of its page needs to recompute: its prefix
+            # covers the run's earlier tokens (the page's largest offset always ends a run)
+            ends = torch.ones_like(pages, dtype=torch.bool)
+            ends[:-1] = (pages[1:] != pages[:-1]) | (offsets[1:] <= offsets[:-1])
+            pages, offsets = pages[ends], offsets[ends]
+        lo, hi = self._prefix_bounds(pages, offsets)
+        index = pages[:, None, None].expand_as(lo)
         self.kmin.scatter_reduce_(0, index, lo, "amin", include_self=False)
         self.kmax.scatter_reduce_(0, index, hi, "amax", include_self=False)
 
-    def _prefix_bounds(self, blocks: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Bounds of each block's tokens at offsets 0..ends (inclusive): [n, Hkv, D] each."""
-        bs = self.layout.block_size
-        offs = torch.arange(bs, device=blocks.device)
-        keys = self._keys(blocks[:, None] * bs + offs)  # [n, bs, Hkv, D]
+    def _prefix_bounds(self, pages: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Bounds of each page's tokens at offsets 0..ends (inclusive): [n, Hkv, D] each."""
+        ps = self.layout.bounds_page
+        offs = torch.arange(ps, device=pages.device)
+        keys = self._keys(pages[:, None] * ps + offs)  # [n, ps, Hkv, D]
         outside = (offs[None, :] > ends[:, None])[:, :, None, None]
         # masked_fill, not arithmetic: an unwritten slot may hold NaN
         return (keys.masked_fill(outside, float("inf")).amin(dim=1),
@@ -82,23 +84,26 @@ class KeyBoundsMixin:
         return self.gather(slots)[0]  # type: ignore[attr-defined]
 
     def refresh_bounds(self, block: int, num_tokens: int) -> None:
-        """Recompute block ``block``'s bounds over its first ``num_tokens`` tokens (a truncation
-        left it partly filled); empty bounds for 0."""
-        if num_tokens <= 0:
-            self.kmin[block] = float("inf")
-            self.kmax[block] = float("-inf")
-            return
-        index = torch.tensor([block], device=self.kmin.device)
-        lo, hi = self._prefix_bounds(index, torch.tensor([num_tokens - 1], device=self.kmin.device))
-        self.kmin[block], self.kmax[block] = lo[0], hi[0]
+        """Recompute the bounds of block ``block``'s pages over its first ``num_tokens``
+        tokens (a truncation left it partly filled); empty bounds for pages left empty."""
+        ps, per_block = self.layout.bounds_page, self.layout.block_size // self.layout.bounds_page
+        for page in range(block * per_block, (block + 1) * per_block):
+            held = num_tokens - (page - block * per_block) * ps
+            if held <= 0:
+                self.kmin[page] = float("inf")
+                self.kmax[page] = float("-inf")
+                continue
+            index = torch.tensor([page], device=self.kmin.device)
+            lo, hi = self._prefix_bounds(index, torch.tensor([min(held, ps) - 1], device=self.kmin.device))
+            self.kmin[page], self.kmax[page] = lo[0], hi[0]
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy-on-write of whole blocks (the manager's only use): the tokens and their bounds."""
         super().copy_slots(src, dst)  # type: ignore[misc]
-        bs = self.layout.block_size
-        src_blocks, dst_blocks = src[::bs] // bs, dst[::bs] // bs
-        self.kmin[dst_blocks] = self.kmin[src_blocks]
-        self.kmax[dst_blocks] = self.kmax[src_blocks]
+        ps = self.layout.bounds_page
+        src_pages, dst_pages = src[::ps] // ps, dst[::ps] // ps
+        self.kmin[dst_pages] = self.kmin[src_pages]
+        self.kmax[dst_pages] = self.kmax[src_pages]
 
 
 class BoundedDenseKVStorage(KeyBoundsMixin, DenseKVStorage):
@@ -135,6 +140,7 @@ def make_layer_storage(layout: KVLayout, num_slots: int, num_kv_heads: int, head
     return cls(layout, num_slots, num_kv_heads, head_dim, device)
 
 
-def bounds_bytes_per_block(num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """Bytes one block's key bounds take per layer (a minimum and a maximum per channel)."""
-    return 2 * num_kv_heads * head_dim * dtype.itemsize
+def bounds_bytes_per_block(num_kv_heads: int, head_dim: int, dtype: torch.dtype, pages: int = 1) -> int:
+    """Bytes one block's key bounds take per layer (a minimum and a maximum per channel and
+    page, ``pages`` of them a block)."""
+    return 2 * pages * num_kv_heads * head_dim * dtype.itemsize

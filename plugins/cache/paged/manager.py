@@ -41,6 +41,12 @@ class PagedOptions(PluginOptions):
     """On CPU: bytes the cache takes (allocated lazily by the OS as blocks are written)."""
     prefix_caching: bool = True
     """Reuse full blocks across requests whose prompts share a prefix (same cache_salt)."""
+    bounds_page_size: int = Field(4, ge=1, le=1024)
+    """Where the attention backend asks for key bounds (QUEST, which scores and picks pages):
+    tokens per page they are kept for, a power of two; a block holds block_size / page_size
+    pages (at most block_size: a page per block). Smaller pages bound their keys tighter, so
+    a sparse query keeps the blocks it needs more often (docs/benchmarks.md, "QUEST"), and
+    cost more memory: a page's bounds take 1 / page_size of its tokens' K and V bytes."""
     kv_dtype: Literal["auto", "int8"] = "auto"
     """auto: K/V in the compute dtype; int8: int8 values with a float16 scale per token and
     KV head (int8_kv.py), about half the bytes of bfloat16; every built-in attention backend
@@ -48,18 +54,29 @@ class PagedOptions(PluginOptions):
 
     @model_validator(mode="after")
     def _power_of_two(self):
-        if self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two (kernels tile by it), not {self.block_size}")
+        for name in ("block_size", "bounds_page_size"):
+            value = getattr(self, name)
+            if value & (value - 1):
+                raise ValueError(f"{name} must be a power of two (kernels tile by it), not {value}")
         return self
 
 
-def bytes_per_block(model, block_size: int, dtype: torch.dtype, bounds_dtype: torch.dtype | None = None) -> int:
+def bounds_page(options: PagedOptions) -> int:
+    """Tokens per key-bounds page: the option, within the block."""
+    return min(options.bounds_page_size, options.block_size)
+
+
+def bytes_per_block(model, block_size: int, dtype: torch.dtype, bounds_dtype: torch.dtype | None = None,
+                    page_size: int | None = None) -> int:
     """K and V bytes of one block across all layers (``model``: a ModelSpec or CacheSpec) in
     storage dtype ``dtype`` (torch.int8: values and their scales), plus its key bounds in
-    ``bounds_dtype`` where the layout keeps them."""
+    ``bounds_dtype`` (per page of ``page_size`` tokens; None: per block) where the layout
+    keeps them."""
+    page_size = page_size or block_size
     shape = model.kv_shape  # two vectors per token (K and V) or one (an MLA latent)
     per_head = bytes_per_token_head(shape.head_dim) if dtype == torch.int8 else shape.head_dim * dtype.itemsize
-    bounds = bounds_bytes_per_block(shape.num_heads, shape.head_dim, bounds_dtype) if bounds_dtype is not None else 0
+    bounds = (bounds_bytes_per_block(shape.num_heads, shape.head_dim, bounds_dtype, block_size // page_size)
+              if bounds_dtype is not None else 0)
     return model.num_layers * (shape.tensors * block_size * shape.num_heads * per_head + bounds)
 
 
@@ -70,7 +87,7 @@ def storage_dtype(options: PagedOptions, compute_dtype: torch.dtype) -> torch.dt
 def _block_bytes(options: PagedOptions, model, dtype: torch.dtype, extras: frozenset[str]) -> int:
     """One block's bytes for this pipeline (``dtype``: the compute dtype, which bounds use)."""
     return bytes_per_block(model, options.block_size, storage_dtype(options, dtype),
-                           dtype if KEY_BOUNDS in extras else None)
+                           dtype if KEY_BOUNDS in extras else None, bounds_page(options))
 
 
 def _budget_blocks(options: PagedOptions, model, device: torch.device, dtype: torch.dtype,
@@ -106,7 +123,9 @@ class PagedCache(CacheManager):
         MLA model's latents ("latent")."""
         if ctx.model.kv_shape.format == "latent":
             return KVLayout("latent", options.block_size, storage_dtype(options, ctx.dtype))
-        return KVLayout("kv", options.block_size, storage_dtype(options, ctx.dtype), ctx.kv_extras & {KEY_BOUNDS})
+        extras = ctx.kv_extras & {KEY_BOUNDS}
+        return KVLayout("kv", options.block_size, storage_dtype(options, ctx.dtype), extras,
+                        bounds_page(options) if extras else None)
 
     @classmethod
     def unsupported_reasons(cls, ctx: SelectionContext) -> list[str]:

@@ -220,7 +220,7 @@ class SelectionRecorder:
         self.block_size = block_size
         self._trial_of_prompt = {tuple(p): i for i, p in enumerate(prompts)}
         self._trial_of_seq: dict[str, int] = {}
-        self._key_blocks = [frozenset(t // block_size for t in keys) for keys in key_tokens]
+        self._key_blocks = [frozenset(t // block_size for t in keys) for keys in key_tokens]  # QUEST's pages
         self._prompt_lens = [len(p) for p in prompts]
         self._sums: dict[tuple[int, int], list[float]] = {}  # (trial, layer) -> [sum of shares, count]
 
@@ -229,7 +229,7 @@ class SelectionRecorder:
         backend = llm.pipeline.attention
         if not hasattr(backend, "observe_selection"):
             return None
-        recorder = cls(backend, prompts, key_tokens, llm.pipeline.cache.layout.block_size)
+        recorder = cls(backend, prompts, key_tokens, llm.pipeline.cache.layout.bounds_page)
         backend.observe_selection(recorder)
         return recorder
 

@@ -38,8 +38,8 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
 
 
 class ReferenceKeyBoundsStorage(DenseKVStorage):
-    """``DenseKVStorage`` with the "key_bounds" extra computed by brute force: per block, the
-    minimum and maximum over every slot written so far. The reference for backends that read
+    """``DenseKVStorage`` with the "key_bounds" extra computed by brute force: per page
+    (``layout.bounds_page``), the minimum and maximum over every slot written so far. The reference for backends that read
     key bounds (QUEST), and for caches that keep them incrementally."""
 
     def __init__(self, layout: KVLayout, num_slots: int, num_kv_heads: int, head_dim: int, device: torch.device):
@@ -51,7 +51,8 @@ class ReferenceKeyBoundsStorage(DenseKVStorage):
         self.written[slot_mapping] = True
 
     def key_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, _ = self.blocks()
+        page = self.layout.bounds_page
+        keys = self.k.view(-1, page, *self.k.shape[1:])
         unwritten = ~self.written.view(keys.shape[0], -1)[:, :, None, None]
         return (keys.masked_fill(unwritten, float("inf")).amin(dim=1),
                 keys.masked_fill(unwritten, float("-inf")).amax(dim=1))
@@ -74,20 +75,20 @@ class PackedCase:
 
 def make_case(kv_lens: list[int], q_lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int,
               block_size: int, dtype: torch.dtype, seed: int, shared_blocks: int = 0,
-              extras: frozenset[str] = frozenset()) -> PackedCase:
+              extras: frozenset[str] = frozenset(), page_size: int | None = None) -> PackedCase:
     """Sequences of context ``kv_lens`` whose last ``q_lens`` tokens are this step's queries;
     earlier tokens are already in a cache whose blocks are scattered at random.
 
     ``shared_blocks``: every sequence whose cached context covers that many whole blocks
     starts with the same blocks (the same physical ids and K/V), as prefix caching and
     parallel sampling leave them. ``extras``: layout extras the storage keeps ("key_bounds":
-    ``ReferenceKeyBoundsStorage``)."""
+    ``ReferenceKeyBoundsStorage``, per page of ``page_size`` tokens; None: per block)."""
     g = torch.Generator().manual_seed(seed)
     tables, sharing, num_blocks = _scattered_tables(kv_lens, q_lens, block_size, shared_blocks, g)
     prefix = shared_blocks * block_size
     prefix_k = torch.randn(prefix, num_kv_heads, head_dim, generator=g).to(dtype)
     prefix_v = torch.randn(prefix, num_kv_heads, head_dim, generator=g).to(dtype)
-    layout = KVLayout("kv", block_size, dtype, frozenset(extras))
+    layout = KVLayout("kv", block_size, dtype, frozenset(extras), page_size)
     storage_cls = ReferenceKeyBoundsStorage if "key_bounds" in extras else DenseKVStorage
     storage = storage_cls(layout, num_blocks * block_size, num_kv_heads, head_dim, torch.device("cpu"))
     storage.k.fill_(float("nan"))  # unwritten slots must never be read, not even masked

@@ -72,8 +72,9 @@ def quest(budget: int, head_dim: int = 16, dense_layers: int = 0, max_query_len:
                           ref.model_stub(head_dim), torch.device("cpu"), dtype)
 
 
-def bounded_case(kv_lens, q_lens, heads=(4, 2), head_dim=16, block_size=4, seed=0, dtype=torch.float32):
-    return ref.make_case(kv_lens, q_lens, heads[0], heads[1], head_dim, block_size, dtype, seed, extras=BOUNDS)
+def bounded_case(kv_lens, q_lens, heads=(4, 2), head_dim=16, block_size=4, seed=0, dtype=torch.float32, page=None):
+    return ref.make_case(kv_lens, q_lens, heads[0], heads[1], head_dim, block_size, dtype, seed, extras=BOUNDS,
+                         page_size=page)
 
 
 @settings(max_examples=20)
@@ -117,14 +118,17 @@ def restricted_reference(case, seq: int, row0: int, chosen: torch.Tensor, chosen
 
 @settings(max_examples=25)
 @given(st.lists(st.integers(9, 60), min_size=1, max_size=3), st.sampled_from([(4, 2), (4, 4), (8, 1)]),
-       st.sampled_from([4, 8, 12]), st.integers(0, 2**16), st.data())
-def test_above_the_budget_each_query_attends_its_chosen_blocks(kv_lens, heads, budget, seed, data):
-    """Decodes and speculative verifications (up to 4 rows) over contexts beyond the budget:
-    the output equals the float64 reference over the blocks chosen for each KV head, and
-    those are the first block, the blocks of the query positions and budget-many in all."""
-    bs = 4
+       st.sampled_from([4, 8, 12]), st.sampled_from([(4, 4), (8, 4), (8, 2)]), st.integers(0, 2**16), st.data())
+def test_above_the_budget_each_query_attends_its_chosen_blocks(kv_lens, heads, budget, pages, seed, data):
+    """Decodes and speculative verifications (up to 4 rows) over contexts beyond the budget,
+    pages of the cache's blocks or parts of them: the output equals the float64 reference
+    over the pages chosen for each KV head, and those are the first page, the pages of the
+    query positions and budget-many in all."""
+    from types import SimpleNamespace
+
+    block, bs = pages  # cache block, key-bounds page: QUEST's unit
     q_lens = [data.draw(st.integers(1, min(4, n - 1))) for n in kv_lens]
-    case = bounded_case(kv_lens, q_lens, heads=heads, seed=seed)
+    case = bounded_case(kv_lens, q_lens, heads=heads, seed=seed, block_size=block, page=bs)
     chosen = []
     real = quest_backend.select_blocks
 
@@ -134,8 +138,9 @@ def test_above_the_budget_each_query_attends_its_chosen_blocks(kv_lens, heads, b
         return index, ok
 
     backend = quest(budget)
+    cache = SimpleNamespace(layout=case.storage.layout)
     with mock.patch.object(quest_backend, "select_blocks", recording):
-        out = backend.forward(5, case.q, case.k_new, case.v_new, case.storage, backend.plan(case.batch, None))
+        out = backend.forward(5, case.q, case.k_new, case.v_new, case.storage, backend.plan(case.batch, cache))
     sparse = [i for i, n in enumerate(kv_lens) if n > budget]
     row0 = [sum(q_lens[:i]) for i in range(len(kv_lens))]
     expected_all = ref.reference_packed(case, 16 ** -0.5)
@@ -262,14 +267,15 @@ def test_a_context_beyond_the_select_kernels_reach_is_a_config_error():
     from tessellm.core.plugin import SelectionContext
     from tessellm.plugins.attention.quest.kernels import MAX_BLOCKS
 
-    def reasons(max_len):
+    def reasons(max_len, page=1):
         ctx = SelectionContext(device=torch.device("cpu"), dtype=torch.float32, options=QuestOptions(kernel="triton"),
                                model=SimpleNamespace(head_dim=16, sliding_window=None), max_model_len=max_len,
-                               kv_layout=KVLayout("kv", 1, torch.float32, BOUNDS))
+                               kv_layout=KVLayout("kv", 16, torch.float32, BOUNDS, page))
         return QuestAttention.unsupported_reasons(ctx)
 
     assert not any("MAX" in r or "at most" in r for r in reasons(MAX_BLOCKS))
-    assert any("raise block_size, or set kernel: torch" in r for r in reasons(MAX_BLOCKS + 1))
+    assert any("raise the cache's bounds_page_size, or set kernel: torch" in r for r in reasons(MAX_BLOCKS + 1))
+    assert not any("at most" in r for r in reasons(4 * MAX_BLOCKS, page=4))  # pages, not tokens, count
 
 
 def _llm(cpu_config, tiny_model, attention, budget=None, **overrides):
@@ -317,9 +323,9 @@ def test_whole_model_beyond_the_budget_runs_and_frees_every_block(cpu_config, ti
 
 
 def test_whole_model_triton_decode_gives_the_torch_paths_tokens(cpu_config, tiny_model):
-    """Beyond the budget, the Triton path (scoring, selection, sparse decode, and `flash`
-    attending densely; interpreted here) and the torch path (`sdpa` dense) give the same
-    greedy tokens."""
+    """Beyond the budget, the Triton path (scoring, selection, sparse decode over tables of
+    pages, half blocks here, and `flash` attending densely; interpreted here) and the torch
+    path (`sdpa` dense) give the same greedy tokens."""
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (60, 37)]
     params = {"max_tokens": 5, "ignore_eos": True}
@@ -329,7 +335,7 @@ def test_whole_model_triton_decode_gives_the_torch_paths_tokens(cpu_config, tiny
 
         llm = LLM(cpu_config(tiny_model("llama"), attention={"name": "quest", "options": {
             "token_budget": 8, "dense_layers": 1, "kernel": kernel, "dense_backend": dense_backend}},
-            cache={"name": "paged", "options": {"block_size": 4, "num_blocks": 256}}))
+            cache={"name": "paged", "options": {"block_size": 8, "bounds_page_size": 4, "num_blocks": 256}}))
         return [o.token_ids for o in llm.generate(prompts, params)]
 
     assert tokens("triton", "flash") == tokens("torch", "sdpa")

@@ -35,39 +35,46 @@ PagedMachine = _paged_machine()
 BOUNDS = frozenset({"key_bounds"})
 
 
-def make_bounded_cache(block_size: int, num_blocks: int, prefix_caching: bool) -> PagedCache:
-    opts = PagedOptions(block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching)
+def make_bounded_cache(block_size: int, num_blocks: int, prefix_caching: bool, page: int | None = None) -> PagedCache:
+    page = min(page or block_size, block_size)
+    opts = PagedOptions(block_size=block_size, num_blocks=num_blocks, prefix_caching=prefix_caching,
+                        bounds_page_size=page)
     spec = CacheSpec(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float64, device=torch.device("cpu"),
                      max_model_len=4096)
-    return PagedCache(opts, spec, KVLayout("kv", block_size, torch.float64, BOUNDS))
+    return PagedCache(opts, spec, KVLayout("kv", block_size, torch.float64, BOUNDS, page))
 
 
 class KeyBoundsMachine(PagedMachine):
     @initialize(block_size=st.sampled_from([1, 2, 4, 16]), slots=st.sampled_from([32, 64, 128]),
-                prefix_caching=st.booleans())
-    def start(self, block_size, slots, prefix_caching):
+                prefix_caching=st.booleans(), page=st.sampled_from([1, 2, 4, 16]))
+    def start(self, block_size, slots, prefix_caching, page):
         super().start(block_size, slots, prefix_caching)
-        self.cache = make_bounded_cache(block_size, slots // block_size, prefix_caching)
+        self.cache = make_bounded_cache(block_size, slots // block_size, prefix_caching, page)
+        self.page = min(page, block_size)
         assert isinstance(self.cache.layer(0), BoundedDenseKVStorage)
 
     @invariant()
     def bounds_hold_the_keys(self):
+        """Per page of every live table: exact bounds for a full page, bounds holding every
+        key this holder wrote for a partly filled one."""
         storage = self.cache.layer(0)
         kmin, kmax = storage.key_bounds()
         keys = storage.k.flatten()
-        bs = self.bs
+        bs, ps = self.bs, self.page
         for i in self.tabled:
             seq = self.live[i]
             for n, block in enumerate(self.cache.block_table(seq)):
-                fill = min(bs, seq.num_computed_tokens - n * bs)
-                if fill <= 0:
-                    continue
-                mine = keys[block * bs:block * bs + fill]
-                lo, hi = kmin[block].item(), kmax[block].item()
-                if fill == bs:  # a full block: exact
-                    assert (lo, hi) == (mine.min().item(), mine.max().item()), (seq, n, block)
-                else:  # a partial one: every key this holder wrote lies inside
-                    assert lo <= mine.min().item() and hi >= mine.max().item(), (seq, n, block)
+                for j in range(bs // ps):
+                    fill = min(ps, seq.num_computed_tokens - n * bs - j * ps)
+                    if fill <= 0:
+                        continue
+                    page = block * (bs // ps) + j
+                    mine = keys[page * ps:page * ps + fill]
+                    lo, hi = kmin[page].item(), kmax[page].item()
+                    if fill == ps:  # a full page: exact
+                        assert (lo, hi) == (mine.min().item(), mine.max().item()), (seq, n, page)
+                    else:  # a partial one: every key this holder wrote lies inside
+                        assert lo <= mine.min().item() and hi >= mine.max().item(), (seq, n, page)
 
 
 TestKeyBoundsMachine = KeyBoundsMachine.TestCase
@@ -76,17 +83,18 @@ TestKeyBoundsMachine.settings = settings(max_examples=150, stateful_step_count=4
 
 @settings(max_examples=25)
 @given(st.integers(2, 40), st.integers(1, 39), st.sampled_from([torch.float32, torch.bfloat16]),
-       st.booleans(), st.integers(0, 2**16))
-def test_bounds_after_rollback_and_rewrite_equal_bounds_from_scratch(length, keep, dtype, int8, seed):
-    """Many heads and channels, float or int8 storage: write a sequence, roll it back (its
-    last block now partial and its own), rewrite other keys; every block's bounds equal the
-    bounds recomputed from what ``gather`` reads back (dequantized for int8)."""
+       st.booleans(), st.sampled_from([1, 2, 4]), st.integers(0, 2**16))
+def test_bounds_after_rollback_and_rewrite_equal_bounds_from_scratch(length, keep, dtype, int8, ps, seed):
+    """Many heads and channels, float or int8 storage, pages of 1 to 4 tokens in blocks of 4:
+    write a sequence, roll it back (its last block now partial and its own), rewrite other
+    keys; every page's bounds equal the bounds recomputed from what ``gather`` reads back
+    (dequantized for int8)."""
     keep = min(keep, length)
     bs, heads, dim = 4, 2, 8
-    opts = PagedOptions(block_size=bs, num_blocks=32, kv_dtype="int8" if int8 else "auto")
+    opts = PagedOptions(block_size=bs, num_blocks=32, kv_dtype="int8" if int8 else "auto", bounds_page_size=ps)
     spec = CacheSpec(num_layers=1, num_kv_heads=heads, head_dim=dim, dtype=dtype, device=torch.device("cpu"),
                      max_model_len=256)
-    cache = PagedCache(opts, spec, KVLayout("kv", bs, torch.int8 if int8 else dtype, BOUNDS))
+    cache = PagedCache(opts, spec, KVLayout("kv", bs, torch.int8 if int8 else dtype, BOUNDS, ps))
     storage = cache.layer(0)
     assert isinstance(storage, BoundedInt8KVStorage if int8 else BoundedDenseKVStorage)
     from tessellm.core.interfaces.sequence import SamplingParams, Sequence
@@ -108,15 +116,21 @@ def test_bounds_after_rollback_and_rewrite_equal_bounds_from_scratch(length, kee
     write(keep, length)
     kmin, kmax = storage.key_bounds()
     table = cache.block_table(seq)
-    for n, block in enumerate(table):
-        fill = min(bs, length - n * bs)
-        keys = storage.gather(torch.arange(block * bs, block * bs + fill))[0]
-        assert torch.equal(kmin[block], keys.amin(0)) and torch.equal(kmax[block], keys.amax(0)), (n, fill)
-    cache.truncate(seq, keep)  # an own partial block: its bounds shrink to what it keeps
+
+    def assert_pages_exact(upto: int) -> None:
+        for p in range(-(-upto // ps)):
+            page = table[p * ps // bs] * (bs // ps) + p % (bs // ps)
+            fill = min(ps, upto - p * ps)
+            keys = storage.gather(torch.arange(page * ps, page * ps + fill))[0]
+            assert torch.equal(kmin[page], keys.amin(0)) and torch.equal(kmax[page], keys.amax(0)), (p, fill)
+
+    assert_pages_exact(length)
+    cache.truncate(seq, keep)  # an own partial block: its pages' bounds shrink to what it keeps
+    assert_pages_exact(keep)
     if keep % bs:
-        block, fill = table[keep // bs], keep % bs
-        keys = storage.gather(torch.arange(block * bs, block * bs + fill))[0]
-        assert torch.equal(kmin[block], keys.amin(0)) and torch.equal(kmax[block], keys.amax(0))
+        block = table[keep // bs]
+        for j in range(-(-(keep % bs) // ps), bs // ps):  # pages the truncation emptied
+            assert torch.isinf(kmin[block * (bs // ps) + j]).all()
 
 
 def test_the_layout_has_bounds_only_when_the_backend_asks():
@@ -128,8 +142,8 @@ def test_the_layout_has_bounds_only_when_the_backend_asks():
                                max_model_len=64, kv_extras=extras)
         return PagedCache.kv_layout(PagedOptions(), ctx)
 
-    assert layout(frozenset()).extras == frozenset()
-    assert layout(BOUNDS).extras == BOUNDS
+    assert layout(frozenset()).extras == frozenset() and layout(frozenset()).page_size is None
+    assert layout(BOUNDS).extras == BOUNDS and layout(BOUNDS).page_size == 4 and layout(BOUNDS).bounds_page == 4
     assert layout(frozenset({"something_else"})).extras == frozenset()  # a cache keeps only what it can
 
 
@@ -142,3 +156,10 @@ def test_the_memory_budget_pays_for_the_bounds():
     bounded = bytes_per_block(spec, 16, torch.bfloat16, torch.bfloat16)
     assert bounded - plain == 2 * 2 * 3 * 64 * 2  # per layer a min and a max per channel
     assert bounded / plain == pytest.approx(1 + 1 / 16)  # one block's bounds: 1/block_size of its K/V
+    paged = bytes_per_block(spec, 16, torch.bfloat16, torch.bfloat16, page_size=4)
+    assert paged / plain == pytest.approx(1 + 1 / 4)  # four pages a block: 1/page_size of its K/V
+    options = PagedOptions(num_blocks=None, cpu_memory_bytes=2**24)
+    from tessellm.plugins.cache.paged.manager import _budget_blocks
+
+    assert _budget_blocks(options, spec, torch.device("cpu"), torch.bfloat16, BOUNDS) == \
+        2**24 // bytes_per_block(spec, 16, torch.bfloat16, torch.bfloat16, page_size=4) - 1
