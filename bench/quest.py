@@ -29,6 +29,7 @@ import platform
 import sys
 import time
 from datetime import datetime, timezone
+from types import SimpleNamespace
 
 import torch
 
@@ -41,12 +42,12 @@ from tessellm.testing import attention as ref
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 64, 16
 
 
-def bounded_case(context: int, batch: int, dtype: torch.dtype, device: torch.device, seed: int):
+def bounded_case(context: int, batch: int, dtype: torch.dtype, device: torch.device, seed: int, page: int = 4):
     """A decode step of ``batch`` sequences of ``context`` tokens, their earlier K/V in a
-    bounded paged storage (bounds computed as the cache keeps them)."""
+    bounded paged storage (bounds per ``page`` tokens, computed as the cache keeps them)."""
     case = ref.make_case([context] * batch, [1] * batch, HEADS, KV_HEADS, HEAD_DIM, BLOCK, dtype, seed)
     slots = case.storage.k.shape[0]
-    storage = BoundedDenseKVStorage(KVLayout("kv", BLOCK, dtype, frozenset({"key_bounds"})), slots, KV_HEADS,
+    storage = BoundedDenseKVStorage(KVLayout("kv", BLOCK, dtype, frozenset({"key_bounds"}), page), slots, KV_HEADS,
                                     HEAD_DIM, device)
     storage.k.copy_(case.storage.k)
     storage.v.copy_(case.storage.v)
@@ -71,13 +72,14 @@ def timed(fn, device: torch.device, reps: int) -> float:
 
 
 def point(context: int, batch: int, budgets: list[int], dtype: torch.dtype, device: torch.device, reps: int,
-          kernel: str) -> dict:
-    case, storage = bounded_case(context, batch, dtype, device, seed=0)
+          kernel: str, page: int = 4) -> dict:
+    case, storage = bounded_case(context, batch, dtype, device, seed=0, page=page)
+    cache = SimpleNamespace(layout=storage.layout)  # what quest's plan reads of the cache: its pages
     q, k, v = (t.to(device) for t in (case.q, case.k_new, case.v_new))
     batch_meta = ref.batch_to(case.batch, device)
     dense = SdpaAttention(SdpaOptions(), ref.model_stub(HEAD_DIM), device, dtype)
     dense_plan = dense.plan(batch_meta, None)
-    out = {"context": context, "batch": batch, "kernel": kernel,
+    out = {"context": context, "batch": batch, "kernel": kernel, "page": page,
            "dense_ms": round(1e3 * timed(lambda: dense.forward(5, q, k, v, storage, dense_plan), device, reps), 3)}
     if device.type == "cuda":  # the fast dense decode: flash's split-K kernel over the whole context
         from tessellm.plugins.attention.flash import FlashAttention, FlashOptions
@@ -88,13 +90,13 @@ def point(context: int, batch: int, budgets: list[int], dtype: torch.dtype, devi
     for budget in budgets:
         quest = QuestAttention(QuestOptions(token_budget=budget, dense_layers=0, kernel=kernel),
                                ref.model_stub(HEAD_DIM), device, dtype)
-        plan = quest.plan(batch_meta, None)
+        plan = quest.plan(batch_meta, cache)
         ms = 1e3 * timed(lambda: quest.forward(5, q, k, v, storage, plan), device, reps)
         out[f"quest_{budget}_ms"] = round(ms, 3)
         out[f"speedup_{budget}"] = round(out["dense_ms"] / ms, 2)
         if "flash_ms" in out:
             out[f"speedup_vs_flash_{budget}"] = round(out["flash_ms"] / ms, 2)
-        plan_ms = 1e3 * timed(lambda: quest.plan(batch_meta, None), device, reps)
+        plan_ms = 1e3 * timed(lambda: quest.plan(batch_meta, cache), device, reps)
         out[f"quest_{budget}_plan_ms"] = round(plan_ms, 3)  # host planning per step, shared by all layers
     return out
 
@@ -107,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--kernel", choices=["auto", "torch", "triton"], default="auto",
                     help="QUEST's sparse decode path (auto: triton on CUDA, torch on a CPU)")
+    ap.add_argument("--page", type=int, default=4, help="tokens per key-bounds page (the cache's bounds_page_size)")
     ap.add_argument("--json", help="write the report here too")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -116,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
               "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
               "threads": torch.get_num_threads(), "dtype": str(dtype), "points": []}
     for context in args.contexts:
-        report["points"].append(point(context, args.batch, args.budgets, dtype, device, args.reps, args.kernel))
+        report["points"].append(point(context, args.batch, args.budgets, dtype, device, args.reps, args.kernel,
+                                      args.page))
         print(json.dumps(report["points"][-1]), flush=True)
     if args.json:
         with open(args.json, "w") as f:

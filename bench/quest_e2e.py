@@ -32,10 +32,11 @@ from tessellm.bench.offline import describe_device, run_offline
 from tessellm.bench.workloads import BenchRequest
 
 
-def arm(folder: Path, cuda: bool, dtype: torch.dtype, context: int, new_tokens: int, attention: dict) -> dict:
+def arm(folder: Path, cuda: bool, dtype: torch.dtype, context: int, new_tokens: int, attention: dict,
+        page: int = 4) -> dict:
     llm = LLM({"model": str(folder), "device": "cuda" if cuda else "cpu", "dtype": str(dtype).split(".")[1],
                "max_model_len": context + new_tokens + 16, "attention": attention,
-               "cache": {"name": "paged", "options": {"prefix_caching": False}},
+               "cache": {"name": "paged", "options": {"prefix_caching": False, "bounds_page_size": page}},
                "scheduler": {"name": "continuous", "options": {"max_num_seqs": 1}}})
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(2, min(1000, llm.engine.vocab_size), (context,), generator=g).tolist()
@@ -52,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--budgets", type=int, nargs="+", default=[2048])
     ap.add_argument("--smoke", action="store_true", help="a tiny model (CPU), a short context")
+    ap.add_argument("--page", type=int, default=4, help="tokens per key-bounds page (the cache's bounds_page_size)")
     ap.add_argument("--json", help="write the report here too")
     args = ap.parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         report["arms"].append(arm(folder, cuda, dtype, context, args.new_tokens, dense))
         for budget in budgets:
             quest = {"name": "quest", "options": {"token_budget": budget}}
-            report["arms"].append(arm(folder, cuda, dtype, context, args.new_tokens, quest))
+            report["arms"].append(arm(folder, cuda, dtype, context, args.new_tokens, quest, args.page))
             last = report["arms"][-1]
             last["decode_speedup"] = round(report["arms"][0]["tpot_ms"] / last["tpot_ms"], 3)
             print(json.dumps(report["arms"][-1]), flush=True)
