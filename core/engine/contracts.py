@@ -54,7 +54,7 @@ def _raw_tensors(storage) -> list[torch.Tensor]:
     """The tensors a layer's storage keeps a row per slot in, or [] where it exposes none."""
     try:
         return list(storage.kv_tensors())
-    except TypeError:
+    except (TypeError, NotImplementedError, AttributeError):  # a storage without plain tensors
         pass
     try:
         return [storage.latent_tensor()]
