@@ -191,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dense-found-only", action="store_true",
                     help="run the quest arms on the prompts dense answers only (the ratio is the same; accuracy "
                          "and deciles then count those)")
+    ap.add_argument("--only", type=int, nargs="+", metavar="I",
+                    help="run only these prompts of the drawn family (indices, from 0), e.g. one a run missed")
     ap.add_argument("--diagnose", type=int, default=0, metavar="N", help="prompts to diagnose (0: none)")
     ap.add_argument("--dense-layers", type=int, default=2, help="layers the diagnosis skips (QUEST runs them dense)")
     ap.add_argument("--retrieval-mass", type=float, default=0.1,
@@ -199,6 +201,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.manual_seed(0)
     cases = draw_cases(args.trials, args.seed)
+    if args.only:
+        bad = [i for i in args.only if not 0 <= i < len(cases)]
+        if bad:
+            ap.error(f"--only {bad[0]}: the family has prompts 0 to {len(cases) - 1}")
+        cases = [cases[i] for i in args.only]
     report = {"command": "python bench/quest_passkey.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "device": describe_device("cpu"), "machine": platform.processor() or platform.machine(),

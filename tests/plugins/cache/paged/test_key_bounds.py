@@ -163,3 +163,8 @@ def test_the_memory_budget_pays_for_the_bounds():
 
     assert _budget_blocks(options, spec, torch.device("cpu"), torch.bfloat16, BOUNDS) == \
         2**24 // bytes_per_block(spec, 16, torch.bfloat16, torch.bfloat16, page_size=4) - 1
+
+
+def test_a_page_size_that_is_no_power_of_two_is_refused_naming_it():
+    with pytest.raises(ValueError, match="bounds_page_size must be a power of two"):
+        PagedOptions(bounds_page_size=3)
