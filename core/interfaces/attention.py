@@ -11,8 +11,16 @@ import torch
 from tessellm.core.interfaces.batch import BatchMetadata
 from tessellm.core.interfaces.cache import CacheManager
 from tessellm.core.interfaces.kv import KVStorage
-from tessellm.core.model.spec import ModelSpec
+from tessellm.core.model.spec import LayerAttention, ModelSpec
 from tessellm.core.plugin import Plugin, PluginOptions, SelectionContext
+
+
+FEATURE_WORDS = {
+    "sliding_window": "a sliding window",
+    "per_layer_window": "sliding windows on some layers only",
+    "softcap": "attention logit softcapping",
+    "sinks": "attention sinks",
+}
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,13 @@ class AttentionBackend(Plugin):
     - A backend whose ``cache_formats`` include "latent" serves multi-head latent attention
       models (DeepSeek-V2/V3) and implements ``forward_latent`` (plugin API 1.4), which such
       models call instead of ``forward``.
+    - Layers differ (plugin API 1.8): ``self.layer_attention(layer)`` is what a layer computes (a
+      ``LayerAttention``: its sliding window, logit softcap, whether it has sinks), and
+      ``layer_features`` names the ``LAYER_FEATURES`` the backend serves; resolution declines
+      it for a model whose layers need another, naming the feature and the layers. A layer
+      with sinks calls ``forward(..., sinks=tensor)`` (and ``forward_rotary``): [num_heads]
+      sink logits of this rank's query heads, float32. Before 1.8 a backend served the
+      model-wide ``sliding_window`` only, and is still taken to.
     """
 
     kind: ClassVar[str] = "attention"
@@ -76,6 +91,8 @@ class AttentionBackend(Plugin):
     head_dims: ClassVar[frozenset[int] | None] = None
     kv_extras: ClassVar[frozenset[str]] = frozenset()
     supports_cuda_graphs: ClassVar[bool] = False
+    layer_features: ClassVar[frozenset[str]] = frozenset({"sliding_window"})
+    """The ``LAYER_FEATURES`` (tessellm.core.model.spec) this backend serves (plugin API 1.8)."""
 
     def __init__(self, options: PluginOptions, model: ModelSpec, device: torch.device, dtype: torch.dtype):
         self.options = options
@@ -102,7 +119,33 @@ class AttentionBackend(Plugin):
                            f"that keeps {', '.join(sorted(missing))}")
         if cls.head_dims is not None and ctx.model.head_dim not in cls.head_dims:
             reasons.append(f"supports head dims {sorted(cls.head_dims)}, the model has {ctx.model.head_dim}")
+        reasons += cls.layer_feature_reasons(ctx.model)
         return reasons
+
+    @classmethod
+    def layer_feature_reasons(cls, model: ModelSpec) -> list[str]:
+        """One reason per layer feature the model needs and this backend does not serve."""
+        reasons = []
+        if hasattr(model, "attention_features"):
+            needs = model.attention_features()
+        else:  # a stand-in for a spec (tests' namespaces): its model-wide window alone
+            window = getattr(model, "sliding_window", None)
+            needs = {"sliding_window": list(range(getattr(model, "num_layers", 1)))} if window else {}
+        for feature, layers in needs.items():
+            if feature not in cls.layer_features:
+                shown = ", ".join(map(str, layers[:8])) + (", ..." if len(layers) > 8 else "")
+                reasons.append(f"does not serve {FEATURE_WORDS[feature]} (layer feature {feature!r}), which "
+                               f"{model.model_type!r} needs on layers {shown}; it serves "
+                               f"{', '.join(sorted(cls.layer_features)) or 'no layer features'} "
+                               f"(sdpa, cascade and flash serve them all)")
+        return reasons
+
+    def layer_attention(self, layer: int) -> LayerAttention:
+        """What ``layer``'s attention computes (window, softcap, sinks)."""
+        layers = self.__dict__.get("_layer_attention")
+        if layers is None:  # once: every layer of every step asks
+            layers = self._layer_attention = tuple(self.model.attention_of(i) for i in range(self.model.num_layers))
+        return layers[layer] if layer < len(layers) else self.model.attention_of(layer)
 
     def plan(self, batch: BatchMetadata, cache: CacheManager) -> Any:
         """Per-step planning shared by all layers; the default plan is the batch itself."""
@@ -116,7 +159,7 @@ class AttentionBackend(Plugin):
 
     @abstractmethod
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv: KVStorage, plan: Any) -> torch.Tensor:
+                kv: KVStorage, plan: Any, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Store k, v and attend q to the cached context; see the class contract."""
 
     def forward_latent(self, layer: int, q_nope: torch.Tensor, q_pe: torch.Tensor, latent: torch.Tensor,
@@ -139,10 +182,14 @@ class AttentionBackend(Plugin):
         return []
 
     def forward_rotary(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor, kv: KVStorage, plan: Any) -> torch.Tensor:
+                       sin: torch.Tensor, kv: KVStorage, plan: Any,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``forward`` for q, k not yet rotated: cos, sin [T, head_dim] (the two halves of the
         head dim pair up, as in Llama). q and k may be strided views (of the QKV GEMM's
         output) and may be overwritten."""
         from tessellm.core.model.fused_ops import rotary_  # late: Triton is needed only on this path
 
-        return self.forward(layer, rotary_(q, cos, sin), rotary_(k, cos, sin), v, kv, plan)
+        q, k = rotary_(q, cos, sin), rotary_(k, cos, sin)
+        if sinks is None:  # a backend before plugin API 1.8 takes no sinks argument
+            return self.forward(layer, q, k, v, kv, plan)
+        return self.forward(layer, q, k, v, kv, plan, sinks=sinks)

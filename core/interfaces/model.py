@@ -39,6 +39,10 @@ class ModelArchitecture(Plugin):
     model_types: ClassVar[tuple[str, ...]] = ()
     """The Hugging Face ``model_type`` values this plugin builds."""
     auto_priority: ClassVar[int | None] = 0
+    expert_layout: ClassVar[str] = "concatenated"
+    """How the checkpoint stacks MoE experts as 3-D tensors (core/model/moe.py
+    ``EXPERT_LAYOUTS``): the loader splits them per expert into Linear weights (and biases)
+    before ``checkpoint_name`` maps the names (plugin API 1.8)."""
     required: ClassVar[tuple[str, ...]] = ("spec", "build")
     """Methods a model plugin must implement; the registry refuses to load one without them."""
 

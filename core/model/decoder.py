@@ -59,11 +59,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for the batch's positions (RoPE, with the model's scaling type)."""
+    """cos/sin tables for the batch's positions (RoPE, with the model's scaling type; ``table``
+    one of the spec's rotary tables where layers differ)."""
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, table: str = "default"):
         super().__init__()
-        inv_freq, self.scaling = spec.inv_freq()
+        inv_freq, self.scaling = spec.inv_freq(table)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,14 +73,29 @@ class RotaryEmbedding(nn.Module):
         return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
 
 
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [T, H, D] with cos, sin [T, 1, R]: the first R dims rotate (halves paired,
+    as in Llama), the rest pass through (partial rotary, R < D)."""
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
 class Attention(nn.Module):
     """q/k/v projections, RoPE and the backend's attention, then ``o_proj``. With
     ``spec.qk_norm`` each head's query and key go through an RMSNorm over the head dim
-    (``q_norm``, ``k_norm``) before RoPE (Qwen3, OLMo-style per-head norms)."""
+    (``q_norm``, ``k_norm``) before RoPE (Qwen3, OLMo-style per-head norms). The layer's
+    ``LayerAttention`` decides whether RoPE applies (cos None: not on this layer) and
+    whether it has per-head ``sinks`` (a parameter, handed to the backend)."""
 
     def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
         self.layer = layer
+        self.features = spec.attention_of(layer)
+        if self.features.sinks:
+            self.sinks = nn.Parameter(torch.zeros(spec.num_heads))
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         h = spec.hidden_size
         self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=spec.qkv_bias)
@@ -111,29 +127,46 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if not fused:
+        return self.o_proj(self.attend(q, k, v, cos, sin, backend, cache, plan, fused).reshape(t, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None,
+               sin: torch.Tensor | None, backend: AttentionBackend, cache: CacheManager, plan: Any,
+               fused: bool = False) -> torch.Tensor:
+        """RoPE (unless cos is None) and the backend's attention: q [T, Hq, D], k, v [T, Hkv,
+        D] -> [T, Hq, D]. Family modules that make their own q, k, v call this."""
+        if not fused and cos is not None:
             cos, sin = cos[:, None, :], sin[:, None, :]
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.backend_checked:
             out = self._attend(backend, fused, q, k, v, cos, sin, cache, plan)
         else:  # the backend's first call: a broken plugin is named here, not deep in a step
             out = checked_call(backend, "forward_rotary" if fused else "forward", q,
                                lambda: self._attend(backend, fused, q, k, v, cos, sin, cache, plan))
             self.backend_checked = True
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        return out
 
     def _attend(self, backend: AttentionBackend, fused: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor, cache: CacheManager, plan: Any) -> torch.Tensor:
+        # only a layer with sinks passes them: a backend that serves none takes no such argument
+        extra = {"sinks": self.sinks.to(torch.promote_types(self.sinks.dtype, torch.float32))} \
+            if self.features.sinks else {}
         if fused:  # the backend rotates q and k (with the KV store, where it can fuse them)
-            return backend.forward_rotary(self.layer, q, k, v, cos, sin, cache.layer(self.layer), plan)
-        return backend.forward(self.layer, q, k, v, cache.layer(self.layer), plan)  # [T, Hq, D]
+            return backend.forward_rotary(self.layer, q, k, v, cos, sin, cache.layer(self.layer), plan, **extra)
+        return backend.forward(self.layer, q, k, v, cache.layer(self.layer), plan, **extra)  # [T, Hq, D]
+
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+"""The gated MLP's activations by Hugging Face's ``hidden_act`` names."""
 
 
 class MLP(nn.Module):
+    """The gated MLP: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or tanh-GELU (GeGLU)."""
+
     def __init__(self, spec: ModelSpec, intermediate_size: int | None = None):
         super().__init__()
         h, i = spec.hidden_size, intermediate_size or spec.intermediate_size
+        self.act = ACTIVATIONS[spec.mlp_activation]
+        self.swiglu = spec.mlp_activation == "silu"  # what the fused kernels compute
         self.gate_proj = nn.Linear(h, i, bias=spec.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=spec.mlp_bias)
@@ -145,6 +178,7 @@ class MLP(nn.Module):
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
+        fused = fused and self.swiglu
         if self.gate_up_proj is not None:
             gate_up = self.gate_up_proj(x)  # [T, 2 I]: gate, then up
             if fused:
@@ -152,12 +186,12 @@ class MLP(nn.Module):
 
                 return self.down_proj(silu_mul_packed(gate_up))
             gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(self.act(gate) * up)
         if fused:
             from tessellm.core.model.fused_ops import silu_mul
 
             return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
@@ -221,7 +255,12 @@ class DecoderForCausalLM(nn.Module):
     ``supports_fused`` False where the fused kernels do not apply)."""
 
     layer_cls: type[DecoderLayer] = DecoderLayer
-    supports_fused = True
+
+    @property
+    def supports_fused(self) -> bool:
+        """The fused kernels rotate whole heads on every layer: not for partial rotary or
+        layers without RoPE (families with their own blocks set this False)."""
+        return None not in self.layer_rope and self.spec.rope_dim == self.spec.head_dim
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -231,7 +270,35 @@ class DecoderForCausalLM(nn.Module):
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         if spec.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.rotary = RotaryEmbedding(spec)
+        self.reset_rotary(None)
+        self.layer_rope = [spec.attention_of(i).rope for i in range(spec.num_layers)]
+
+    def reset_rotary(self, device: torch.device | None) -> None:
+        """(Re)make the rotary tables on ``device`` (their buffers are not in the checkpoint,
+        so the loader calls this once the module leaves the meta device): ``rotary`` the
+        default table, ``rotaries`` every table some layer uses."""
+        names = self.spec.rope_table_names() or ["default"]
+        self.rotaries = {name: RotaryEmbedding(self.spec, name).to(device) for name in names}
+        self.rotary = self.rotaries.get("default") or RotaryEmbedding(self.spec).to(device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embedding of ``input_ids`` [T] -> [T, hidden] (families that scale it
+        override this)."""
+        return self.model.embed_tokens(input_ids)
+
+    adjusts_logits = False
+    """Whether ``adjust_logits`` changes the LM head's output (a family's softcap or scale)."""
+
+    def adjust_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The LM head's output as the family's logits (Gemma 2's final softcap, Granite's
+        logits_scaling); identity here."""
+        return logits
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> list:
+        """(cos, sin) per layer for the batch's positions, each table computed once; (None,
+        None) for a layer without RoPE."""
+        tables = {name: rotary(positions, dtype) for name, rotary in self.rotaries.items()}
+        return [tables[name] if name is not None else (None, None) for name in self.layer_rope]
 
     def tie_weights(self) -> None:
         """The LM head shares the input embedding's matrix (tie_word_embeddings)."""
@@ -281,15 +348,15 @@ class DecoderForCausalLM(nn.Module):
         ``layers`` runs a subset of the decoder layers (self-drafting by layer skipping);
         ``logits_out`` receives the logits, which are then returned (a captured graph's
         static output); in the LM head's dtype, the GEMM writes it directly."""
-        x = self.model.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary(positions, x.dtype)
+        x = self.embed(input_ids)  # [T, hidden]
+        rope = self._rope(positions, x.dtype)
         order = range(len(self.model.layers)) if layers is None else layers
         if self.fused:
             from tessellm.core.model.fused_ops import add_rmsnorm
 
             residual = None
             for i in order:
-                x, residual = self.model.layers[i].forward_fused(x, residual, cos, sin, backend, cache, plan)
+                x, residual = self.model.layers[i].forward_fused(x, residual, *rope[i], backend, cache, plan)
             if residual is not None:  # norm is per row: select first, then add and normalise
                 x, _ = add_rmsnorm(x[logits_indices], residual[logits_indices], self.model.norm.weight,
                                    self.model.norm.eps)
@@ -297,13 +364,13 @@ class DecoderForCausalLM(nn.Module):
                 x = self.model.norm(x[logits_indices])
         else:
             for i in order:
-                x = self.model.layers[i](x, cos, sin, backend, cache, plan)
+                x = self.model.layers[i](x, *rope[i], backend, cache, plan)
             x = self.model.norm(x[logits_indices])  # norm is per row: select first, then normalise
         head = self.lm_head
         if logits_out is not None and type(head) is nn.Linear and head.bias is None and \
-                logits_out.dtype == head.weight.dtype == x.dtype:
+                logits_out.dtype == head.weight.dtype == x.dtype and not self.adjusts_logits:
             return torch.mm(x, head.weight.t(), out=logits_out)  # no [rows, vocab] temporary to copy
-        logits = head(x)
+        logits = self.adjust_logits(head(x))
         if logits_out is not None:
             return logits_out.copy_(logits)
         if native_logits or logits.dtype == torch.float64:  # float64 stays exact

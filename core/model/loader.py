@@ -154,7 +154,7 @@ def checkpoint_state(architecture: ModelArchitecture, state: dict[str, torch.Ten
     """The checkpoint's tensors under the module's parameter names: experts stacked as 3-D
     tensors split per expert, then each name mapped by the model plugin (None: dropped)."""
     named: dict[str, torch.Tensor] = {}
-    for name, tensor in unstack_experts(state).items():
+    for name, tensor in unstack_experts(state, architecture.expert_layout).items():
         target = architecture.checkpoint_name(name)
         if target is not None:
             named[target] = tensor
@@ -191,8 +191,10 @@ def build_model(spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.d
         raise ModelLoadError(f"checkpoint does not fit the model config: {str(exc).splitlines()[-1].strip()}") from exc
     if spec.tie_word_embeddings and hasattr(model, "tie_weights"):
         model.tie_weights()
-    if isinstance(getattr(model, "rotary", None), RotaryEmbedding):
-        model.rotary = RotaryEmbedding(spec).to(device)  # its buffers were on the meta device
+    if hasattr(model, "reset_rotary"):
+        model.reset_rotary(device)  # its buffers were on the meta device
+    elif isinstance(getattr(model, "rotary", None), RotaryEmbedding):
+        model.rotary = RotaryEmbedding(spec).to(device)
     model.eval().requires_grad_(False)
     architecture.after_load(model, device, dtype)
     _no_meta_left(model, architecture)

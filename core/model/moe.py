@@ -182,26 +182,40 @@ def drop_stale_stacks(model: nn.Module) -> None:
             module.stack_experts()
 
 
-_STACKED = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<kind>gate_up_proj|down_proj)$")
+_STACKED = re.compile(r"^(?P<prefix>(?:.*\.)?experts)\.(?P<kind>gate_up_proj|down_proj)(?P<bias>_bias)?$")
+
+EXPERT_LAYOUTS = ("concatenated", "interleaved_transposed")
+"""How a checkpoint stacks its experts (``ModelArchitecture.expert_layout``): "concatenated",
+gate_up_proj [E, 2I, H] (gate rows, then up rows) and down_proj [E, H, I], as Linear
+weights; "interleaved_transposed" (GPT-OSS), gate_up_proj [E, H, 2I] with gate and up in
+alternate columns, down_proj [E, I, H], and biases gate_up_proj_bias [E, 2I] (alternate),
+down_proj_bias [E, H]."""
 
 
-def unstack_experts(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` with experts stored as 3-D stacks split into one tensor per expert:
-    ``P.experts.gate_up_proj`` [E, 2I, H] becomes ``P.experts.{e}.gate_proj.weight`` and
-    ``up_proj.weight`` [I, H] (gate rows first), ``P.experts.down_proj`` [E, H, I] becomes
-    ``P.experts.{e}.down_proj.weight``. Other tensors pass through unchanged."""
+def unstack_experts(state: dict[str, torch.Tensor], layout: str = "concatenated") -> dict[str, torch.Tensor]:
+    """``state`` with experts stored as stacks split into one tensor per expert, as nn.Linear
+    weights and biases: ``P.experts.gate_up_proj`` becomes ``P.experts.{e}.gate_proj.weight``
+    and ``up_proj.weight`` [I, H], ``P.experts.down_proj`` ``P.experts.{e}.down_proj.weight``
+    [H, I] (and their ``_bias`` stacks the experts' biases), read in ``layout`` (one of
+    ``EXPERT_LAYOUTS``). Other tensors pass through unchanged."""
+    interleaved = layout == "interleaved_transposed"
     out: dict[str, torch.Tensor] = {}
     for name, tensor in state.items():
         match = _STACKED.match(name)
-        if match is None or tensor.dim() != 3:
+        bias = match is not None and match["bias"] is not None
+        if match is None or tensor.dim() != (2 if bias else 3) or (bias and not interleaved):
             out[name] = tensor
             continue
-        prefix = match["prefix"]
+        prefix, part = match["prefix"], "bias" if bias else "weight"
         for e in range(tensor.shape[0]):
+            one = tensor[e] if bias or not interleaved else tensor[e].t()  # as a Linear's [out, in]
             if match["kind"] == "down_proj":
-                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e]
+                out[f"{prefix}.{e}.down_proj.{part}"] = one.contiguous() if interleaved else one
+            elif interleaved:  # gate and up alternate along the output dim
+                out[f"{prefix}.{e}.gate_proj.{part}"] = one[0::2].contiguous()
+                out[f"{prefix}.{e}.up_proj.{part}"] = one[1::2].contiguous()
             else:
-                gate, up = tensor[e].chunk(2, dim=0)
-                out[f"{prefix}.{e}.gate_proj.weight"] = gate
-                out[f"{prefix}.{e}.up_proj.weight"] = up
+                gate, up = one.chunk(2, dim=0)
+                out[f"{prefix}.{e}.gate_proj.{part}"] = gate
+                out[f"{prefix}.{e}.up_proj.{part}"] = up
     return out

@@ -107,6 +107,33 @@ class KVShape:
         return self.tensors * self.num_heads * self.head_dim
 
 
+LAYER_FEATURES = ("sliding_window", "per_layer_window", "softcap", "sinks")
+"""What a model's layers may ask of an attention backend beyond causal attention at the
+model's scale (``LayerAttention``; a backend's ``layer_features`` names those it serves):
+"sliding_window", a window on every layer alike (the model-wide ``sliding_window`` that
+backends before plugin API 1.8 read); "per_layer_window", windows on some layers only or of
+different sizes; "softcap", attention logits capped as ``cap * tanh(s / cap)`` before the
+softmax; "sinks", a learned logit per query head in every softmax's denominator."""
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention computes (plugin API 1.8): the spec lists one per layer.
+
+    Backend side: ``sliding_window`` (query at position p sees keys at p - W + 1 .. p; None:
+    the whole context), ``softcap`` (scores s become cap * tanh(s / cap) after scaling and
+    before masking; None: none) and ``sinks`` (the layer's forward passes a [num_heads]
+    tensor of sink logits: each head's softmax denominator gains exp(sink); no value).
+    Model side, for reference: ``rope`` names the rotary table the layer's q and k are
+    rotated by (a key of ``ModelSpec.rope_tables``; None: no RoPE on this layer). The
+    softmax scale is the model's ``attention_scale`` on every layer."""
+
+    sliding_window: int | None = None
+    softcap: float | None = None
+    sinks: bool = False
+    rope: str | None = "default"
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """A decoder-only transformer's shapes and numerics, independent of weights."""
@@ -132,11 +159,49 @@ class ModelSpec:
     moe: MoESpec | None = None
     qk_norm: bool = False  # an RMSNorm over each query and key head before RoPE (Qwen3)
     architecture: str = ""  # the model plugin that built this spec
+    layer_attention: tuple[LayerAttention, ...] = ()
+    """One per layer (``attention_of``); empty: every layer ``sliding_window``, RoPE "default"."""
+    rope_tables: tuple[tuple[str, Any], ...] = ()
+    """Rotary tables besides "default" (the config's own): (name, config fields overriding
+    the rope parameters, e.g. ``{"rope_theta": 10000.0}``), for layers whose RoPE differs."""
+    rotary_dim: int | None = None
+    """Leading dims of each query/key head RoPE rotates (partial rotary); None: all."""
+    scale: float | None = None
+    """The softmax scale where it is not head_dim ** -0.5 (Gemma's query_pre_attn_scalar,
+    Granite's attention_multiplier); None: the default."""
+    mlp_activation: str = "silu"
+    """The gated MLP's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma)."""
+    unsplittable: str | None = None
+    """Why tensor parallelism cannot split this model's heads over ranks (None: it can)."""
+
+    def attention_of(self, layer: int) -> LayerAttention:
+        """What ``layer``'s attention computes (its window, softcap, sinks, RoPE table)."""
+        if self.layer_attention:
+            return self.layer_attention[layer]
+        return LayerAttention(sliding_window=self.sliding_window)
+
+    def attention_features(self) -> dict[str, list[int]]:
+        """The ``LAYER_FEATURES`` this model's layers need, each with the layers needing it."""
+        layers = [self.attention_of(i) for i in range(self.num_layers)]
+        windows = {a.sliding_window for a in layers}
+        needs: dict[str, list[int]] = {}
+        windowed = [i for i, a in enumerate(layers) if a.sliding_window is not None]
+        if windowed:
+            needs["per_layer_window" if len(windows) > 1 else "sliding_window"] = windowed
+        softcapped = [i for i, a in enumerate(layers) if a.softcap is not None]
+        if softcapped:
+            needs["softcap"] = softcapped
+        sinks = [i for i, a in enumerate(layers) if a.sinks]
+        if sinks:
+            needs["sinks"] = sinks
+        return needs
 
     @property
     def attention_scale(self) -> float:
         """The softmax scale; YaRN-scaled MLA models multiply it by the square of the
         YaRN attention factor of ``mscale_all_dim``, as DeepSeek does."""
+        if self.scale is not None:
+            return self.scale
         scale = self.head_dim ** -0.5
         if self.mla is not None and self.rope_type != "default":
             params = _rope_params(self.hf_config)
@@ -150,7 +215,9 @@ class ModelSpec:
     @property
     def rope_dim(self) -> int:
         """How many dims of a query or key head RoPE rotates."""
-        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
+        return self.rotary_dim or self.head_dim
 
     @property
     def kv_shape(self) -> KVShape:
@@ -167,18 +234,37 @@ class ModelSpec:
         v_dim = self.mla.v_head_dim if self.mla is not None else self.head_dim
         return self.num_heads * (self.head_dim + v_dim)
 
-    def inv_freq(self) -> tuple[torch.Tensor, float]:
-        """RoPE inverse frequencies [head_dim / 2] float32 and the cos/sin scaling factor,
-        computed as transformers does so outputs match it exactly."""
-        if self.rope_type == "default":
-            params = getattr(self.hf_config, "rope_parameters", None) or {}
+    def inv_freq(self, table: str = "default") -> tuple[torch.Tensor, float]:
+        """RoPE inverse frequencies [rope_dim / 2] float32 and the cos/sin scaling factor of
+        rotary table ``table`` ("default", or a name in ``rope_tables``), computed as
+        transformers does so outputs match it exactly."""
+        params = dict(_rope_params(self.hf_config))
+        if table != "default":
+            params.update(dict(self.rope_tables)[table])
+        rope_type = params.get("rope_type", params.get("type", self.rope_type)) or "default"
+        if rope_type == "default":
             base = params.get("rope_theta", getattr(self.hf_config, "rope_theta", 10000.0))
             dim = self.rope_dim
             return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[self.rope_type](self.hf_config)
+        config = self.hf_config
+        if table != "default":  # a copy whose rope parameters are the table's
+            import copy
+
+            config = copy.copy(config)
+            config.rope_parameters = params
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
         return inv_freq.float(), float(scaling)
+
+    def rope_table_names(self) -> list[str]:
+        """The rotary tables some layer uses, in first-use order."""
+        names: list[str] = []
+        for i in range(self.num_layers):
+            rope = self.attention_of(i).rope
+            if rope is not None and rope not in names:
+                names.append(rope)
+        return names
 
     @classmethod
     def from_hf_config(cls, config: Any, registry: Any = None) -> "ModelSpec":
@@ -194,9 +280,10 @@ def decoder_spec(config: Any, **fields: Any) -> ModelSpec:
     """A ``ModelSpec`` from the fields most Hugging Face decoder configs share (Llama's
     names: hidden_size, num_attention_heads, head_dim, num_key_value_heads, rms_norm_eps,
     rope_parameters, sliding_window, attention_bias, mlp_bias, ...); ``fields`` override
-    or add to what is read (e.g. ``qkv_bias=True``, ``moe=...``). A RoPE type whose
-    frequencies depend on the sequence length, or a window on some layers only, is a
-    ModelLoadError naming what is supported."""
+    or add to what is read (e.g. ``qkv_bias=True``, ``moe=...``). ``layer_types`` with
+    "sliding_attention" and "full_attention" layers give ``layer_attention`` a window on the
+    former only (``sliding_window`` is then None). A RoPE type whose frequencies depend on the
+    sequence length is a ModelLoadError naming what is supported."""
     model_type = getattr(config, "model_type", None)
     heads = config.num_attention_heads
     params = _rope_params(config)
@@ -210,12 +297,15 @@ def decoder_spec(config: Any, **fields: Any) -> ModelSpec:
     sliding = getattr(config, "sliding_window", None)
     if hasattr(config, "use_sliding_window") and not config.use_sliding_window:
         sliding = None  # the Qwen families carry a window size they do not use unless told
-    layer_types = set(getattr(config, "layer_types", None) or [])
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    layers: tuple[LayerAttention, ...] = ()
     if sliding is not None and "full_attention" in layer_types:
-        # e.g. Qwen2 with max_window_layers < num_hidden_layers: windows on some layers only
-        raise ModelLoadError(f"{model_type} with sliding-window attention on some layers and full attention "
-                             f"on others (layer_types {sorted(layer_types)}) is not supported; supported: "
-                             f"the same attention on every layer")
+        # windows on some layers only (Gemma 2/3, GPT-OSS; Qwen2 past max_window_layers)
+        layers = tuple(LayerAttention(sliding_window=sliding if t == "sliding_attention" else None)
+                       for t in layer_types)
+        sliding = None
+    if "mlp_activation" not in fields:
+        fields["mlp_activation"] = _activation(config)
     bias = bool(getattr(config, "attention_bias", False))
     values = dict(
         model_type=model_type,
@@ -235,6 +325,7 @@ def decoder_spec(config: Any, **fields: Any) -> ModelSpec:
         sliding_window=sliding,
         rope_type=rope_type,
         hf_config=config,
+        layer_attention=layers,
     )
     values.update(fields)
     return ModelSpec(**values)
@@ -247,6 +338,19 @@ def refuse_quantized(config: Any, supported: str = "unquantized (bfloat16/float1
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else getattr(quant, "quant_method", "?")
         raise ModelLoadError(f"{config.model_type} checkpoint quantized with {method!r} is not supported; "
                              f"supported: {supported}")
+
+
+ACTIVATION_NAMES = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_pytorch_tanh"}
+"""Hugging Face ``hidden_act`` names the gated MLP serves, and what it calls them."""
+
+
+def _activation(config: Any) -> str:
+    """The gated MLP's activation from the config's ``hidden_act``, or a ModelLoadError."""
+    name = getattr(config, "hidden_act", None) or "silu"
+    if name not in ACTIVATION_NAMES:
+        raise ModelLoadError(f"{getattr(config, 'model_type', None)} with hidden_act {name!r} is not supported; "
+                             f"supported: {', '.join(ACTIVATION_NAMES)}")
+    return ACTIVATION_NAMES[name]
 
 
 def _rope_params(config: Any) -> dict:

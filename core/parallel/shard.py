@@ -53,6 +53,8 @@ class Shard:
 def allowed_sizes(spec: ModelSpec) -> list[int]:
     """Every tensor-parallel size this model splits into: up to its KV head count, or a
     multiple of it that leaves each rank at least one query head (and one MLP column)."""
+    if spec.unsplittable:
+        return [1]
     kv, group = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads
     widths = [spec.intermediate_size] + ([spec.moe.intermediate_size] if spec.moe else [])
     if spec.moe and spec.moe.shared_intermediate_size:
@@ -65,6 +67,9 @@ def plan_shard(spec: ModelSpec, size: int, rank: int) -> Shard:
     """Rank ``rank``'s share of ``spec`` split ``size`` ways (a ConfigError naming the
     allowed sizes if it does not split so)."""
     allowed = allowed_sizes(spec)
+    if size != 1 and spec.unsplittable:
+        raise ConfigError(f"parallel.tensor {size}: {spec.model_type} does not split over ranks: "
+                          f"{spec.unsplittable}; allowed: 1")
     if size not in allowed:
         raise ConfigError(f"parallel.tensor {size} does not split this model ({spec.num_heads} query heads in "
                           f"{spec.num_kv_heads} KV heads, MLP width {spec.intermediate_size}); allowed: "
@@ -94,10 +99,11 @@ def local_spec(spec: ModelSpec, shard: Shard) -> ModelSpec:
                                intermediate_size=width(shard.intermediate), moe=moe)
 
 
-def slice_rule(name: str, spec: ModelSpec, shard: Shard) -> tuple[int, int, int] | str | None:
+def slice_rule(name: str, spec: ModelSpec, shard: Shard) -> tuple[int, int, int] | list | str | None:
     """How rank ``shard.rank`` reads checkpoint tensor ``name`` of the whole model ``spec``:
-    ``(dim, lo, hi)`` (that slice), ``ZERO`` (a row-parallel bias, kept on rank 0 only) or
-    None (replicated: the whole tensor)."""
+    ``(dim, lo, hi)`` (that slice), a list of dim-0 slices (concatenated: fused projections,
+    Phi-3's ``qkv_proj`` and ``gate_up_proj``), ``ZERO`` (a row-parallel bias, kept on rank 0
+    only) or None (replicated: the whole tensor)."""
     parts = name.split(".")
     if len(parts) < 5 or parts[:2] != ["model", "layers"]:
         return None
@@ -116,6 +122,12 @@ def slice_rule(name: str, spec: ModelSpec, shard: Shard) -> tuple[int, int, int]
             return 0, q0 * per_head, q1 * per_head
         if module == "o_proj":
             return (1, q0 * v_dim, q1 * v_dim) if kind == "weight" else ZERO
+        if module == "sinks":  # one sink logit per query head (GPT-OSS)
+            return 0, q0, q1
+        if module == "qkv_proj":  # q, k and v rows stacked: each one's share, in that order
+            q_rows, kv_rows = spec.num_heads * head_dim, spec.num_kv_heads * head_dim
+            return [(0, q0 * head_dim, q1 * head_dim), (0, q_rows + k0 * head_dim, q_rows + k1 * head_dim),
+                    (0, q_rows + kv_rows + k0 * head_dim, q_rows + kv_rows + k1 * head_dim)]
         return None  # MLA's q_a_proj, kv_a_proj_with_mqa and norms
     if family != "mlp":
         return None
@@ -127,6 +139,9 @@ def slice_rule(name: str, spec: ModelSpec, shard: Shard) -> tuple[int, int, int]
         module, (lo, hi) = parts[5], shard.shared_intermediate
     elif parts[4] in ("gate_proj", "up_proj", "down_proj"):
         module, (lo, hi) = parts[4], shard.intermediate
+    elif parts[4] == "gate_up_proj":  # gate rows, then up rows (Phi-3)
+        (lo, hi), width = shard.intermediate, spec.intermediate_size
+        return [(0, lo, hi), (0, width + lo, width + hi)]
     else:
         return None  # the MoE router
     if module in ("gate_proj", "up_proj"):
@@ -151,13 +166,15 @@ def load_shard(folder: Path, spec: ModelSpec, shard: Shard, architecture: Any = 
                        shard.rank)
 
     state = load_state_dict(folder, read)
-    stacked = {k: v for k, v in state.items() if v.dim() == 3 and k.endswith(("experts.gate_up_proj",
-                                                                                "experts.down_proj"))}
-    for name, tensor in unstack_experts(stacked).items():
+    stacked = {k: v for k, v in state.items() if v.dim() in (2, 3) and k.endswith((
+        "experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_bias", "experts.down_proj_bias"))}
+    layout = getattr(architecture, "expert_layout", "concatenated")
+    unstacked = unstack_experts(stacked, layout)
+    for name, tensor in unstacked.items():
         # a copy: a view would keep the whole stack, every rank's share of every expert, alive
         part = _sliced(lambda t=tensor: t, tensor, slice_rule(module_name(name), spec, shard), shard.rank)
         state[name] = part.clone(memory_format=torch.contiguous_format)
-    for name in stacked:
+    for name in stacked.keys() - unstacked.keys():
         del state[name]
     return state
 
@@ -169,5 +186,7 @@ def _sliced(whole: Any, part: Any, rule: tuple[int, int, int] | str | None, rank
         return whole()
     if rule == ZERO:
         return torch.zeros_like(whole())
+    if isinstance(rule, list):
+        return torch.cat([part[lo:hi] for _, lo, hi in rule])
     dim, lo, hi = rule
     return part[lo:hi] if dim == 0 else part[:, lo:hi]

@@ -75,19 +75,19 @@ class CascadeAttention(SdpaAttention):
     """`sdpa` with shared-prefix decodes attended as a cascade (prefix once, then suffixes).
 
     Exact up to rounding, like `sdpa` (the property tests hold it to the same float64
-    reference). Sliding-window models run plain `sdpa`: a window cuts the shared prefix
-    differently for every sequence.
+    reference). Models with layer features (sliding windows, softcaps, sinks) run plain
+    `sdpa`: a window cuts the shared prefix differently for every sequence.
     """
 
     name = "cascade"
-    api_version = "1.7"
+    api_version = "1.8"
     description = "sdpa + shared-prefix (cascade) decode attention: a common prefix is read once per step"
     Options = CascadeOptions
     auto_priority = 20
 
     def _decode_groups(self, batch: BatchMetadata, decodes: list[int], qsl: list[int],
                        device: torch.device) -> list:
-        if self.sliding_window is not None:
+        if self.model.attention_features():  # windows, softcaps, sinks: plain sdpa groups
             return super()._decode_groups(batch, decodes, qsl, device)
         bs = batch.block_size
         by_first: dict[int, list[int]] = {}

@@ -12,7 +12,7 @@ layer then stores its new K/V, gathers the context and calls SDPA:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,17 @@ class _Group:
     mask: torch.Tensor | None
     causal: bool
     valid_rows: torch.Tensor | None  # [B, Q] bool, None when there is no query padding
+    q_pos: torch.Tensor | None = None  # [B, 1, Q, 1] each query's position (with ``mask``)
+    windowed: dict = field(default_factory=dict)  # window -> ``mask`` cut to it (made once a step)
+
+    def mask_for(self, window: int | None) -> torch.Tensor | None:
+        """The group's mask for a layer with sliding ``window`` (None: the whole context)."""
+        if window is None or self.mask is None:
+            return self.mask
+        if window not in self.windowed:
+            k_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
+            self.windowed[window] = self.mask & (self.q_pos - k_pos < window)
+        return self.windowed[window]
 
 
 @dataclass
@@ -60,18 +71,20 @@ class SdpaPlan:
 
 class SdpaAttention(AttentionBackend):
     """Reference attention: any "kv" cache (read through ``KVStorage.gather``, so quantized
-    storage too), any head size, GQA, sliding windows.
+    storage too), any head size, GQA, and every layer feature: sliding windows (per layer),
+    logit softcapping and attention sinks (explicit scores where SDPA cannot do them).
 
     Exact up to SDPA's own rounding; float64 works too, which the tests use as ground truth.
     """
 
     name = "sdpa"
-    api_version = "1.7"
+    api_version = "1.8"
     description = "torch scaled_dot_product_attention over the KV cache (reference, CPU and CUDA)"
     Options = SdpaOptions
     auto_priority = 10
     cache_formats = frozenset({"kv"})
     cache_dtypes = None  # reads through KVStorage.gather, which dequantizes: any storage dtype
+    layer_features = frozenset({"sliding_window", "per_layer_window", "softcap", "sinks"})
 
     # ---------------------------------------------------------------- per step
 
@@ -114,43 +127,80 @@ class SdpaAttention(AttentionBackend):
         q_idx = torch.arange(q_max)
         rows = torch.tensor([qsl[i] for i in seqs])[:, None] + torch.minimum(
             q_idx[None, :], torch.tensor(q_lens)[:, None] - 1)  # [B, Q]; padding repeats the last row
-        alone_causal = len(seqs) == 1 and q_lens[0] == kv_lens[0] and self.sliding_window is None
-        mask = valid = None
+        alone_causal = len(seqs) == 1 and q_lens[0] == kv_lens[0] and not self._windowed
+        mask = valid = q_pos = None
         if not alone_causal:
             q_len = torch.tensor(q_lens)[:, None, None]
             kv_len = torch.tensor(kv_lens)[:, None, None]
             q_pos = kv_len - q_len + q_idx[None, :, None]  # [B, Q, 1] absolute position of each query
             k_pos = pos[None, None, :]  # [1, 1, L]
-            mask = (k_pos <= q_pos) & (k_pos < kv_len)
-            if self.sliding_window is not None:
-                mask &= q_pos - k_pos < self.sliding_window
-            mask = mask[:, None].to(device)  # [B, 1, Q, L]
+            mask = ((k_pos <= q_pos) & (k_pos < kv_len))[:, None].to(device)  # [B, 1, Q, L]
+            q_pos = q_pos[:, None].to(device)
             if q_max > min(q_lens):
                 valid = (q_idx[None, :] < torch.tensor(q_lens)[:, None]).to(device)
-        return _Group(rows.to(device), slots.to(device), mask, alone_causal, valid)
+        return _Group(rows.to(device), slots.to(device), mask, alone_causal, valid, q_pos)
+
+    @property
+    def _windowed(self) -> bool:
+        """Whether some layer has a sliding window (its groups then need explicit masks)."""
+        if not hasattr(self, "_any_window"):
+            self._any_window = any(self.layer_attention(i).sliding_window is not None
+                                   for i in range(self.model.num_layers))
+        return self._any_window
 
     # ---------------------------------------------------------------- per layer
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv: KVStorage, plan: SdpaPlan) -> torch.Tensor:
+                kv: KVStorage, plan: SdpaPlan, sinks: torch.Tensor | None = None) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
         kv.store(k, v, plan.slot_mapping)
         out = torch.empty_like(q)
+        features = self.layer_attention(layer)
         for g in plan.groups:
             if not isinstance(g, _Group):
                 g.attend(q, kv, self.scale, out)  # a subclass's own kind of group
                 continue
             keys, values = kv.gather(g.slots)  # [B, L, Hkv, D]
             query = q[g.rows]  # [B, Q, Hq, D]
-            o = F.scaled_dot_product_attention(
-                query.transpose(1, 2), keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
-                attn_mask=g.mask, is_causal=g.causal, scale=self.scale,
-                enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)  # [B, Q, Hq, D]
+            mask = g.mask_for(features.sliding_window)
+            if features.softcap is not None or sinks is not None:
+                o = explicit_attention(query, keys, values, mask, self.scale, features.softcap, sinks)
+            else:
+                o = F.scaled_dot_product_attention(
+                    query.transpose(1, 2), keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
+                    attn_mask=mask, is_causal=g.causal, scale=self.scale,
+                    enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)  # [B, Q, Hq, D]
             if g.valid_rows is None:
                 out[g.rows.reshape(-1)] = o.reshape(-1, *o.shape[2:])
             else:
                 out[g.rows[g.valid_rows]] = o[g.valid_rows]
         return out
+
+
+def explicit_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                       scale: float, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention with what SDPA cannot do: scores capped as softcap * tanh(s / softcap) and
+    sink logits in each softmax's denominator. query [B, Q, Hq, D], keys, values [B, L, Hkv,
+    D], mask [B, 1, Q, L] bool (None: causal over the last Q keys), sinks [Hq] or None ->
+    [B, Q, Hq, D] in query's dtype; computed in float32 (float64 for float64)."""
+    acc = torch.promote_types(query.dtype, torch.float32)
+    group = query.shape[2] // keys.shape[2]
+    qh = query.to(acc).transpose(1, 2)  # [B, Hq, Q, D]
+    kh = keys.to(acc).transpose(1, 2).repeat_interleave(group, dim=1)  # [B, Hq, L, D]
+    vh = values.to(acc).transpose(1, 2).repeat_interleave(group, dim=1)
+    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale  # [B, Hq, Q, L]
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    if mask is None:
+        q_len, k_len = s.shape[-2:]
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=s.device).tril(k_len - q_len)
+    s = s.masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(acc)[None, :, None, None].expand(*s.shape[:-1], 1)
+        p = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
+    return torch.matmul(p, vh).transpose(1, 2).to(query.dtype)
 
 
 @tessellm.hookimpl

@@ -48,6 +48,8 @@ _LAZY = {
     "get_registry": "tessellm.core.registry",
     "resolve": "tessellm.core.resolve",
     "ModelSpec": "tessellm.core.model.spec",
+    "LayerAttention": "tessellm.core.model.spec",
+    "LAYER_FEATURES": "tessellm.core.model.spec",
     # the interfaces
     "AttentionBackend": f"{_INTERFACES}.attention",
     "LatentProjection": f"{_INTERFACES}.attention",
@@ -76,6 +78,8 @@ _LAZY = {
     "MLP": "tessellm.core.model.decoder",
     "RMSNorm": "tessellm.core.model.decoder",
     "RotaryEmbedding": "tessellm.core.model.decoder",
+    "Attention": "tessellm.core.model.decoder",
+    "apply_rotary": "tessellm.core.model.decoder",
     "MoE": "tessellm.core.model.moe",
     "LatentAttention": "tessellm.core.model.mla",
     # the data they exchange

@@ -263,14 +263,22 @@ for config in configs:
 """
 
 
-def test_new_architectures_shard(tmp_path):
-    """Qwen3 (per-head q/k norms on a replicated KV head), Qwen3-MoE, Qwen2-MoE (the shared
-    expert split, its gate replicated) and Mixtral (its checkpoint's names mapped), float64:
-    two ranks give one rank's greedy tokens. One launch runs the four pipelines in turn."""
+LAYER_FEATURE_FAMILIES = ["gemma2", "gemma3_text", "gpt_oss", "phi3", "granite", "smollm3"]
+
+
+def test_model_plugins_shard(tmp_path):
+    """Every model plugin's family in float64, two ranks giving one rank's greedy tokens,
+    in one launch (the pipelines in turn): Qwen3 (per-head q/k norms on a replicated KV
+    head), Qwen3-MoE, Qwen2-MoE (the shared expert split, its gate replicated), Mixtral (its
+    checkpoint's names mapped); Gemma 2 and 3 (per-layer windows, softcaps, sandwich norms
+    reduced before their output norms), GPT-OSS (sinks split with their heads, interleaved
+    expert stacks), Phi-3 (fused qkv and gate_up projections, each part split), Granite
+    (multipliers) and SmolLM3 (layers without RoPE)."""
     from tessellm import LLM
 
+    model_types = NEW_ARCHITECTURES + LAYER_FEATURE_FAMILIES
     configs = []
-    for model_type in NEW_ARCHITECTURES:
+    for model_type in model_types:
         model = build_tiny(model_type, tmp_path / model_type, vocab_size=512)
         configs.append(json.loads(write_config(tmp_path / f"{model_type}.json", model).read_text()))
     params = {"prompts": PROMPTS, "sampling": {"max_tokens": 12, "ignore_eos": True, "temperature": 0.0}}
@@ -278,12 +286,23 @@ def test_new_architectures_shard(tmp_path):
     script = tmp_path / "several_pipelines.py"
     script.write_text(SEVERAL_PIPELINES)
     two = [{**c, "parallel": {**c["parallel"], "tensor": 2}} for c in configs]
-    run = torchrun(2, json.dumps(two), json.dumps(params), script=[str(script)])
+    run = torchrun(2, json.dumps(two), json.dumps(params), script=[str(script)], timeout=400)
     assert run.returncode == 0, run.stderr[-3000:]
     got = [json.loads(line) for line in run.stdout.strip().splitlines()]
-    assert len(got) == len(NEW_ARCHITECTURES)  # rank 0 alone prints
-    for model_type, tokens, want in zip(NEW_ARCHITECTURES, got, expected):
+    assert len(got) == len(model_types)  # rank 0 alone prints
+    for model_type, tokens, want in zip(model_types, got, expected):
         assert tokens == want, model_type
+
+
+def test_olmo2_refuses_tensor_parallel_naming_why(tmp_path):
+    """OLMo 2's q/k norms span every head: a rank cannot normalise its share alone."""
+    from tessellm.core.model.loader import load_hf_config
+
+    spec = ModelSpec.from_hf_config(load_hf_config(build_tiny("olmo2", tmp_path / "olmo2", vocab_size=512)))
+    assert allowed_sizes(spec) == [1]
+    with pytest.raises(ConfigError, match=r"parallel.tensor 2: olmo2 does not split over ranks: its q and k norms "
+                                          r"normalise whole projections.*allowed: 1"):
+        plan_shard(spec, 2, 0)
 
 
 def test_bench_under_torchrun(gqa_config):

@@ -71,11 +71,12 @@ class MlaAttention(SdpaAttention):
     form the options choose; both forms give the same result to rounding."""
 
     name = "mla"
-    api_version = "1.7"
+    api_version = "1.8"
     description = "multi-head latent attention (DeepSeek-V2/V3): naive prefill, absorbed decode (Triton on CUDA)"
     Options = MlaOptions
     auto_priority = 40
     cache_formats = frozenset({"latent"})
+    layer_features = frozenset()  # MLA models have no windows, softcaps or sinks
     cache_dtypes = None
     supports_cuda_graphs = False
 

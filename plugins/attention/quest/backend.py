@@ -184,23 +184,23 @@ class QuestAttention(SdpaAttention):
     dense backend (`sdpa` or `flash`: exact); otherwise it is approximate by design: each
     query attends only its chosen blocks, and equals the reference attention restricted to
     them. Needs the cache's "key_bounds" (the `paged` cache keeps them when this backend is
-    named). No sliding windows (a window already bounds the context).
+    named). No layer features: no sliding windows (a window already bounds the context), no
+    softcaps, no sinks.
     """
 
     name = "quest"
-    api_version = "1.7"
+    api_version = "1.8"
     description = "QUEST query-aware sparse decode attention: top-K blocks by key-bound scores"
     Options = QuestOptions
     auto_priority = None  # approximate by design: only when named
     kv_extras = frozenset({"key_bounds"})
+    layer_features = frozenset()  # a window already bounds each query's keys; no softcap or sinks
     cache_formats = frozenset({"kv"})
     cache_dtypes = None
 
     @classmethod
     def unsupported_reasons(cls, ctx: SelectionContext) -> list[str]:
         reasons = super().unsupported_reasons(ctx)
-        if getattr(ctx.model, "sliding_window", None):
-            reasons.append("sliding-window models are not supported (the window already bounds each query's keys)")
         if _dense_is_flash(ctx.options, ctx.device):
             from tessellm.plugins.attention.flash import FlashAttention, FlashOptions
 

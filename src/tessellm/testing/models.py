@@ -103,7 +103,45 @@ TINY_SHAPES: dict[str, dict[str, Any]] = {
                     max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False),
 }
 TINY_SHAPES["deepseek_v2"], TINY_SHAPES["deepseek_v3"] = TINY_DEEPSEEK[2], TINY_DEEPSEEK[3]
+
+_TINY_64 = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=512, tie_word_embeddings=False)
+TINY_SHAPES.update({
+    # the families whose layers differ: windows of 8 tokens (shorter than test prompts),
+    # softcaps and multipliers that bind
+    "gemma2": dict(_TINY_64, head_dim=16, num_hidden_layers=4, sliding_window=8, query_pre_attn_scalar=24,
+                   attn_logit_softcapping=2.0, final_logit_softcapping=3.0, rms_norm_eps=1e-6,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]),
+    "gemma3_text": dict(_TINY_64, head_dim=32, num_hidden_layers=6, sliding_window=8, query_pre_attn_scalar=32,
+                        final_logit_softcapping=3.0, rms_norm_eps=1e-6,
+                        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+                        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                         "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                            "rope_theta": 10000.0}}),
+    "gpt_oss": dict(_TINY_64, intermediate_size=32, num_hidden_layers=4, head_dim=16, num_local_experts=8,
+                    num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.0, rms_norm_eps=1e-5,
+                    layer_types=["sliding_attention", "full_attention"] * 2,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
+    "phi3": dict(_TINY_64, num_hidden_layers=2, sliding_window=8, rms_norm_eps=1e-5,
+                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+    "olmo2": dict(_TINY_64, num_hidden_layers=3, rms_norm_eps=1e-6),
+    "granite": dict(_TINY_64, num_hidden_layers=2, rms_norm_eps=1e-6, embedding_multiplier=4.0,
+                    attention_multiplier=0.05, residual_multiplier=0.3, logits_scaling=2.5),
+    "smollm3": dict(_TINY_64, num_hidden_layers=4, rms_norm_eps=1e-6, no_rope_layers=[1, 0, 1, 0],
+                    use_sliding_window=True, sliding_window=8,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention", "full_attention"]),
+})
 """Tiny shapes per Hugging Face model_type, each varying what its family varies."""
+
+TINY_VECTORS: dict[str, dict[str, float]] = {
+    # Gemma stores norm weights as offsets from one: random, so 1 + w is exercised
+    "gemma2": {"": 0.5}, "gemma3_text": {"": 0.5},
+    # sinks about a score's size, router biases that change which experts win, other biases
+    "gpt_oss": {"sinks": 1.0, "router.bias": 0.5, "bias": 0.2},
+}
+"""Per model_type, the std of the 1-D parameters ``build_tiny`` draws at random (by name
+suffix; "" matches every one), where transformers' zeros or ones would hide a feature."""
 
 
 def build_tiny(model_type: str, target: Path, *, seed: int = 0, vocab_size: int = 512, weight_std: float = 0.15,
@@ -116,21 +154,28 @@ def build_tiny(model_type: str, target: Path, *, seed: int = 0, vocab_size: int 
 
     config = AutoConfig.for_model(model_type, vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0,
                                   **{**TINY_SHAPES.get(model_type, {}), **shapes})
-    return _save_random(lambda: AutoModelForCausalLM.from_config(config), target, seed, weight_std, vocab_size)
+    return _save_random(lambda: AutoModelForCausalLM.from_config(config), target, seed, weight_std, vocab_size,
+                        TINY_VECTORS.get(model_type))
 
 
-def _save_random(make_model: Any, target: Path, seed: int, weight_std: float, vocab_size: int) -> Path:
+def _save_random(make_model: Any, target: Path, seed: int, weight_std: float, vocab_size: int,
+                 vectors: dict[str, float] | None = None) -> Path:
     """Build a model with ``make_model`` under ``seed`` (the global generator restored after),
-    draw its matrices from N(0, weight_std) and any score-correction bias (DeepSeek-V3's) from
-    N(0, 0.1), then save it in ``target`` with a word-level tokenizer."""
+    draw its matrices from N(0, weight_std), any score-correction bias (DeepSeek-V3's) from
+    N(0, 0.1) and the 1-D parameters ``vectors`` names (suffix -> std, the first match) from
+    N(0, std), then save it in ``target`` with a word-level tokenizer."""
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     try:
         model = make_model().eval()
         with torch.no_grad():
-            for p in model.parameters():
+            for name, p in model.named_parameters():
                 if p.dim() >= 2:
                     p.normal_(0, weight_std)
+                    continue
+                std = next((v for suffix, v in (vectors or {}).items() if name.endswith(suffix)), None)
+                if std is not None and (vectors.get("") is not None or not name.endswith("norm.weight")):
+                    p.normal_(0, std)
             for name, b in model.named_buffers():
                 if name.endswith("e_score_correction_bias"):
                     b.normal_(0, 0.1)

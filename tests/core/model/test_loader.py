@@ -58,8 +58,9 @@ def test_unsupported_architectures_and_rope():
     with pytest.raises(ModelLoadError) as refused:
         ModelSpec.from_hf_config(GPT2Config())
     message = str(refused.value)
-    assert message.startswith("model_type 'gpt2' is not supported; supported: deepseek_v2, deepseek_v3, llama, ")
-    for served in ("mixtral", "qwen2_moe", "qwen3", "qwen3_moe"):
+    assert message.startswith("model_type 'gpt2' is not supported; supported: deepseek_v2, deepseek_v3, gemma, ")
+    for served in ("mixtral", "qwen2_moe", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss", "phi3", "olmo2",
+                   "granite", "smollm3", "llama"):
         assert served in message
     assert "tessellm new-plugin model NAME" in message and "model_types = ('gpt2',)" in message
     config = LlamaConfig(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
@@ -70,12 +71,28 @@ def test_unsupported_architectures_and_rope():
         ModelSpec.from_hf_config(config)
 
 
-def test_mixed_window_layers_are_refused():
+def test_an_activation_the_mlp_does_not_compute_is_refused():
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_act="relu")
+    with pytest.raises(ModelLoadError, match="hidden_act 'relu' is not supported; supported: silu, swish"):
+        ModelSpec.from_hf_config(config)
+    assert ModelSpec.from_hf_config(LlamaConfig(hidden_act="swish")).mlp_activation == "silu"
+
+
+def test_mixed_window_layers_get_a_window_each():
+    """Qwen2 past max_window_layers: the later layers slide, the first ones see everything;
+    the spec says so per layer and names the feature a backend must serve."""
     from transformers import Qwen2Config
 
     config = Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=64, max_window_layers=2)
-    with pytest.raises(ModelLoadError, match="sliding-window attention on some layers"):
-        ModelSpec.from_hf_config(config)
+    spec = ModelSpec.from_hf_config(config)
+    assert [spec.attention_of(i).sliding_window for i in range(4)] == [None, None, 64, 64]
+    assert spec.sliding_window is None
+    assert spec.attention_features() == {"per_layer_window": [2, 3]}
+    uniform = ModelSpec.from_hf_config(Qwen2Config(num_hidden_layers=2, use_sliding_window=True, sliding_window=8,
+                                                   max_window_layers=0))
+    assert uniform.sliding_window == 8 and uniform.attention_features() == {"sliding_window": [0, 1]}
 
 
 def test_checkpoint_missing_weights(tiny_model, tmp_path, cpu_config):

@@ -252,3 +252,32 @@ def test_stacks_are_let_go_when_a_quantizer_replaces_the_experts():
     drop_stale_stacks(moe)
     assert not moe.grouped and moe._stacked is None
     assert torch.allclose(moe(x), expected, atol=1e-12)
+
+
+def test_unstack_experts_reads_the_interleaved_transposed_layout():
+    """GPT-OSS's stacks: gate_up_proj [E, H, 2I] with gate and up in alternate columns,
+    down_proj [E, I, H], and their bias stacks, split into each expert's Linear weights and
+    biases that compute the same products."""
+    g = torch.Generator().manual_seed(3)
+    experts, hidden, width = 3, 6, 4
+    gate_up = torch.randn(experts, hidden, 2 * width, generator=g, dtype=torch.float64)
+    down = torch.randn(experts, width, hidden, generator=g, dtype=torch.float64)
+    gate_up_bias = torch.randn(experts, 2 * width, generator=g, dtype=torch.float64)
+    down_bias = torch.randn(experts, hidden, generator=g, dtype=torch.float64)
+    prefix = "model.layers.0.mlp.experts"
+    state = unstack_experts({f"{prefix}.gate_up_proj": gate_up, f"{prefix}.down_proj": down,
+                             f"{prefix}.gate_up_proj_bias": gate_up_bias, f"{prefix}.down_proj_bias": down_bias,
+                             "model.norm.weight": torch.ones(hidden)}, "interleaved_transposed")
+    x = torch.randn(5, hidden, generator=g, dtype=torch.float64)
+
+    def linear(e: int, proj: str, inputs: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(inputs, state[f"{prefix}.{e}.{proj}.weight"], state[f"{prefix}.{e}.{proj}.bias"])
+
+    for e in range(experts):
+        fused = x @ gate_up[e] + gate_up_bias[e]  # [5, 2I]: the checkpoint's own product
+        torch.testing.assert_close(linear(e, "gate_proj", x), fused[:, 0::2])
+        torch.testing.assert_close(linear(e, "up_proj", x), fused[:, 1::2])
+        h = torch.randn(5, width, generator=g, dtype=torch.float64)
+        torch.testing.assert_close(linear(e, "down_proj", h), h @ down[e] + down_bias[e])
+    assert torch.equal(state["model.norm.weight"], torch.ones(hidden))
+    assert not any(name.endswith(("gate_up_proj", "down_proj", "_bias")) for name in state)

@@ -38,7 +38,7 @@ def test_options_are_validated():
 
 
 def test_takes_part_only_when_named():
-    assert LLGuidanceBackend.auto_priority is None and LLGuidanceBackend.api_version == "1.7"
+    assert LLGuidanceBackend.auto_priority is None and LLGuidanceBackend.api_version == "1.8"
 
 
 # ---------------------------------------------------------------------- kinds

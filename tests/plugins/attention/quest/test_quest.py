@@ -254,7 +254,8 @@ def test_quest_needs_key_bounds_and_no_window(cpu_config, tiny_model):
 
     with pytest.raises(ConfigError, match="key_bounds"):
         LLM(cpu_config(tiny_model("llama"), attention={"name": "quest"}, cache={"name": "contiguous"}))
-    with pytest.raises(ConfigError, match="sliding-window"):
+    with pytest.raises(ConfigError, match="does not serve a sliding window \\(layer feature 'sliding_window'\\), "
+                                          "which 'mistral' needs on layers 0, 1"):
         LLM(cpu_config(tiny_model("mistral"), attention={"name": "quest"}, cache={"name": "paged"}))
 
 
