@@ -1,5 +1,7 @@
 """The attention conformance suite on every built-in backend: sdpa, cascade, and flash (its
-Triton kernels under the interpreter on a CPU, so with fewer, smaller cases)."""
+Triton kernels under the interpreter on a CPU, so with fewer, smaller cases) serve every
+layer feature (windows per layer, softcaps, sinks) and are held to the float64 reference on
+each; quest and mla serve none and must decline each, naming it."""
 
 from __future__ import annotations
 

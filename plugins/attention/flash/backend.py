@@ -3,7 +3,9 @@ K/V straight from the paged cache through the block tables (no gather).
 
 Prefills and prefill chunks after cached context run through the prefill kernel
 (prefill.py), single-token decodes through the split-K decode kernel (decode.py); GQA/MQA map query heads onto their KV head; head dims
-up to 256 (padded to a power of two); causal, with an optional sliding window.
+up to 256 (padded to a power of two); causal, with every layer feature (plugin API 1.8) each
+layer asks for: a sliding window (its own per layer), a logit softcap and attention sinks,
+each a compile-time switch of the kernels, so a layer without them runs the same code as before.
 
 On CUDA this is the fast path. On a CPU it runs only under Triton's interpreter
 (``TRITON_INTERPRET=1`` set before the first kernel call): slow, but it lets the kernels be
@@ -23,6 +25,7 @@ from tessellm.core.interfaces.attention import AttentionBackend
 from tessellm.core.interfaces.batch import BatchMetadata
 from tessellm.core.interfaces.cache import CacheManager
 from tessellm.core.interfaces.kv import KVStorage
+from tessellm.core.model.spec import LayerAttention
 from tessellm.core.plugin import PluginOptions, SelectionContext
 
 
@@ -40,7 +43,8 @@ class FlashOptions(PluginOptions):
     packed_prefill: bool = True
     """Read a prefill's own new keys and values from the step's packed K/V rows through TMA
     descriptors (contiguous rows, no block-table gather) where the shapes allow it (a
-    power-of-two head dim, no sliding window); earlier context still comes from the cache.
+    power-of-two head dim, a layer without a sliding window); earlier context still comes from
+    the cache.
     Same results as the gather, and faster on a GPU (bench/kernels.py --sweep; docs/benchmarks.md,
     "Prefill")."""
 
@@ -104,11 +108,17 @@ class FlashAttention(AttentionBackend):
     packed prefill off so every key is read as stored). Tested against the
     float64 reference (``tessellm.testing.attention``) under the Triton interpreter on CPU and
     compiled on a GPU. ``auto`` picks it on CUDA (it beats SDPA's flash backend there, see
-    docs/benchmarks.md), never on a CPU, where it only runs interpreted. Supports CUDA graphs.
+    docs/benchmarks.md), never on a CPU, where it only runs interpreted. Supports CUDA graphs
+    (a plan serves every layer: the layer features are arguments of each layer's launch).
+
+    Serves every layer feature: each forward reads its layer's ``LayerAttention`` (window,
+    softcap) and takes the layer's ``sinks``; the kernels apply the cap to the scaled scores
+    inside the tile loop and fold the sinks into the final normalisation (the split-K
+    decode's merge, once).
     """
 
     name = "flash"
-    api_version = "1.7"
+    api_version = "1.8"
     description = "Triton FlashAttention over packed varlen batches, K/V read through block tables"
     Options = FlashOptions
     auto_priority = 30
@@ -116,6 +126,7 @@ class FlashAttention(AttentionBackend):
     cache_dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.int8})
     head_dims = None
     supports_cuda_graphs = True
+    layer_features = frozenset({"sliding_window", "per_layer_window", "softcap", "sinks"})
 
     @classmethod
     def unsupported_reasons(cls, ctx: SelectionContext) -> list[str]:
@@ -171,43 +182,48 @@ class FlashAttention(AttentionBackend):
         return [[(chunk, chunk), (1, max_model_len)]]
 
     def forward(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                kv: KVStorage, plan: FlashPlan) -> torch.Tensor:
+                kv: KVStorage, plan: FlashPlan, sinks: torch.Tensor | None = None) -> torch.Tensor:
         kv.store(k, v, plan.slot_mapping)
-        return self.attend(q.contiguous(), k, v, kv, plan)
+        return self.attend(q.contiguous(), k, v, kv, plan, attention=self.layer_attention(layer), sinks=sinks)
 
     def forward_rotary(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor, kv: KVStorage, plan: FlashPlan) -> torch.Tensor:
+                       sin: torch.Tensor, kv: KVStorage, plan: FlashPlan,
+                       sinks: torch.Tensor | None = None) -> torch.Tensor:
         """RoPE and the KV store in one kernel (``rope_store``), which also leaves q contiguous
         and k rotated in place for the packed prefill."""
         from tessellm.plugins.attention.flash.rope_store import rope_store
 
         k_cache, v_cache = kv.kv_tensors()
         q = rope_store(q, k, v, cos, sin, k_cache, v_cache, plan.slot_mapping, *_scales(kv))
-        return self.attend(q, k, v, kv, plan)
+        return self.attend(q, k, v, kv, plan, attention=self.layer_attention(layer), sinks=sinks)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVStorage, plan: FlashPlan,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, attention: LayerAttention | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention over the cache for the plan's sequences, the step's k, v already stored;
         q contiguous. Their rows are written into ``out`` (a new tensor if None), others'
-        rows are left as they are."""
+        rows are left as they are. ``attention``: the layer's window and softcap (None: the
+        model-wide window, no cap); ``sinks`` [Hq]: the layer's sink logits."""
         # late: Triton reads TRITON_INTERPRET when the kernels are defined
         from tessellm.plugins.attention.flash.decode import paged_decode_attention
         from tessellm.plugins.attention.flash.prefill import paged_flash_attention
 
         out = torch.empty_like(q) if out is None else out
         o = self.options
+        window = self.sliding_window if attention is None else attention.sliding_window
+        softcap = None if attention is None else attention.softcap
         k_cache, v_cache = kv.kv_tensors()
         k_scale, v_scale = _scales(kv)
         if plan.others is not None:
             s = plan.others
             packed = o.packed_prefill and k.dtype == k_cache.dtype  # the cache may store another dtype
             paged_flash_attention(q, k_cache, v_cache, out, s.block_tables, s.query_start, s.query_lens, s.seq_lens,
-                                  s.max_query_len, self.scale, plan.block_size, self.sliding_window,
-                                  o.block_m, o.block_n, k_new=k if packed else None, v_new=v if packed else None,
-                                  k_scale=k_scale, v_scale=v_scale)
+                                  s.max_query_len, self.scale, plan.block_size, window, o.block_m, o.block_n,
+                                  k_new=k if packed else None, v_new=v if packed else None, k_scale=k_scale,
+                                  v_scale=v_scale, softcap=softcap, sinks=sinks)
         if plan.decodes is not None:
             s = plan.decodes
             paged_decode_attention(q, k_cache, v_cache, out, s.query_start, s.block_tables, s.seq_lens, s.max_seq_len,
-                                   self.scale, plan.block_size, self.sliding_window,
-                                   plan.decode_splits or o.decode_splits, o.block_n, k_scale=k_scale, v_scale=v_scale)
+                                   self.scale, plan.block_size, window, plan.decode_splits or o.decode_splits,
+                                   o.block_n, k_scale=k_scale, v_scale=v_scale, softcap=softcap, sinks=sinks)
         return out

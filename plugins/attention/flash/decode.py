@@ -1,6 +1,8 @@
 """The `flash` decode kernel: split-K flash-decoding for one query row per sequence over its
 paged context. Each program attends one KV head's query heads over one split of the context;
 a merge kernel combines the splits by their log-sum-exps (one split writes its result in place).
+A layer's attention sinks join the softmax once, where the splits are combined (in the merge,
+or in the single split's own normalisation).
 """
 
 from __future__ import annotations
@@ -9,8 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tessellm.plugins.attention.flash.common import (LOG2E, TL_DTYPES, KernelConfig, _dequantize, _dot, _fold,
-                                                     interpreting, scale_args)
+from tessellm.plugins.attention.flash.common import (LOG2E, TL_DTYPES, KernelConfig, _add_sink, _dequantize, _dot,
+                                                     _fold, _softcap, interpreting, scale_args, sink_args,
+                                                     softcap_log2)
 
 
 def decode_config(head_dim: int, device: torch.device, block_n: int | None = None) -> KernelConfig:
@@ -25,11 +28,11 @@ def decode_config(head_dim: int, device: torch.device, block_n: int | None = Non
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_bh"])
 def _paged_decode_split(
-    Q, K, V, KScale, VScale, OutPart, LsePart, Out, BlockTables, Rows, SeqLens,
+    Q, K, V, KScale, VScale, OutPart, LsePart, Out, BlockTables, Rows, SeqLens, Sinks,
     scale_log2,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_st, stride_sh, stride_bt, stride_bh, stride_ls, stride_lh,
     stride_pb, stride_ph, stride_ps, stride_ot, stride_oh,
-    GROUP: tl.constexpr, WINDOW: tl.constexpr, KV_BLOCK: tl.constexpr,
+    GROUP: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, KV_BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     FP32_DOT: tl.constexpr, UPCAST: tl.constexpr, DIRECT: tl.constexpr, QUANT: tl.constexpr, COMPUTE: tl.constexpr,
 ):
@@ -38,7 +41,9 @@ def _paged_decode_split(
     single split) writes the final output, with no partials to merge. ``QUANT``: K and V are
     int8, dequantized with their per-token scales (``KScale``, ``VScale``) to ``COMPUTE``.
     Block tables and lengths may differ per KV head (``stride_bh``, ``stride_lh`` nonzero:
-    sparse attention, each head reading its own chosen blocks)."""
+    sparse attention, each head reading its own chosen blocks). ``SOFTCAP``: the base-2 logit
+    cap (0.0: none); ``SINKS``: ``Sinks`` [Hq] holds sink logits, folded in here only when
+    ``DIRECT`` (otherwise the merge adds them, once)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -80,10 +85,15 @@ def _paged_decode_split(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.where(key_ok[None, :], _dot(q, tl.trans(k), FP32_DOT) * scale_log2, float("-inf"))
+        s = _dot(q, tl.trans(k), FP32_DOT) * scale_log2
+        if SOFTCAP > 0:  # after the scale, before the mask
+            s = _softcap(s, SOFTCAP)
+        s = tl.where(key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         acc, l_i = _fold(acc, l_i, m_i, s, tl.where(m_new == float("-inf"), 0.0, m_new), v, FP32_DOT)
         m_i = m_new
+    if SINKS and DIRECT:
+        acc, l_i = _add_sink(acc, l_i, m_i, tl.load(Sinks + heads, mask=g_ok, other=0.0))
     empty = l_i == 0.0  # a split past the end of a short context
     out = acc / tl.where(empty, 1.0, l_i)[:, None]
     if DIRECT:
@@ -100,11 +110,12 @@ def _paged_decode_split(
 # variant serves every count up to BLOCK_S (masked lanes load nothing)
 @triton.jit(do_not_specialize=["num_splits"])
 def _paged_decode_merge(
-    OutPart, LsePart, Out, Rows,
+    OutPart, LsePart, Out, Rows, Sinks,
     stride_pb, stride_ph, stride_ps, stride_ot, stride_oh, num_splits,
-    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr,
 ):
-    """Combine one (sequence, head)'s split results by their (base-2) log-sum-exps."""
+    """Combine one (sequence, head)'s split results by their (base-2) log-sum-exps; ``SINKS``:
+    the head's sink logit (``Sinks`` [Hq]) joins the denominator once, not once per split."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -114,10 +125,16 @@ def _paged_decode_merge(
     lse = tl.load(LsePart + (seq * stride_pb + head * stride_ph) // BLOCK_D + offs_s, mask=s_ok,
                   other=float("-inf"))
     m = tl.max(lse, 0)
+    if SINKS:
+        sink = tl.load(Sinks + head).to(tl.float32) * 1.4426950408889634  # log2(e): base 2, as the lse
+        m = tl.maximum(m, sink)
     w = tl.where(s_ok & (lse > float("-inf")), tl.math.exp2(lse - m), 0.0)
     parts = tl.load(OutPart + seq * stride_pb + head * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :],
                     mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-    out = tl.sum(parts * w[:, None], 0) / tl.sum(w, 0)
+    total = tl.sum(w, 0)
+    if SINKS:
+        total += tl.math.exp2(sink - m)
+    out = tl.sum(parts * w[:, None], 0) / total
     row = tl.load(Rows + seq)
     tl.store(Out + row * stride_ot + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_ok)
 
@@ -145,7 +162,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            max_kv_len: int, scale: float, kv_block_size: int, window: int | None = None,
                            num_splits: int | None = None, block_n: int | None = None,
                            config: KernelConfig | None = None, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> None:
+                           v_scale: torch.Tensor | None = None, softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> None:
     """Flash-decoding: attention of one query row per sequence (packed rows ``rows`` [B] of
     ``q``) over its paged context, the context split ``num_splits`` ways and merged; the
     result is written into ``out`` at the same rows. An int8 cache comes with its scales
@@ -154,6 +172,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``block_tables`` [B, max_blocks] and ``seq_lens`` [B] serve every KV head; per-head ones,
     [B, Hkv, max_blocks] and [B, Hkv], give each KV head its own blocks and length (QUEST's
     chosen blocks, in position order, the newest last: only those are read).
+
+    ``softcap``: the scaled scores s become softcap * tanh(s / softcap) before masking;
+    ``sinks`` [Hq] (float32): each query head's sink logit joins its softmax denominator.
 
     The launch depends on the batch only through ``num_splits`` and the shapes, so a caller
     that fixes both (a CUDA graph) can replay it for any lengths up to ``max_kv_len``."""
@@ -174,24 +195,26 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     lse = target if direct else torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
     part_strides = (0, 0, 0) if direct else (part.stride(0), part.stride(1), part.stride(2))
     k_scales, v_scales, stride_st, stride_sh = scale_args(k_scale, v_scale, k_cache)
+    sink_ptr, has_sinks = sink_args(sinks, num_heads, q)
     per_head = block_tables.dim() == 3
     table_strides = (block_tables.stride(0), block_tables.stride(1) if per_head else 0)
     len_strides = (seq_lens.stride(0), seq_lens.stride(1) if per_head else 0)
     _paged_decode_split[(num_seqs, num_kv_heads, splits)](
-        q, k_cache, v_cache, k_scales, v_scales, part, lse, target, block_tables, rows, seq_lens, scale * LOG2E,
+        q, k_cache, v_cache, k_scales, v_scales, part, lse, target, block_tables, rows, seq_lens, sink_ptr,
+        scale * LOG2E,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), stride_st, stride_sh, *table_strides,
         *len_strides, *part_strides, target.stride(0), target.stride(1),
-        GROUP=group, WINDOW=window or 0, KV_BLOCK=kv_block_size, HEAD_DIM=head_dim,
-        BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
+        GROUP=group, WINDOW=window or 0, SOFTCAP=softcap_log2(softcap), SINKS=has_sinks, KV_BLOCK=kv_block_size,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=cfg.block_n,
         FP32_DOT=q.dtype == torch.float32 or upcast, UPCAST=upcast, DIRECT=direct,
         QUANT=k_scale is not None, COMPUTE=TL_DTYPES[q.dtype],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not direct:
         _paged_decode_merge[(num_seqs, num_heads)](
-            part, lse, target, rows, part.stride(0), part.stride(1), part.stride(2), target.stride(0),
+            part, lse, target, rows, sink_ptr, part.stride(0), part.stride(1), part.stride(2), target.stride(0),
             target.stride(1), splits, BLOCK_S=max(MAX_AUTO_SPLITS, triton.next_power_of_2(splits)),
-            HEAD_DIM=head_dim, BLOCK_D=block_d,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, SINKS=has_sinks,
         )
     if upcast:
         out[rows] = target[rows].to(out.dtype)

@@ -21,8 +21,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tessellm.plugins.attention.flash.common import (LOG2E, TL_DTYPES, KernelConfig, _dequantize, _dot, _fold,
-                                                     interpreting, scale_args)
+from tessellm.plugins.attention.flash.common import (LOG2E, TL_DTYPES, KernelConfig, _add_sink, _dequantize, _dot,
+                                                     _fold, _softcap, interpreting, scale_args, sink_args,
+                                                     softcap_log2)
 
 
 def prefill_config(head_dim: int, device: torch.device, block_m: int | None = None,
@@ -46,14 +47,17 @@ def prefill_config(head_dim: int, device: torch.device, block_m: int | None = No
 
 @triton.jit
 def _score_tile(acc, l_i, m_i, q, k, v, offs_n, kv_len, q_pos, scale_log2,
-                MASKED: tl.constexpr, WINDOW: tl.constexpr, FP32_DOT: tl.constexpr, UPCAST: tl.constexpr):
+                MASKED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, FP32_DOT: tl.constexpr,
+                UPCAST: tl.constexpr):
     """Fold one key tile (``k``, ``v`` at positions ``offs_n``) into the online softmax
-    (scores in base 2). Unmasked tiles lie wholly inside the context and below every row's
-    diagonal."""
+    (scores in base 2, capped first where ``SOFTCAP``, the base-2 cap, is nonzero). Unmasked
+    tiles lie wholly inside the context and below every row's diagonal."""
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     s = _dot(q, tl.trans(k), FP32_DOT) * scale_log2
+    if SOFTCAP > 0:  # after the scale, before the mask
+        s = _softcap(s, SOFTCAP)
     if MASKED:
         visible = (offs_n < kv_len)[None, :] & (offs_n[None, :] <= q_pos[:, None])
         if WINDOW > 0:
@@ -71,9 +75,9 @@ def _score_tile(acc, l_i, m_i, q, k, v, offs_n, kv_len, q_pos, scale_log2,
 @triton.jit
 def _attend_tile(acc, l_i, m_i, q, K, V, KScale, VScale, BlockTables, start, seq, kv_head, kv_len, q_pos,
                  scale_log2, stride_kt, stride_kh, stride_st, stride_sh, stride_bt, offs_d,
-                 MASKED: tl.constexpr, WINDOW: tl.constexpr, KV_BLOCK: tl.constexpr, PAD_D: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr, UPCAST: tl.constexpr,
-                 QUANT: tl.constexpr, COMPUTE: tl.constexpr):
+                 MASKED: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, KV_BLOCK: tl.constexpr,
+                 PAD_D: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr,
+                 UPCAST: tl.constexpr, QUANT: tl.constexpr, COMPUTE: tl.constexpr):
     """One key tile read from the paged cache through the block table (``QUANT``: int8,
     dequantized with its per-token scales to ``COMPUTE``)."""
     offs_n = start + tl.arange(0, BLOCK_N)
@@ -106,13 +110,14 @@ def _attend_tile(acc, l_i, m_i, q, K, V, KScale, VScale, BlockTables, start, seq
             v_scale = tl.load(VScale + scale_ptr)
         k = _dequantize(k, k_scale, COMPUTE, UPCAST)
         v = _dequantize(v, v_scale, COMPUTE, UPCAST)
-    return _score_tile(acc, l_i, m_i, q, k, v, offs_n, kv_len, q_pos, scale_log2, MASKED, WINDOW, FP32_DOT, UPCAST)
+    return _score_tile(acc, l_i, m_i, q, k, v, offs_n, kv_len, q_pos, scale_log2, MASKED, WINDOW, SOFTCAP, FP32_DOT,
+                       UPCAST)
 
 
 @triton.jit
 def _attend_packed_tile(acc, l_i, m_i, q, k_desc, v_desc, start, first_row, ctx0, kv_head, kv_len, q_pos,
-                        scale_log2, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                        FP32_DOT: tl.constexpr, UPCAST: tl.constexpr):
+                        scale_log2, MASKED: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr, UPCAST: tl.constexpr):
     """One key tile of this step's own new tokens (positions ``ctx0`` on), read from the
     packed K/V rows through TMA descriptors: contiguous rows, no block table. Rows past the
     sequence's end belong to the next sequence (or lie past the tensor, read as zeros); the
@@ -121,17 +126,18 @@ def _attend_packed_tile(acc, l_i, m_i, q, k_desc, v_desc, start, first_row, ctx0
     row = first_row + start - ctx0
     k = k_desc.load([row, kv_head * HEAD_DIM])
     v = v_desc.load([row, kv_head * HEAD_DIM])
-    return _score_tile(acc, l_i, m_i, q, k, v, offs_n, kv_len, q_pos, scale_log2, MASKED, 0, FP32_DOT, UPCAST)
+    return _score_tile(acc, l_i, m_i, q, k, v, offs_n, kv_len, q_pos, scale_log2, MASKED, 0, SOFTCAP, FP32_DOT,
+                       UPCAST)
 
 
 # the block-table row stride is the widest table in the batch: left to specialise (on 1 and on
 # multiples of 16), it would recompile the kernels mid-run as tables grow
 @triton.jit(do_not_specialize=["stride_bt"])
 def _paged_flash_fwd(
-    Q, K, V, KScale, VScale, Out, BlockTables, QueryStart, QueryLens, SeqLens, KNew, VNew,
+    Q, K, V, KScale, VScale, Out, BlockTables, QueryStart, QueryLens, SeqLens, KNew, VNew, Sinks,
     scale_log2,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_st, stride_sh, stride_ot, stride_oh, stride_bt,
-    GROUP: tl.constexpr, WINDOW: tl.constexpr, KV_BLOCK: tl.constexpr,
+    GROUP: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, KV_BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     FP32_DOT: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr, QUANT: tl.constexpr, COMPUTE: tl.constexpr,
 ):
@@ -139,7 +145,9 @@ def _paged_flash_fwd(
     ``VNew``, TMA descriptors over the packed K/V rows [tokens, KV heads x HEAD_DIM] (whole
     prompts: every tile), the rest through the block table; otherwise every tile through the
     block table (``KNew``, ``VNew`` unused). ``QUANT``: the cache is int8 with per-token
-    scales ``KScale``, ``VScale`` (never with ``PACKED``: every key is read as stored)."""
+    scales ``KScale``, ``VScale`` (never with ``PACKED``: every key is read as stored).
+    ``WINDOW`` (0: none), ``SOFTCAP`` (base 2; 0.0: none) and ``SINKS`` (``Sinks`` [Hq]
+    holds each query head's sink logit; unused otherwise) are the layer's features."""
     # the longest tiles (last rows of the causal triangle) start first
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
@@ -177,8 +185,8 @@ def _paged_flash_fwd(
         for start in range(lo, hi, BLOCK_N):
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, KScale, VScale, BlockTables, start, seq, kv_head,
                                          kv_len, q_pos, scale_log2, stride_kt, stride_kh, stride_st, stride_sh,
-                                         stride_bt, offs_d, True, WINDOW, KV_BLOCK, PAD_D, HEAD_DIM, BLOCK_N, FP32_DOT,
-                                         UPCAST, QUANT, COMPUTE)
+                                         stride_bt, offs_d, True, WINDOW, SOFTCAP, KV_BLOCK, PAD_D, HEAD_DIM, BLOCK_N,
+                                         FP32_DOT, UPCAST, QUANT, COMPUTE)
     elif PACKED:
         full = ((first_pos + 1) // BLOCK_N) * BLOCK_N
         ctx0 = kv_len - q_len  # the step's first new position
@@ -186,32 +194,34 @@ def _paged_flash_fwd(
         for start in range(0, tl.minimum(full, split), BLOCK_N):
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, KScale, VScale, BlockTables, start, seq, kv_head,
                                          kv_len, q_pos, scale_log2, stride_kt, stride_kh, stride_st, stride_sh,
-                                         stride_bt, offs_d, False, WINDOW, KV_BLOCK, PAD_D, HEAD_DIM, BLOCK_N, FP32_DOT,
-                                         UPCAST, QUANT, COMPUTE)
+                                         stride_bt, offs_d, False, WINDOW, SOFTCAP, KV_BLOCK, PAD_D, HEAD_DIM, BLOCK_N,
+                                         FP32_DOT, UPCAST, QUANT, COMPUTE)
         for start in range(split, full, BLOCK_N):
             acc, l_i, m_i = _attend_packed_tile(acc, l_i, m_i, q, KNew, VNew, start, q_start, ctx0, kv_head, kv_len,
-                                                q_pos, scale_log2, False, HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST)
+                                                q_pos, scale_log2, False, SOFTCAP, HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST)
         for start in range(full, tl.minimum(hi, tl.maximum(full, split)), BLOCK_N):
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, KScale, VScale, BlockTables, start, seq, kv_head,
                                          kv_len, q_pos, scale_log2, stride_kt, stride_kh, stride_st, stride_sh,
-                                         stride_bt, offs_d, True, WINDOW, KV_BLOCK, PAD_D, HEAD_DIM, BLOCK_N, FP32_DOT,
-                                         UPCAST, QUANT, COMPUTE)
+                                         stride_bt, offs_d, True, WINDOW, SOFTCAP, KV_BLOCK, PAD_D, HEAD_DIM, BLOCK_N,
+                                         FP32_DOT, UPCAST, QUANT, COMPUTE)
         for start in range(tl.maximum(full, split), hi, BLOCK_N):
             acc, l_i, m_i = _attend_packed_tile(acc, l_i, m_i, q, KNew, VNew, start, q_start, ctx0, kv_head, kv_len,
-                                                q_pos, scale_log2, True, HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST)
+                                                q_pos, scale_log2, True, SOFTCAP, HEAD_DIM, BLOCK_N, FP32_DOT, UPCAST)
     else:
         # key tiles wholly at or before the first row's position are seen in full by every row
         full = ((first_pos + 1) // BLOCK_N) * BLOCK_N
         for start in range(0, full, BLOCK_N):
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, KScale, VScale, BlockTables, start, seq, kv_head,
                                          kv_len, q_pos, scale_log2, stride_kt, stride_kh, stride_st, stride_sh,
-                                         stride_bt, offs_d, False, WINDOW, KV_BLOCK, PAD_D, HEAD_DIM, BLOCK_N, FP32_DOT,
-                                         UPCAST, QUANT, COMPUTE)
+                                         stride_bt, offs_d, False, WINDOW, SOFTCAP, KV_BLOCK, PAD_D, HEAD_DIM, BLOCK_N,
+                                         FP32_DOT, UPCAST, QUANT, COMPUTE)
         for start in range(full, hi, BLOCK_N):
             acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, K, V, KScale, VScale, BlockTables, start, seq, kv_head,
                                          kv_len, q_pos, scale_log2, stride_kt, stride_kh, stride_st, stride_sh,
-                                         stride_bt, offs_d, True, WINDOW, KV_BLOCK, PAD_D, HEAD_DIM, BLOCK_N, FP32_DOT,
-                                         UPCAST, QUANT, COMPUTE)
+                                         stride_bt, offs_d, True, WINDOW, SOFTCAP, KV_BLOCK, PAD_D, HEAD_DIM, BLOCK_N,
+                                         FP32_DOT, UPCAST, QUANT, COMPUTE)
+    if SINKS:
+        acc, l_i = _add_sink(acc, l_i, m_i, tl.load(Sinks + head))
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(Out + (q_start + offs_m)[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=q_mask)
@@ -240,7 +250,8 @@ def paged_flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           window: int | None = None, block_m: int | None = None, block_n: int | None = None,
                           config: KernelConfig | None = None, k_new: torch.Tensor | None = None,
                           v_new: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                          v_scale: torch.Tensor | None = None) -> None:
+                          v_scale: torch.Tensor | None = None, softcap: float | None = None,
+                          sinks: torch.Tensor | None = None) -> None:
     """Attention of packed queries ``q`` [T, Hq, D] over each sequence's cached context,
     written into ``out`` at the same rows.
 
@@ -258,6 +269,9 @@ def paged_flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     ``k_scale``, ``v_scale`` [num_slots, Hkv, 1]: the caches are int8 with these per-token
     scales, dequantized in the kernel; every key then comes from the cache (``k_new`` and
     ``v_new`` are ignored), so new tokens are seen exactly as stored.
+
+    ``softcap``: the scaled scores s become softcap * tanh(s / softcap) before masking;
+    ``sinks`` [Hq] (float32): each query head's sink logit joins its softmax denominators.
     """
     num_seqs = seq_lens.shape[0]
     num_tokens, num_heads, head_dim = q.shape
@@ -276,11 +290,13 @@ def paged_flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     k_src, v_src = (_row_descriptor(k_new, cfg.block_n), _row_descriptor(v_new, cfg.block_n)) if packed else (k_cache, v_cache)
     grid = (triton.cdiv(max_query_len, cfg.block_m), num_seqs, num_heads)
     k_scales, v_scales, stride_st, stride_sh = scale_args(k_scale, v_scale, k_cache)
+    sink_ptr, has_sinks = sink_args(sinks, num_heads, q)
     _paged_flash_fwd[grid](
         q, k_cache, v_cache, k_scales, v_scales, target, block_tables, query_start, query_lens, seq_lens, k_src, v_src,
-        scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), stride_st, stride_sh,
+        sink_ptr, scale * LOG2E, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), stride_st, stride_sh,
         target.stride(0), target.stride(1), block_tables.stride(0),
-        GROUP=num_heads // num_kv_heads, WINDOW=window or 0, KV_BLOCK=kv_block_size,
+        GROUP=num_heads // num_kv_heads, WINDOW=window or 0, SOFTCAP=softcap_log2(softcap), SINKS=has_sinks,
+        KV_BLOCK=kv_block_size,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         FP32_DOT=q.dtype == torch.float32 or upcast, UPCAST=upcast, PACKED=packed, QUANT=quant,
         COMPUTE=TL_DTYPES[q.dtype],

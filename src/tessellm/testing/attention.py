@@ -4,7 +4,9 @@ backend's tests: tessellm's own kernels and third-party ones are checked against
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from types import SimpleNamespace
 
 import torch
@@ -12,15 +14,20 @@ import torch
 from tessellm.core.interfaces.batch import BatchMetadata
 from tessellm.core.interfaces.attention import LatentProjection
 from tessellm.core.interfaces.kv import DenseKVStorage, KVLayout, LatentKVStorage
+from tessellm.core.model.spec import LayerAttention, ModelSpec
 
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                        window: int | None = None) -> torch.Tensor:
+                        window: int | None = None, softcap: float | None = None,
+                        sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(q k^T * scale + causal mask) v for ONE sequence, in float64.
 
     q [Q, Hq, D] are the last Q of the L positions whose keys/values are k, v [L, Hkv, D];
     query i sits at position L - Q + i and sees keys j <= that position (and, with a window
-    W, only those with position - j < W). Returns [Q, Hq, D] float64.
+    W, only those with position - j < W). ``softcap``: the scaled scores s become
+    softcap * tanh(s / softcap) before masking (Gemma 2). ``sinks`` [Hq]: one logit per query
+    head added to each of its softmax denominators, attending no value (GPT-OSS); a row's
+    weights then sum to less than one. Returns [Q, Hq, D] float64.
     """
     q, k, v = q.double(), k.double(), v.double()
     n_q, hq, _ = q.shape
@@ -28,13 +35,20 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     k = k.repeat_interleave(hq // hkv, dim=1)  # GQA: each KV head serves hq // hkv query heads
     v = v.repeat_interleave(hq // hkv, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale  # [Hq, Q, L]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     q_pos = torch.arange(n_k - n_q, n_k)[:, None]
     k_pos = torch.arange(n_k)[None, :]
     allowed = k_pos <= q_pos
     if window is not None:
         allowed &= q_pos - k_pos < window
     scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+    if sinks is not None:  # the sink is one more logit in the softmax, with no value
+        sink = sinks.double().cpu()[:, None, None].expand(hq, n_q, 1)
+        weights = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        weights = scores.softmax(dim=-1)
+    return torch.einsum("hqk,khd->qhd", weights, v)
 
 
 class ReferenceKeyBoundsStorage(DenseKVStorage):
@@ -255,11 +269,13 @@ def int8_case(case: PackedCase, key_bounds: bool = False) -> PackedCase:
                                v_full=[storage.stored_value(v) for v in case.v_full])
 
 
-def reference_packed(case: PackedCase, scale: float, window: int | None = None) -> torch.Tensor:
-    """The float64 reference for every packed query row of ``case``: [T, Hq, D]."""
+def reference_packed(case: PackedCase, scale: float, window: int | None = None, softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The float64 reference for every packed query row of ``case``: [T, Hq, D]; ``softcap``
+    and ``sinks`` [Hq] as in ``reference_attention``."""
     outs, start = [], 0
     for k, v, n_q in zip(case.k_full, case.v_full, case.q_lens):
-        outs.append(reference_attention(case.q[start:start + n_q], k, v, scale, window))
+        outs.append(reference_attention(case.q[start:start + n_q], k, v, scale, window, softcap, sinks))
         start += n_q
     return torch.cat(outs)
 
@@ -273,6 +289,14 @@ def assert_stored(case: PackedCase, what: str = "forward") -> None:
         f"{what}: forward did not store the step's new K/V at the slot mapping"
 
 
-def model_stub(head_dim: int, window: int | None = None) -> SimpleNamespace:
-    """The two ModelSpec facts an attention backend reads."""
-    return SimpleNamespace(attention_scale=head_dim ** -0.5, sliding_window=window, head_dim=head_dim)
+def model_stub(head_dim: int, window: int | None = None,
+               layers: Sequence[LayerAttention] = ()) -> SimpleNamespace:
+    """The ModelSpec facts an attention backend reads: its scale, head dim, model-wide
+    window and (plugin API 1.8) what each layer computes. ``layers``: one ``LayerAttention``
+    per layer (windows, softcaps, sinks); empty: one layer with the model-wide ``window``.
+    ``attention_of`` and ``attention_features`` are ModelSpec's own."""
+    stub = SimpleNamespace(attention_scale=head_dim ** -0.5, sliding_window=window, head_dim=head_dim,
+                           model_type="stub", num_layers=max(len(layers), 1), layer_attention=tuple(layers))
+    stub.attention_of = partial(ModelSpec.attention_of, stub)
+    stub.attention_features = partial(ModelSpec.attention_features, stub)
+    return stub

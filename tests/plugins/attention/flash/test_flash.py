@@ -1,13 +1,16 @@
 """`flash` (Triton) against the float64 reference: random packed batches (decodes, chunks
 after cached context, whole prompts), scattered block tables, GQA, sliding windows, shared
 prefix blocks, decodes through the split-K kernel with 1 to 8 splits (some past the end of a
-short context); unwritten cache slots hold NaN to prove the kernels never read them.
+short context); unwritten cache slots hold NaN to prove the kernels never read them; the
+layer features (logit softcaps that bind and saturate, attention sinks, windows per layer,
+several layers on one plan, the CUDA-graph plan among them).
 
 Without a GPU everything runs under Triton's interpreter on CPU tensors (small shapes; CI).
 With one, the same tests run compiled on CUDA, plus larger shapes (lengths up to 2048)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 
@@ -23,9 +26,11 @@ from hypothesis import strategies as st  # noqa: E402
 
 pytest.importorskip("triton")
 
+from tessellm.core.model.spec import LayerAttention  # noqa: E402
 from tessellm.core.plugin import SelectionContext  # noqa: E402
 from tessellm.plugins.attention.flash import FlashAttention, FlashOptions  # noqa: E402
 from tessellm.testing import attention as ref  # noqa: E402
+from tessellm.testing.conformance.attention import sink_logits  # noqa: E402
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 # float32 dots are exact-ish ("ieee"); bf16 is held to flash-attention's rule
@@ -70,14 +75,29 @@ def stacked_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     return (qkv[:, :a].view(q.shape), qkv[:, a:a + b].view(k.shape), qkv[:, a + b:].view(v.shape))
 
 
+def model_of(p):
+    """The model stub of case parameters ``p``: one layer with the model-wide ``window``, or,
+    where ``p`` names a ``softcap`` or ``sinks`` (a [num_heads] tensor), one layer with them."""
+    if p.get("softcap") is None and p.get("sinks") is None:
+        return ref.model_stub(p["head_dim"], p["window"])
+    layer = LayerAttention(sliding_window=p["window"], softcap=p.get("softcap"), sinks=p.get("sinks") is not None)
+    return ref.model_stub(p["head_dim"], layers=(layer,))
+
+
+def reference(case, p):
+    """The float64 reference of case parameters ``p`` (window, softcap, sinks)."""
+    return ref.reference_packed(case, p["head_dim"] ** -0.5, p["window"], p.get("softcap"), p.get("sinks"))
+
+
 def run_flash(case, p, dtype):
     options = FlashOptions(block_n=p["block_n"], split_decode=p["split_decode"], decode_splits=p["decode_splits"],
                            packed_prefill=p.get("packed_prefill", False))
-    backend = FlashAttention(options, ref.model_stub(p["head_dim"], p["window"]), DEVICE, dtype)
+    backend = FlashAttention(options, model_of(p), DEVICE, dtype)
     case = on_device(case)
     plan = backend.plan(case.batch, cache=None)
     q, k, v = stacked_views(case.q, case.k_new, case.v_new) if options.packed_prefill else (case.q, case.k_new, case.v_new)
-    out = backend.forward(0, q, k, v, case.storage, plan)
+    sinks = {} if p.get("sinks") is None else {"sinks": p["sinks"].to(DEVICE)}
+    out = backend.forward(0, q, k, v, case.storage, plan, **sinks)
     k_back, v_back = case.storage.gather(case.batch.slot_mapping)  # the new tokens went where mapped
     stored = case.storage.stored_value
     assert torch.equal(k_back, stored(case.k_new)) and torch.equal(v_back, stored(case.v_new))
@@ -131,13 +151,16 @@ def check_bfloat16(p, int8: bool = False):
                          p["block_size"], torch.bfloat16, p["seed"], shared_blocks=p["shared_blocks"])
     if int8:
         case = ref.int8_case(case)
-    expected = ref.reference_packed(case, p["head_dim"] ** -0.5, p["window"])
+    case = dataclasses.replace(case, q=case.q * p.get("q_scale", 1.0))
+    expected = reference(case, p)
     out = run_flash(case, p, torch.bfloat16)
     from tessellm.plugins.attention.sdpa import SdpaAttention, SdpaOptions
 
-    sdpa = SdpaAttention(SdpaOptions(), ref.model_stub(p["head_dim"], p["window"]), DEVICE, torch.bfloat16)
+    sdpa = SdpaAttention(SdpaOptions(), model_of(p), DEVICE, torch.bfloat16)
     case = on_device(case)
-    torch_out = sdpa.forward(0, case.q, case.k_new, case.v_new, case.storage, sdpa.plan(case.batch, None)).cpu()
+    sinks = {} if p.get("sinks") is None else {"sinks": p["sinks"].to(DEVICE)}
+    torch_out = sdpa.forward(0, case.q, case.k_new, case.v_new, case.storage, sdpa.plan(case.batch, None),
+                             **sinks).cpu()
     ours = (out.double() - expected).abs().max().item()
     theirs = (torch_out.double() - expected).abs().max().item()
     assert ours <= 2 * theirs + 1e-3, f"flash {ours:.3g} vs sdpa {theirs:.3g}"
@@ -153,6 +176,166 @@ def test_flash_large_shapes_on_gpu(kv_lens, heads, head_dim, block_size, seed, d
                         block_size=block_size, shared_blocks=data.draw(st.sampled_from([0, 4])), window=None,
                         block_n=64, seed=seed, split_decode=True, decode_splits=None,
                         packed_prefill=data.draw(st.booleans())), int8=data.draw(st.booleans()))
+
+
+# ------------------------------------------------------------------ layer features (plugin API 1.8)
+
+SOFTCAPS = [0.5, 2.0, 30.0]  # every cap binds on some scores; 0.5 saturates (tanh near +-1) on most
+
+
+@st.composite
+def featured_batches(draw):
+    """``packed_batches`` whose one layer has a softcap, sinks or both (and a window or none):
+    with a softcap, queries are at times scaled up eightfold, so capped scores saturate and
+    ``exp`` overflows inside the cap (it must hold the cap, not give NaN)."""
+    p = draw(packed_batches())
+    which = draw(st.sampled_from(["softcap", "sinks", "both"]))
+    softcap = draw(st.sampled_from(SOFTCAPS)) if which != "sinks" else None
+    sinks = sink_logits(p["num_heads"], p["seed"]) if which != "softcap" else None
+    return dict(p, softcap=softcap, sinks=sinks, q_scale=draw(st.sampled_from([1.0, 8.0])) if softcap else 1.0)
+
+
+def featured_case(p, dtype=torch.float32, int8=False):
+    case = ref.make_case(p["kv_lens"], p["q_lens"], p["num_heads"], p["num_kv_heads"], p["head_dim"],
+                         p["block_size"], dtype, p["seed"], shared_blocks=p["shared_blocks"])
+    case = ref.int8_case(case) if int8 else case
+    return dataclasses.replace(case, q=case.q * p["q_scale"])
+
+
+@settings(max_examples=20)
+@given(featured_batches())
+def test_softcap_and_sinks_match_float64_reference_float32(p):
+    """A layer's softcap (after the scale, before the mask, in the kernels' base-2 domain) and
+    sinks (once per softmax: in the merge of a split decode) in the prefill kernel, packed
+    or gathered, and the split-K decode with 1 to 8 splits."""
+    case = featured_case(p)
+    out = run_flash(case, p, torch.float32)
+    assert torch.isfinite(out).all()
+    err = (out.double() - reference(case, p)).abs().max().item()
+    assert err <= TOLERANCE[torch.float32], f"max abs error {err:.3g}"
+
+
+@settings(max_examples=8)
+@given(featured_batches())
+def test_softcap_and_sinks_over_an_int8_cache_float32(p):
+    case = featured_case(p, int8=True)
+    err = (run_flash(case, p, torch.float32).double() - reference(case, p)).abs().max().item()
+    assert err <= TOLERANCE[torch.float32], f"max abs error {err:.3g}"
+
+
+@settings(max_examples=2)
+@given(featured_batches())
+def test_softcap_and_sinks_bfloat16_error_within_twice_torch_sdpa(p):
+    check_bfloat16(p)
+
+
+def _layers_case(kv_lens, q_lens, layers, seed=5):
+    """A float32 case with a model of ``layers`` (2 KV heads, GQA 2, head dim 32, blocks of 4)."""
+    case = ref.make_case(kv_lens, q_lens, 4, 2, 32, 4, torch.float32, seed, shared_blocks=1)
+    model = ref.model_stub(32, layers=layers)
+    model.num_kv_heads = 2  # the CUDA-graph plan sizes its splits by it
+    return case, model
+
+
+def _run_layers(backend, case, plan, layers, seed=5):
+    """Every layer's forward on ``plan``, each over a cache of its own; each checked against
+    the float64 reference of its own features."""
+    for layer, features in enumerate(layers):
+        layer_case = on_device(dataclasses.replace(case, storage=copy.deepcopy(case.storage)))
+        sinks = sink_logits(4, seed + layer) if features.sinks else None
+        extra = {} if sinks is None else {"sinks": sinks.to(DEVICE)}
+        out = backend.forward(layer, layer_case.q, layer_case.k_new, layer_case.v_new, layer_case.storage, plan,
+                              **extra).cpu()
+        expected = ref.reference_packed(case, 32 ** -0.5, features.sliding_window, features.softcap, sinks)
+        err = (out.double() - expected).abs().max().item()
+        assert err <= TOLERANCE[torch.float32], f"layer {layer} ({features}): max abs error {err:.3g}"
+
+
+GEMMA2_LIKE = (LayerAttention(sliding_window=6, softcap=1.5), LayerAttention(softcap=1.5))
+GPT_OSS_LIKE = (LayerAttention(sliding_window=6, sinks=True), LayerAttention(sinks=True))
+
+
+@pytest.mark.parametrize("layers", [GEMMA2_LIKE, GPT_OSS_LIKE, (LayerAttention(sliding_window=3), LayerAttention(),
+                                                                 LayerAttention(sliding_window=10, softcap=0.5,
+                                                                                sinks=True))],
+                         ids=["gemma2", "gpt-oss", "mixed"])
+def test_layers_share_one_plan(layers):
+    """Layers of different windows, caps and sinks on one step's plan (prompts, a chunk after
+    cached context, decodes split 3 ways), each with its own features; a window-less layer
+    reads the prompts' own K/V as packed rows (``packed_prefill``) while a windowed one
+    gathers them."""
+    case, model = _layers_case([30, 21, 40, 9], [30, 7, 1, 1], layers)
+    backend = FlashAttention(FlashOptions(block_n=16, decode_splits=3, packed_prefill=True), model, DEVICE,
+                             torch.float32)
+    _run_layers(backend, case, backend.plan(on_device(case).batch, cache=None), layers)
+
+
+def test_graph_plan_serves_layers_with_features():
+    """The CUDA-graph plan (every row through the split-K decode, the split count fixed for a
+    context longer than any here, so some splits lie past a context's end and are empty)
+    stays valid for layers with features: windows, caps and sinks are arguments of each
+    layer's launch, the sinks counted once in the merge."""
+    layers = GPT_OSS_LIKE + GEMMA2_LIKE
+    case, model = _layers_case([37, 5, 64, 1], [1, 1, 1, 1], layers)
+    backend = FlashAttention(FlashOptions(block_n=16), model, DEVICE, torch.float32)
+    plan = backend.graph_plan(on_device(case).batch, None, max_seq_len=256)
+    assert plan.decode_splits > 1 and plan.others is None
+    _run_layers(backend, case, plan, layers)
+
+
+def test_sinks_join_the_softmax_once_whatever_the_splits():
+    """Sinks large enough to take most of each softmax: a decode split 1, 2 or 8 ways gives
+    the one-split result (a sink counted per split would shrink the output by the splits)."""
+    case, model = _layers_case([64, 48], [1, 1], (LayerAttention(sinks=True),))
+    sinks = torch.tensor([4.0, 6.0, -3.0, 0.0])
+    expected = ref.reference_packed(case, 32 ** -0.5, sinks=sinks)
+    outs = []
+    for splits in (1, 2, 8):
+        backend = FlashAttention(FlashOptions(block_n=16, decode_splits=splits), model, DEVICE, torch.float32)
+        layer_case = on_device(dataclasses.replace(case, storage=copy.deepcopy(case.storage)))
+        outs.append(backend.forward(0, layer_case.q, layer_case.k_new, layer_case.v_new, layer_case.storage,
+                                    backend.plan(layer_case.batch, None), sinks=sinks.to(DEVICE)).cpu())
+        assert (outs[-1].double() - expected).abs().max().item() <= TOLERANCE[torch.float32]
+    assert (expected - ref.reference_packed(case, 32 ** -0.5)).abs().max().item() > 0.1  # the sinks matter
+
+
+def test_forward_rotary_passes_the_sinks():
+    """``forward_rotary`` (RoPE fused into the KV store) serves a layer's softcap and sinks as
+    ``forward`` does after rotating q and k itself."""
+    from tessellm.core.model.fused_ops import rotary_reference
+
+    layers = (LayerAttention(softcap=2.0, sinks=True),)
+    case, model = _layers_case([12, 20], [12, 3], layers)
+    backend = FlashAttention(FlashOptions(block_n=16), model, DEVICE, torch.float32)
+    angles = torch.rand(case.q.shape[0], 16, generator=torch.Generator().manual_seed(1)) * 6.28
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+    sinks = sink_logits(4, 9).to(DEVICE)
+    fused_case = on_device(dataclasses.replace(case, storage=copy.deepcopy(case.storage)))
+    cos, sin = cos.to(DEVICE), sin.to(DEVICE)
+    fused = backend.forward_rotary(0, fused_case.q.clone(), fused_case.k_new.clone(), fused_case.v_new, cos, sin,
+                                   fused_case.storage, backend.plan(fused_case.batch, None), sinks=sinks)
+    plain_case = on_device(dataclasses.replace(case, storage=copy.deepcopy(case.storage)))
+    plain = backend.forward(0, rotary_reference(plain_case.q, cos, sin), rotary_reference(plain_case.k_new, cos, sin),
+                            plain_case.v_new, plain_case.storage, backend.plan(plain_case.batch, None), sinks=sinks)
+    assert (fused.cpu() - plain.cpu()).abs().max().item() <= 1e-5
+
+
+def test_sinks_must_be_one_per_query_head():
+    case, model = _layers_case([5], [5], (LayerAttention(sinks=True),))
+    backend = FlashAttention(FlashOptions(), model, DEVICE, torch.float32)
+    case = on_device(case)
+    with pytest.raises(ValueError, match=r"one logit per query head, shape \(4,\)"):
+        backend.forward(0, case.q, case.k_new, case.v_new, case.storage, backend.plan(case.batch, None),
+                        sinks=torch.zeros(2, device=DEVICE))
+
+
+def test_flash_declares_every_layer_feature():
+    from tessellm.core.model.spec import LAYER_FEATURES
+
+    assert FlashAttention.layer_features == frozenset(LAYER_FEATURES)
+    model = ref.model_stub(64, layers=GEMMA2_LIKE + GPT_OSS_LIKE)
+    ctx = SelectionContext(device=DEVICE, dtype=torch.float32, model=model, options=FlashOptions(), max_model_len=64)
+    assert FlashAttention.unsupported_reasons(ctx) == []
 
 
 def _ctx(device: str, auto: bool, dtype: torch.dtype = torch.float32) -> SelectionContext:
