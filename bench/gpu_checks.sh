@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, for a device machine with no package registry:
 #   bench/gpu_checks.sh STAGE...   (stages: env tests sweep kernels e2e e2e-sync e2e-512 e2e-512-sync e2e-eager
-#   e2e-before profile profile-async e2e-smoke moe; e2e runs the defaults, async scheduling included; the -sync
+#   e2e-before profile profile-async e2e-smoke moe window quest-pages; e2e runs the defaults, async scheduling included; the -sync
 #   stages turn it off; e2e-before runs an earlier commit's wheel and e2e_gpu.py from .whl/old/ on the same
 #   workload, for an A/B of two commits in one lease)
 # Expects the wheels tessellm needs beyond the image (pydantic and its parts, and tessellm's
@@ -54,6 +54,10 @@ for stage in "$@"; do
                    head -12 "$OUT/profile_async.txt"; tail -3 "$OUT/profile_async.err" ;;
     e2e-smoke) limit python3 bench/e2e_gpu.py --smoke --out "$OUT/e2e_smoke.json" 2>&1 | tail -30 ;;
     moe) limit python3 bench/moe.py --json "$OUT/moe.json" > "$OUT/moe.log" 2>&1; tail -20 "$OUT/moe.log" ;;
+    window) limit python3 bench/window_cache.py --context 32768 --new-tokens 128 --window 1024 --json "$OUT/window.json" \
+              > "$OUT/window.log" 2>&1; tail -30 "$OUT/window.log" ;;
+    quest-pages) for p in 2 4 16; do limit python3 bench/quest_e2e.py --context 32768 --budgets 512 --page $p \
+                   --json "$OUT/quest_page$p.json" > "$OUT/quest_page$p.log" 2>&1; tail -3 "$OUT/quest_page$p.log"; done ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -4,6 +4,7 @@ device in two copies."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -96,12 +97,8 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
     # everything below is vectorized: a prefill step has thousands of tokens, a decode step
     # hundreds of sequences
     num_seqs, num_tokens = len(tables), len(ids)
-    table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=num_seqs)
-    width = max(int(table_lens.max(initial=0)), 1)
-    padded = np.full((num_seqs, width), -1, dtype=np.int64)
-    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(table_lens.sum()))
-    owner = np.repeat(np.arange(num_seqs), table_lens)
-    padded[owner, np.arange(flat.size) - np.repeat(np.cumsum(table_lens) - table_lens, table_lens)] = flat
+    padded = _padded(tables)
+    width = padded.shape[1]
     qsl_np = np.asarray(qsl, dtype=np.int64)
     query_lens = np.diff(qsl_np)
     seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
@@ -118,9 +115,28 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
     longs = upload(np.concatenate([np.asarray(ids, dtype=np.int64), pos, slots, np.asarray(rows, dtype=np.int64)]))
     ints = upload(np.concatenate([qsl_np, seq_lens, padded.reshape(-1)]).astype(np.int32))
     t, r, b = num_tokens, len(rows), num_seqs
-    return BatchMetadata(
+    batch = BatchMetadata(
         input_ids=longs[:t], positions=longs[t:2 * t], slot_mapping=longs[2 * t:3 * t], logits_indices=longs[3 * t:3 * t + r],
         query_start_loc=ints[:b + 1], seq_lens=ints[b + 1:2 * b + 1], block_tables=ints[2 * b + 1:].view(b, width),
         query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist(),
         block_tables_cpu=tables, block_size=bs, seqs=[s.seq for s in scheduled], samples=samples,
         prompt_rows=prompt_rows)
+    for group in range(1, len(getattr(cache, "layer_groups", ()))):  # a cache that frees out-of-window blocks
+        group_tables = [cache.group_block_table(item.seq, group) for item in scheduled]
+        group_padded = _padded(group_tables)
+        group_slots = group_padded[seq_of_token, pos // bs] * bs + pos % bs
+        check_slots(cache, group_slots)
+        batch.groups.append(dataclasses.replace(
+            batch, slot_mapping=upload(group_slots), block_tables=upload(group_padded.astype(np.int32)),
+            block_tables_cpu=group_tables, groups=[]))
+    return batch
+
+
+def _padded(tables: list[list[int]]) -> np.ndarray:
+    """Block tables as one [num_seqs, longest] int64 array, padded with -1."""
+    table_lens = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    padded = np.full((len(tables), max(int(table_lens.max(initial=0)), 1)), -1, dtype=np.int64)
+    flat = np.fromiter(itertools.chain.from_iterable(tables), dtype=np.int64, count=int(table_lens.sum()))
+    owner = np.repeat(np.arange(len(tables)), table_lens)
+    padded[owner, np.arange(flat.size) - np.repeat(np.cumsum(table_lens) - table_lens, table_lens)] = flat
+    return padded

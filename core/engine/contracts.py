@@ -86,11 +86,18 @@ class KVWriteCheck:
     def wanted(self) -> bool:
         return self.armed or self.always
 
+    def _slots(self, batch: BatchMetadata) -> list[torch.Tensor]:
+        """Each layer's new slots: its layer group's slot mapping."""
+        slots = [batch.slot_mapping] * self.num_layers
+        for group, layers in enumerate(self.cache.layer_groups if batch.groups else ()):
+            for layer in layers:
+                slots[layer] = batch.group(group).slot_mapping
+        return slots
+
     def mark(self, batch: BatchMetadata) -> list[tuple[int, torch.Tensor]]:
         """Fill the batch's new slots with the sentinel in every layer; the tensors filled."""
-        slots = batch.slot_mapping
         marked = []
-        for index in range(self.num_layers):
+        for index, slots in enumerate(self._slots(batch)):
             for t in _raw_tensors(self.cache.layer(index)):
                 t[slots] = _sentinel(t)
                 marked.append((index, t))
@@ -98,8 +105,9 @@ class KVWriteCheck:
 
     def verify(self, batch: BatchMetadata, marked: list[tuple[int, torch.Tensor]]) -> None:
         """A ContractError naming the first layer whose new slots still hold the sentinel."""
-        slots = batch.slot_mapping
+        layer_slots = self._slots(batch)
         for index, t in marked:
+            slots = layer_slots[index]
             left = _unwritten(t, slots)
             if bool(left.any()):
                 count = int(left.sum())

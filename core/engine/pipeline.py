@@ -75,8 +75,9 @@ class Pipeline:
         if self.tp:
             self.model.set_tensor_parallel(self.tp)
         shape = spec.kv_shape
+        windows = tuple(spec.attention_of(i).sliding_window for i in range(spec.num_layers))
         cache_spec = CacheSpec(spec.num_layers, shape.num_heads, shape.head_dim, r.dtype, r.device,
-                               r.max_model_len, shape.format)
+                               r.max_model_len, shape.format, windows if any(windows) else ())
         self.cache = c["cache"].cls(c["cache"].options, cache_spec, r.kv_layout)
         if self.tp:
             self.cache = self._cache_agreed_across_ranks(c["cache"], cache_spec, r.kv_layout)
@@ -84,6 +85,8 @@ class Pipeline:
         self.decoder = c["decoding"].cls(c["decoding"].options, spec, r.device)
         limits = SchedulerLimits(r.max_model_len, self.decoder.num_lookahead_tokens)
         self.scheduler = c["scheduler"].cls(c["scheduler"].options, self.cache, limits)
+        step = self.scheduler.max_step_tokens
+        self.cache.limit_step_tokens(None if step is None else step + limits.num_lookahead_tokens)
         self.runner = ModelRunner(self.model, spec, self.attention, self.cache, r.device)
         if calibrates:
             self._calibrate_and_quantize(quantizer)

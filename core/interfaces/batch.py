@@ -97,6 +97,14 @@ class BatchMetadata:
     seqs: list[Sequence]  # the scheduled sequences, in batch order
     samples: list[SampleSlot]  # which sequences sample this step, in logits-row order
     prompt_rows: list[PromptRows] = field(default_factory=list)  # after the sample rows
+    groups: list["BatchMetadata"] = field(default_factory=list)
+    """For a cache with several layer groups (``CacheManager.layer_groups``, plugin API 1.8):
+    the batch as each further group's layers see it, its slot mapping and block tables that
+    group's; empty otherwise."""
+
+    def group(self, index: int) -> "BatchMetadata":
+        """The batch as layer group ``index`` sees it (0: this one)."""
+        return self if index == 0 else self.groups[index - 1]
 
     @property
     def num_sample_rows(self) -> int:
@@ -133,3 +141,16 @@ class BatchMetadata:
         than its tokens fill: slots reserved for a speculative decoder's drafts."""
         return torch.tensor([t[:num_blocks] + [0] * (num_blocks - len(t[:num_blocks]))
                              for t in (self.block_tables_cpu[i] for i in members)], dtype=torch.long)
+
+
+@dataclass
+class LayerPlans:
+    """A step's attention plans when the cache keeps several block tables: one plan per
+    layer group (``plans[g]`` made from ``batch.group(g)``) and each layer's group. The model
+    hands each layer's backend call its own group's plan (``for_layer``)."""
+
+    plans: list
+    group_of_layer: list[int]
+
+    def for_layer(self, layer: int):
+        return self.plans[self.group_of_layer[layer]]

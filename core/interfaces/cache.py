@@ -27,6 +27,9 @@ class CacheSpec:
     device: torch.device
     max_model_len: int
     format: str = "kv"  # the KVLayout format the model's attention needs (plugin API 1.4)
+    layer_windows: tuple[int | None, ...] = ()
+    """Each layer's sliding window (None: the whole context); empty: no layer slides (plugin
+    API 1.8). A cache may release what no window sees any more (`paged` does)."""
 
     @property
     def kv_shape(self) -> KVShape:
@@ -133,6 +136,27 @@ class CacheManager(Plugin):
     @abstractmethod
     def block_table(self, seq: Sequence) -> list[int]:
         """Physical block ids of ``seq``, in order."""
+
+    @property
+    def layer_groups(self) -> list[tuple[int, ...]]:
+        """Layers that share a block table (plugin API 1.8): the first group's is
+        ``block_table(seq)``, another's ``group_block_table(seq, group)``. One group of every
+        layer by default; `paged` keeps a second one for sliding-window layers whose
+        out-of-window blocks it releases. The engine builds a batch view and an attention plan
+        per group."""
+        return [tuple(range(self.spec.num_layers))]
+
+    def group_block_table(self, seq: Sequence, group: int) -> list[int]:
+        """The block table of ``seq`` that layer group ``group`` reads (see ``layer_groups``)."""
+        if group != 0:
+            raise IndexError(f"cache {self.name!r} has one layer group; asked for group {group}")
+        return self.block_table(seq)
+
+    def limit_step_tokens(self, max_step_tokens: int | None) -> None:
+        """The most query tokens a step gives one sequence (the scheduler's budget; None: no
+        bound), told once the scheduler exists (plugin API 1.8): a cache that releases
+        out-of-window blocks holds at most a window plus a step of them per sequence, so it may
+        admit longer sequences (``max_seq_tokens``). Nothing by default."""
 
     def match_prefix(self, seq: Sequence) -> int:
         """Attach cached blocks holding a prefix of ``seq``'s tokens; return tokens covered."""

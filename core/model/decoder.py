@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tessellm.core.interfaces.attention import AttentionBackend
+from tessellm.core.interfaces.batch import LayerPlans
 from tessellm.core.interfaces.cache import CacheManager
 from tessellm.core.model.contract import checked_call
 from tessellm.core.model.spec import ModelSpec
@@ -147,6 +148,8 @@ class Attention(nn.Module):
 
     def _attend(self, backend: AttentionBackend, fused: bool, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor, cache: CacheManager, plan: Any) -> torch.Tensor:
+        if type(plan) is LayerPlans:  # a plan per block table: this layer's group's
+            plan = plan.for_layer(self.layer)
         # only a layer with sinks passes them: a backend that serves none takes no such argument
         extra = {"sinks": self.sinks.to(torch.promote_types(self.sinks.dtype, torch.float32))} \
             if self.features.sinks else {}

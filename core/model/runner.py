@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from tessellm.core.interfaces.attention import AttentionBackend
-from tessellm.core.interfaces.batch import BatchMetadata
+from tessellm.core.interfaces.batch import BatchMetadata, LayerPlans
 from tessellm.core.interfaces.cache import CacheManager
 from tessellm.core.model.cuda_graphs import DecodeGraphs
 from tessellm.core.model.spec import ModelSpec
@@ -31,6 +31,17 @@ class ModelRunner:
         self.backend = backend
         self.cache = cache
         self.graphs: DecodeGraphs | None = None
+        self._layer_group: list[int] | None = None
+
+    def _group_of_layer(self) -> list[int]:
+        """Each layer's group in the cache's ``layer_groups`` (fixed: worked out once)."""
+        if self._layer_group is None:
+            groups = self.cache.layer_groups
+            self._layer_group = [0] * sum(len(g) for g in groups)
+            for index, layers in enumerate(groups):
+                for layer in layers:
+                    self._layer_group[layer] = index
+        return self._layer_group
 
     def graphs_unsupported(self) -> str | None:
         """Why decode steps cannot be replayed from CUDA graphs here (None: they can)."""
@@ -41,6 +52,8 @@ class ModelRunner:
         why = getattr(self.model, "cuda_graphs_unsupported", lambda: None)()
         if why:
             return why
+        if len(getattr(self.cache, "layer_groups", ())) > 1:
+            return f"cache {self.cache.name!r} keeps a block table per layer group (out-of-window release)"
         if self.cache.scratch_block is None:
             return f"cache {self.cache.name!r} has no scratch block for padded rows"
         return None
@@ -68,5 +81,8 @@ class ModelRunner:
             if logits is not None:
                 return logits if native_logits or logits.dtype in (torch.float32, torch.float64) else logits.float()
         plan = self.backend.plan(batch, self.cache)
+        if batch.groups:  # a plan per block table (a cache that frees out-of-window blocks)
+            plan = LayerPlans([plan, *(self.backend.plan(view, self.cache) for view in batch.groups)],
+                              self._group_of_layer())
         return self.model(batch.input_ids, batch.positions, batch.logits_indices,
                           self.backend, self.cache, plan, layers, native_logits=native_logits)

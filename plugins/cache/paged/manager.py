@@ -47,6 +47,10 @@ class PagedOptions(PluginOptions):
     pages (at most block_size: a page per block). Smaller pages bound their keys tighter, so
     a sparse query keeps the blocks it needs more often (docs/benchmarks.md, "QUEST"), and
     cost more memory: a page's bounds take 1 / page_size of its tokens' K and V bytes."""
+    free_out_of_window: bool = True
+    """For a model with sliding-window layers: release, for those layers, the blocks every
+    window has passed, while full-attention layers keep the whole context (windowed.py; the
+    two kinds share one pool, so short sequences lose nothing)."""
     kv_dtype: Literal["auto", "int8"] = "auto"
     """auto: K/V in the compute dtype; int8: int8 values with a float16 scale per token and
     KV head (int8_kv.py), about half the bytes of bfloat16; every built-in attention backend
@@ -78,6 +82,13 @@ def bytes_per_block(model, block_size: int, dtype: torch.dtype, bounds_dtype: to
     bounds = (bounds_bytes_per_block(shape.num_heads, shape.head_dim, bounds_dtype, block_size // page_size)
               if bounds_dtype is not None else 0)
     return model.num_layers * (shape.tensors * block_size * shape.num_heads * per_head + bounds)
+
+
+def frees_windows(options: PagedOptions, spec: CacheSpec, layout: KVLayout) -> bool:
+    """Whether the cache releases out-of-window blocks: a model with sliding layers, plain
+    K/V (no extras), and ``free_out_of_window`` on."""
+    return (options.free_out_of_window and any(w is not None for w in spec.layer_windows)
+            and layout.format == "kv" and not layout.extras)
 
 
 def storage_dtype(options: PagedOptions, compute_dtype: torch.dtype) -> torch.dtype:
@@ -116,6 +127,13 @@ class PagedCache(CacheManager):
     description = "fixed-size blocks with reference counts, copy-on-write forks and prefix caching"
     Options = PagedOptions
     auto_priority = 50
+
+    def __new__(cls, options: PagedOptions, spec: CacheSpec, layout: KVLayout):
+        if cls is PagedCache and frees_windows(options, spec, layout):
+            from tessellm.plugins.cache.paged.windowed import WindowedPagedCache
+
+            return super().__new__(WindowedPagedCache)
+        return super().__new__(cls)
 
     @classmethod
     def kv_layout(cls, options: PagedOptions, ctx: SelectionContext) -> KVLayout:
@@ -178,6 +196,11 @@ class PagedCache(CacheManager):
 
     def block_table(self, seq: Sequence) -> list[int]:
         return self._tables[seq.seq_id]
+
+    def bytes_for_sequence(self, num_tokens: int) -> int:
+        """K/V bytes (scales and bounds included) one sequence of ``num_tokens`` holds."""
+        per_block = sum(self.layer(i).bytes_per_slot or 0 for i in range(self.spec.num_layers))
+        return -(-num_tokens // self.layout.block_size) * self.layout.block_size * per_block
 
     @property
     def scratch_block(self) -> int:

@@ -50,6 +50,8 @@ class PrefixCache:
         self.lookups: dict[int, tuple[int, int]] = {}
         """seq_id -> (tokens looked up, tokens hit), from ``match`` until the sequence first runs."""
         self.stats = PrefixCacheStats()
+        self.null: int | None = None
+        """A table entry that holds nothing (a released one) and is never indexed."""
 
     def match(self, seq: Sequence) -> list[int]:
         bs = self.block_size
@@ -86,7 +88,8 @@ class PrefixCache:
         bs = self.block_size
         for i in range(len(keys), min(full, len(table))):
             key = block_key(keys[-1] if keys else None, seq.token_ids[i * bs:(i + 1) * bs], seq.cache_salt)
-            self.pool.register(table[i], key)
+            if table[i] != self.null:
+                self.pool.register(table[i], key)
             keys.append(key)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -50,6 +50,13 @@ class BenchResult:
     mha_kv_bytes_per_token: int | None = None
     """The same for plain multi-head attention with the model's query heads in the model's
     dtype (``ModelSpec.mha_values_per_token``): what GQA, a latent or int8 saves against."""
+    kv_bytes_per_token_at_max_len: float | None = None
+    """K/V bytes a token costs in one sequence of max_model_len tokens, as the cache holds it
+    (below ``kv_bytes_per_token`` where sliding-window layers release what no window sees)."""
+    kv_sequences_at_max_len: int | None = None
+    """Sequences of max_model_len tokens the cache holds at once."""
+    kv_longest_context: int | None = None
+    """The longest sequence the cache admits (its max_seq_tokens)."""
     prefix_hit_rate: float | None = None
     peak_kv_blocks: int | None = None
     peak_running: int | None = None
@@ -79,6 +86,8 @@ class BenchResult:
             "kv_waste": None if self.kv_waste is None else round(self.kv_waste, 4),
             "kv_capacity_tokens": self.kv_capacity_tokens, "kv_bytes_per_token": self.kv_bytes_per_token,
             "mha_kv_bytes_per_token": self.mha_kv_bytes_per_token,
+            "kv_bytes_per_token_at_max_len": self.kv_bytes_per_token_at_max_len,
+            "kv_sequences_at_max_len": self.kv_sequences_at_max_len, "kv_longest_context": self.kv_longest_context,
             "prefix_hit_rate": None if self.prefix_hit_rate is None else round(self.prefix_hit_rate, 4),
             "peak_kv_blocks": self.peak_kv_blocks, "peak_running": self.peak_running,
             "preemptions": self.preemptions, "draft_tokens": self.draft_tokens,
@@ -175,11 +184,25 @@ def run_offline(llm: Any, requests: list[BenchRequest], *, progress: bool = Fals
                        kv_capacity_tokens=cache.num_blocks * cache.layout.block_size,
                        kv_bytes_per_token=None if None in layers else sum(layers),
                        mha_kv_bytes_per_token=spec.num_layers * spec.mha_values_per_token * itemsize,
+                       **_kv_capacity(cache, llm.pipeline.resolved.max_model_len),
                        prefix_hit_rate=(after.hit_tokens - hit0) / queried if queried else 0.0,
                        peak_kv_blocks=stats.peak_kv_blocks, peak_running=stats.peak_running,
                        preemptions=stats.preemptions, draft_tokens=stats.draft_tokens,
                        acceptance_rate=stats.acceptance_rate, tokens_per_forward=stats.tokens_per_forward,
                        kernel_builds=stats.kernel_builds, outputs=[done[r.request_id].seqs[0].output_token_ids for r in requests])
+
+
+def _kv_capacity(cache: Any, max_len: int) -> dict[str, Any]:
+    """Bytes a token costs in a sequence of ``max_len``, how many such sequences fit, and the
+    longest sequence admitted; None where the cache cannot say (no ``bytes_for_sequence``)."""
+    held = getattr(cache, "bytes_for_sequence", None)
+    if held is None:
+        return {}
+    per_token = sum(cache.layer(i).bytes_per_slot or 0 for i in range(cache.spec.num_layers))
+    total = cache.num_blocks * cache.layout.block_size * per_token  # the cache in blocks of every layer
+    one = held(max_len)
+    return {"kv_bytes_per_token_at_max_len": round(one / max_len, 1), "kv_sequences_at_max_len": total // one,
+            "kv_longest_context": cache.max_seq_tokens}
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -234,7 +257,8 @@ def format_report(report: dict[str, Any]) -> str:
         (key, [m.get(key) for m in [report] + ([base] if base else [])])
         for key in ("num_requests", "total_prompt_tokens", "total_output_tokens", "elapsed_s", "output_tokens_per_s",
                     "requests_per_s", "kv_waste", "kv_capacity_tokens", "kv_bytes_per_token",
-                    "mha_kv_bytes_per_token", "prefix_hit_rate", "peak_kv_blocks", "peak_running", "preemptions",
+                    "mha_kv_bytes_per_token", "kv_bytes_per_token_at_max_len", "kv_sequences_at_max_len",
+                    "kv_longest_context", "prefix_hit_rate", "peak_kv_blocks", "peak_running", "preemptions",
                     "draft_tokens", "acceptance_rate", "tokens_per_forward", "kernel_builds")]
     for key in ("ttft_ms", "tpot_ms", "e2e_ms"):
         for stat in ("mean", "p50", "p90", "p99"):

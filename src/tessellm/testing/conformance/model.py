@@ -156,13 +156,37 @@ class ModelConformance(ConformanceSuite):
         """Prefills of 16 tokens a step, in a cache too small for every sequence at once."""
         self.case()
         prompts = checkpoint.shared_prefix_prompts(13)
-        llm = checkpoint.llm("float32", cache={"name": "paged", "options": {"block_size": 8, "num_blocks": 12}},
+        # the whole context kept on every layer: releasing out-of-window blocks would leave
+        # room enough that nothing is preempted (the next property runs with it)
+        llm = checkpoint.llm("float32", cache={"name": "paged", "options": {"block_size": 8, "num_blocks": 12,
+                                                                            "free_out_of_window": False}},
                              scheduler={"name": "continuous", "options": {"max_num_batched_tokens": 16,
                                                                           "chunked_prefill": True}})
         outs = llm.generate(prompts, checkpoint.params(16))
         checkpoint.assert_greedy(prompts, [o.token_ids for o in outs], "chunked and preempted", 16)
         assert llm.engine.stats.preemptions > 0, "the cache was meant to be too small: nothing was preempted"
         assert llm.pipeline.cache.pool.num_used == 0, "finished requests left cache blocks referenced"
+
+    def test_out_of_window_release_keeps_the_tokens(self, checkpoint: "Checkpoint") -> None:
+        """A model with sliding-window layers: the paged cache releases, for those layers,
+        the blocks every window has passed; tokens stay the reference's through chunked
+        prefills, prefix hits (prompts sharing a prefix, run twice) and n-gram drafts rolled
+        back."""
+        self.case()
+        if not checkpoint.windows():
+            pytest.skip(f"{checkpoint.model_type} has no sliding-window layer: nothing is released")
+        prompts = checkpoint.shared_prefix_prompts(16)
+        llm = checkpoint.llm("float32", cache={"name": "paged", "options": {"block_size": 8, "num_blocks": 24}},
+                             scheduler={"name": "continuous", "options": {"max_num_batched_tokens": 16,
+                                                                          "chunked_prefill": True}},
+                             decoding={"name": "speculative", "options": {"proposer": "ngram", "k": 3,
+                                                                           "adaptive_k": False}})
+        for run in ("released", "from the prefix cache"):
+            outs = llm.generate(prompts, checkpoint.params(16))
+            checkpoint.assert_greedy(prompts, [o.token_ids for o in outs], f"out-of-window blocks {run}", 16)
+        cache = llm.pipeline.cache
+        assert cache.released_blocks > 0, "no block was released though prompts outgrow every window"
+        assert cache.prefix_cache_stats().hit_tokens > 0, "the second run read nothing from the prefix cache"
 
     def test_ngram_speculative_decoding_keeps_the_tokens(self, checkpoint: "Checkpoint") -> None:
         """Prompt-lookup drafts verified in one forward, rejected ones rolled back."""
@@ -199,6 +223,13 @@ class Checkpoint:
         if dtype not in self._references:
             self._references[dtype] = self.suite.reference_model(self.folder, dtype)
         return self._references[dtype]
+
+    def windows(self) -> set[int]:
+        """The sliding windows of the checkpoint's layers (empty: none slides)."""
+        from tessellm.core.model.loader import load_hf_config
+
+        spec = self.suite.under_test()(self.suite.plugin_options()).load_spec(load_hf_config(self.folder))
+        return {spec.attention_of(i).sliding_window for i in range(spec.num_layers)} - {None}
 
     def prompts(self, seed: int, lengths: list[int]) -> list[list[int]]:
         g = torch.Generator().manual_seed(seed)
