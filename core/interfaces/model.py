@@ -76,6 +76,13 @@ class ModelArchitecture(Plugin):
         """The parameter name checkpoint tensor ``name`` loads into (None: not used)."""
         return name
 
+    def shard_rule(self, name: str, spec: ModelSpec, shard: Any) -> Any:
+        """How a tensor-parallel rank reads parameter ``name`` (after ``checkpoint_name``),
+        where the family's differs from core's rules (core/parallel/shard.py ``slice_rule``):
+        ``(dim, lo, hi)``, a list of dim-0 slices, "zero" or "whole"; None: core's rule
+        (plugin API 1.8)."""
+        return None
+
     def after_load(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
         """Fast paths once the weights are loaded: on CUDA (not float64, the exact
         reference) the fused norm/RoPE/SwiGLU kernels with stacked q/k/v and gate/up

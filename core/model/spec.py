@@ -171,8 +171,6 @@ class ModelSpec:
     Granite's attention_multiplier); None: the default."""
     mlp_activation: str = "silu"
     """The gated MLP's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma)."""
-    unsplittable: str | None = None
-    """Why tensor parallelism cannot split this model's heads over ranks (None: it can)."""
 
     def attention_of(self, layer: int) -> LayerAttention:
         """What ``layer``'s attention computes (its window, softcap, sinks, RoPE table)."""

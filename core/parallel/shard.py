@@ -53,8 +53,6 @@ class Shard:
 def allowed_sizes(spec: ModelSpec) -> list[int]:
     """Every tensor-parallel size this model splits into: up to its KV head count, or a
     multiple of it that leaves each rank at least one query head (and one MLP column)."""
-    if spec.unsplittable:
-        return [1]
     kv, group = spec.num_kv_heads, spec.num_heads // spec.num_kv_heads
     widths = [spec.intermediate_size] + ([spec.moe.intermediate_size] if spec.moe else [])
     if spec.moe and spec.moe.shared_intermediate_size:
@@ -67,9 +65,6 @@ def plan_shard(spec: ModelSpec, size: int, rank: int) -> Shard:
     """Rank ``rank``'s share of ``spec`` split ``size`` ways (a ConfigError naming the
     allowed sizes if it does not split so)."""
     allowed = allowed_sizes(spec)
-    if size != 1 and spec.unsplittable:
-        raise ConfigError(f"parallel.tensor {size}: {spec.model_type} does not split over ranks: "
-                          f"{spec.unsplittable}; allowed: 1")
     if size not in allowed:
         raise ConfigError(f"parallel.tensor {size} does not split this model ({spec.num_heads} query heads in "
                           f"{spec.num_kv_heads} KV heads, MLP width {spec.intermediate_size}); allowed: "
@@ -161,9 +156,15 @@ def load_shard(folder: Path, spec: ModelSpec, shard: Shard, architecture: Any = 
         mapped = architecture.checkpoint_name(name) if architecture is not None else name
         return mapped or name
 
+    def rule(name: str) -> tuple[int, int, int] | list | str | None:
+        """The model plugin's rule for the tensor, else core's."""
+        own = architecture.shard_rule(module_name(name), spec, shard) if architecture is not None else None
+        if own == "whole":
+            return None
+        return own if own is not None else slice_rule(module_name(name), spec, shard)
+
     def read(f: Any, name: str) -> torch.Tensor:
-        return _sliced(lambda: f.get_tensor(name), f.get_slice(name), slice_rule(module_name(name), spec, shard),
-                       shard.rank)
+        return _sliced(lambda: f.get_tensor(name), f.get_slice(name), rule(name), shard.rank)
 
     state = load_state_dict(folder, read)
     stacked = {k: v for k, v in state.items() if v.dim() in (2, 3) and k.endswith((
@@ -172,7 +173,7 @@ def load_shard(folder: Path, spec: ModelSpec, shard: Shard, architecture: Any = 
     unstacked = unstack_experts(stacked, layout)
     for name, tensor in unstacked.items():
         # a copy: a view would keep the whole stack, every rank's share of every expert, alive
-        part = _sliced(lambda t=tensor: t, tensor, slice_rule(module_name(name), spec, shard), shard.rank)
+        part = _sliced(lambda t=tensor: t, tensor, rule(name), shard.rank)
         state[name] = part.clone(memory_format=torch.contiguous_format)
     for name in stacked.keys() - unstacked.keys():
         del state[name]

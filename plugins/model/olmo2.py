@@ -35,14 +35,43 @@ class Olmo2RMSNorm(RMSNorm):
         return (self.weight * x).to(dtype)
 
 
+class ProjectionNorm(Olmo2RMSNorm):
+    """OLMo 2's RMSNorm over a whole q or k projection. Under tensor parallelism a rank holds
+    some heads' columns: their sum of squares is summed over the ranks (``tp``), divided by
+    ``copies`` (the ranks holding each KV head, when they are replicated), and the mean taken
+    over the whole projection's ``full_size`` values."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__(size, eps)
+        self.tp: Any = None
+        self.full_size, self.copies = size, 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return super().forward(x)
+        dtype = x.dtype
+        x = x.float()
+        squares = self.tp.all_reduce(x.pow(2).sum(-1, keepdim=True)) / self.copies
+        x = x * torch.rsqrt(squares / self.full_size + self.eps)
+        return (self.weight * x).to(dtype)
+
+
 class Olmo2Attention(Attention):
     """q/k/v projections, q_norm and k_norm over the whole projections, then heads, RoPE
     and the backend (``Attention.attend``)."""
 
     def __init__(self, spec: ModelSpec, layer: int):
         super().__init__(spec, layer)
-        self.q_norm = Olmo2RMSNorm(self.num_heads * self.head_dim, spec.rms_norm_eps)
-        self.k_norm = Olmo2RMSNorm(self.num_kv_heads * self.head_dim, spec.rms_norm_eps)
+        self.q_norm = ProjectionNorm(self.num_heads * self.head_dim, spec.rms_norm_eps)
+        self.k_norm = ProjectionNorm(self.num_kv_heads * self.head_dim, spec.rms_norm_eps)
+
+    def set_tensor_parallel(self, tp: Any, config: Any) -> None:
+        """Normalise over the whole projections across ``tp``'s ranks (``config``: the whole
+        model's)."""
+        heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+        for norm, full in ((self.q_norm, heads), (self.k_norm, kv_heads)):
+            norm.tp, norm.full_size = tp, full * self.head_dim
+        self.k_norm.copies = max(1, tp.size // kv_heads)  # each KV head on this many ranks
 
     def fuse_projections(self) -> None:
         """Nothing to stack: q and k are normalised apart."""
@@ -84,6 +113,11 @@ class Olmo2ForCausalLM(DecoderForCausalLM):
         super().__init__(spec)
         self.model.norm = Olmo2RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
+    def set_tensor_parallel(self, tp: Any) -> None:
+        super().set_tensor_parallel(tp)
+        for layer in self.model.layers:
+            layer.self_attn.set_tensor_parallel(tp, self.spec.hf_config)
+
 
 class Olmo2Architecture(ModelArchitecture):
     """OLMo 2 (post-norm, whole-projection q/k norms) and OLMo 3 (the same with sliding
@@ -95,9 +129,7 @@ class Olmo2Architecture(ModelArchitecture):
 
     def spec(self, hf_config: Any) -> ModelSpec:
         refuse_quantized(hf_config)
-        spec = decoder_spec(hf_config, unsplittable=(
-            "its q and k norms normalise whole projections (every head at once), which a rank holding some "
-            "heads cannot do without the other ranks' sums"))
+        spec = decoder_spec(hf_config)
         params = getattr(hf_config, "rope_parameters", None) or {}
         if not any(isinstance(params.get(t), dict) for t in LAYER_TYPES):
             return spec
@@ -110,6 +142,13 @@ class Olmo2Architecture(ModelArchitecture):
 
     def build(self, spec: ModelSpec) -> nn.Module:
         return Olmo2ForCausalLM(spec)
+
+    def shard_rule(self, name: str, spec: ModelSpec, shard: Any) -> Any:
+        """q_norm and k_norm weigh whole projections: each rank reads its heads' share."""
+        if name.endswith(("self_attn.q_norm.weight", "self_attn.k_norm.weight")):
+            (lo, hi) = shard.heads if ".q_norm." in name else shard.kv_heads
+            return 0, lo * spec.head_dim, hi * spec.head_dim
+        return None
 
 
 def _checked_rope(layer_type: str, params: dict) -> dict:

@@ -354,6 +354,34 @@ def test_auto_attention_picks_the_capable_backend(spec):
     assert names(resolve(config(), reg, spec))["attention"] == "sdpa"
 
 
+class PlainAttention(SdpaAttention):
+    """A backend ranked above sdpa that serves no layer feature (written before plugin API 1.8
+    would have served the model-wide window; this one declines even that)."""
+
+    name = "plain"
+    api_version = "1.8"
+    auto_priority = 50
+    layer_features = frozenset()
+
+
+def test_auto_passes_over_a_backend_lacking_a_layer_feature():
+    """A model whose layers need windows of their own and softcaps (Gemma 2's): auto skips the
+    higher-ranked backend that serves neither; named, it fails naming each feature and the
+    layers that need it. A model without layer features still gets it."""
+    reg = registry_with(plugin_module("plain", attention=[PlainAttention]))
+    gemma = ModelSpec.from_hf_config(transformers.Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=8, attn_logit_softcapping=5.0,
+        layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=MAX_POS))
+    assert names(resolve(config(), reg, gemma))["attention"] == "sdpa"
+    assert names(resolve(config(), reg, tiny_spec()))["attention"] == "plain"
+    message = error_of(config(attention={"name": "plain"}), reg, gemma)
+    assert "does not serve sliding windows on some layers only (layer feature 'per_layer_window'), which " \
+           "'gemma2' needs on layers 0, 2" in message
+    assert "attention logit softcapping (layer feature 'softcap'), which 'gemma2' needs on layers 0, 1, 2, 3" \
+           in message
+
+
 def test_auto_finding_nothing_lists_every_candidates_reasons(spec):
     reg = registry_with(plugin_module("odd", cache=[LatentCache], attention=[OddHeadAttention]))
     message = error_of(config(cache={"name": "latentcache"}), reg, spec)

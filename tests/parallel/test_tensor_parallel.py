@@ -263,7 +263,7 @@ for config in configs:
 """
 
 
-LAYER_FEATURE_FAMILIES = ["gemma2", "gemma3_text", "gpt_oss", "phi3", "granite", "smollm3"]
+LAYER_FEATURE_FAMILIES = ["gemma2", "gemma3_text", "gpt_oss", "phi3", "granite", "smollm3", "olmo2", "olmo2-mqa"]
 
 
 def test_model_plugins_shard(tmp_path):
@@ -273,13 +273,16 @@ def test_model_plugins_shard(tmp_path):
     checkpoint's names mapped); Gemma 2 and 3 (per-layer windows, softcaps, sandwich norms
     reduced before their output norms), GPT-OSS (sinks split with their heads, interleaved
     expert stacks), Phi-3 (fused qkv and gate_up projections, each part split), Granite
-    (multipliers) and SmolLM3 (layers without RoPE)."""
+    (multipliers), SmolLM3 (layers without RoPE) and OLMo 2 (q/k norms over whole projections,
+    their sums of squares reduced over the ranks; with one KV head on both ranks too)."""
     from tessellm import LLM
 
     model_types = NEW_ARCHITECTURES + LAYER_FEATURE_FAMILIES
     configs = []
     for model_type in model_types:
-        model = build_tiny(model_type, tmp_path / model_type, vocab_size=512)
+        family, _, variant = model_type.partition("-")
+        extra = {"num_key_value_heads": 1} if variant == "mqa" else {}
+        model = build_tiny(family, tmp_path / model_type, vocab_size=512, **extra)
         configs.append(json.loads(write_config(tmp_path / f"{model_type}.json", model).read_text()))
     params = {"prompts": PROMPTS, "sampling": {"max_tokens": 12, "ignore_eos": True, "temperature": 0.0}}
     expected = [[o.token_ids for o in LLM(c).generate(PROMPTS, params["sampling"])] for c in configs]
@@ -292,17 +295,6 @@ def test_model_plugins_shard(tmp_path):
     assert len(got) == len(model_types)  # rank 0 alone prints
     for model_type, tokens, want in zip(model_types, got, expected):
         assert tokens == want, model_type
-
-
-def test_olmo2_refuses_tensor_parallel_naming_why(tmp_path):
-    """OLMo 2's q/k norms span every head: a rank cannot normalise its share alone."""
-    from tessellm.core.model.loader import load_hf_config
-
-    spec = ModelSpec.from_hf_config(load_hf_config(build_tiny("olmo2", tmp_path / "olmo2", vocab_size=512)))
-    assert allowed_sizes(spec) == [1]
-    with pytest.raises(ConfigError, match=r"parallel.tensor 2: olmo2 does not split over ranks: its q and k norms "
-                                          r"normalise whole projections.*allowed: 1"):
-        plan_shard(spec, 2, 0)
 
 
 def test_bench_under_torchrun(gqa_config):
