@@ -181,3 +181,20 @@ def test_gemma2_serves_the_openai_client_the_offline_tokens(gemma_config):
             out = client.completions.create(model="tiny-gemma2", prompt=prompt, max_tokens=8, temperature=0.0,
                                             extra_body={"ignore_eos": True})
             assert out.choices[0].text == text
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_out_of_window_release_keeps_the_tokens_of_every_storage(kv_dtype, folders):
+    """Gemma 3 (five sliding layers to one global) through the paged cache with release on
+    and off, float32 and int8 K/V (values and scales both live in the shared arena): the same
+    tokens, with blocks released."""
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (30, 45, 7, 60)]
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for free in (True, False):
+        options = {"block_size": 4, "num_blocks": 60, "kv_dtype": kv_dtype, "free_out_of_window": free}
+        llm = LLM(pipeline(folders["gemma3_text"], cache={"name": "paged", "options": options}))
+        outputs[free] = [o.token_ids for o in llm.generate(prompts, params)]
+        assert (getattr(llm.pipeline.cache, "released_blocks", 0) > 0) == free
+    assert outputs[True] == outputs[False]

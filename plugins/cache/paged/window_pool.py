@@ -16,7 +16,7 @@ be reclaimed by the other kind (its cached runs evicted). So memory flows betwee
 short sequences use memory as a cache without freeing would, and the sliding runs long
 sequences release become full runs for more tokens.
 
-Each kind's ``PartPool`` keeps ``BlockPool``'s contract (free, in use, cached by content,
+Each kind's ``RunPool`` keeps ``BlockPool``'s contract (free, in use, cached by content,
 least recently released evicted first) over its run ids.
 """
 
@@ -29,7 +29,7 @@ FULL, SLIDING = 0, 1
 KIND_NAMES = ("full-attention", "sliding-window")
 
 
-class PartPool:
+class RunPool:
     """One kind's runs (``SplitArena.pools[kind]``), with ``BlockPool``'s contract over run
     ids, for the block tables, the prefix cache and copy-on-write."""
 
@@ -169,7 +169,7 @@ class SplitArena:
         self.in_use = [0] * num_superblocks  # runs with a reference, per superblock
         self.units_in_use = 0  # units of runs with a reference
         self.whole: OrderedDict[int, None] = OrderedDict((s, None) for s in range(1, num_superblocks))
-        self.pools: dict[int, PartPool] = {kind: PartPool(self, kind) for kind in (FULL, SLIDING) if sizes[kind]}
+        self.pools: dict[int, RunPool] = {kind: RunPool(self, kind) for kind in (FULL, SLIDING) if sizes[kind]}
 
     @property
     def num_units(self) -> int:

@@ -5,11 +5,11 @@ Two block tables per sequence, over one arena (window_pool.py): the *full* table
 ``block_table(seq)``) addresses the full-attention layers' K/V, the *window* table (group 1,
 ``group_block_table(seq, 1)``) the sliding layers'. Both have an entry per logical block;
 after each step the window table's entries that end before ``num_computed - W + 1`` (W the
-largest window) are released and point at the arena's null part (zeros, masked out by every
+largest window) are released and point at the arena's null run (zeros, masked out by every
 window). A model whose every layer slides has the window table only (group 0).
 
-Prefix caching indexes both kinds of parts under the same content keys; a prefix hit of m
-blocks needs the full parts of all m and the sliding parts of the last window before them.
+Prefix caching indexes both kinds of runs under the same content keys; a prefix hit of m
+blocks needs the full runs of all m and the sliding runs of the last window before them.
 Copy-on-write, forks, preemption and speculative rollback work as in `paged`; a rollback to
 tokens some window has passed is refused (the engine only rolls back drafts, inside it).
 """
@@ -63,7 +63,7 @@ class WindowedPagedCache(PagedCache):
         self._zero_reserved(slots)
         self._layers = [None] * spec.num_layers
         for group in self.groups:
-            for t, layer in enumerate(group):  # unit p + t of part p is this layer's
+            for t, layer in enumerate(group):  # unit p + t of run p is this layer's
                 self._layers[layer] = storage_view(self.storage, t * bs, slots)
         self.pool = self.arena.pools[self.kinds[0]]
         self.prefix = PrefixCache(self.pool, bs, options.prefix_caching)
@@ -74,10 +74,11 @@ class WindowedPagedCache(PagedCache):
         self._window_keys: dict[int, int] = {}  # seq_id -> window-table entries indexed by content
         self.cow_copies = 0
         self.released_blocks = 0  # window-table entries released so far
+        self._step_tokens: int | None = None  # the scheduler's step budget (limit_step_tokens)
 
     def _zero_reserved(self, slots: int) -> None:
-        """The reserved superblock (the null part and the scratch part) holds zeros: released
-        entries read it, masked, and a masked zero weighs nothing (NaN would)."""
+        """The reserved superblock (the null run) holds zeros: released entries read it,
+        masked, and a masked zero weighs nothing (NaN would)."""
         reserved = self.arena.width * self.layout.block_size  # superblock 0
         for value in vars(self.storage).values():
             if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[0] == slots:
@@ -117,7 +118,7 @@ class WindowedPagedCache(PagedCache):
         kinds at once (a prompt prefilled in one step)."""
         bs, arena = self.layout.block_size, self.arena
         every_block_both = self.num_blocks * bs
-        step = getattr(self, "_step_tokens", None)
+        step = self._step_tokens
         if step is None:
             return every_block_both
         sliding_runs = -(-(self.window + step) // bs) + 2
@@ -156,8 +157,8 @@ class WindowedPagedCache(PagedCache):
     # ------------------------------------------------------------------ growth
 
     def _plan(self, seq: Sequence, num_tokens: int) -> list[tuple[int, list[int]]]:
-        """Per kind: new parts needed for tokens [0, num_tokens), and the table indices of
-        held parts the write must copy first (shared, or indexed by content)."""
+        """Per kind: new runs needed for tokens [0, num_tokens), and the table indices of
+        held runs the write must copy first (shared, or indexed by content)."""
         bs, needed = self.layout.block_size, -(-num_tokens // self.layout.block_size)
         tables = self._tables.get(seq.seq_id)
         plans = []
@@ -181,7 +182,7 @@ class WindowedPagedCache(PagedCache):
         return all(fits for _, fits in self._kinds_short(plans))
 
     def _kinds_short(self, plans: list[tuple[int, list[int]]]) -> list[tuple[int, bool]]:
-        """Per kind, in table order, whether its runs can be had as ``PartPool.allocate``
+        """Per kind, in table order, whether its runs can be had as ``RunPool.allocate``
         takes them: own free runs, whole superblocks (the rest of whose runs become free),
         then own cached runs."""
         whole, out = len(self.arena.whole), []
@@ -208,7 +209,7 @@ class WindowedPagedCache(PagedCache):
         for kind, table, (new, copies) in zip(self.kinds, tables, plans):
             pool = self.arena.pools[kind]
             for i in copies:
-                table[i] = self._copy_part(kind, table[i])
+                table[i] = self._copy_run(kind, table[i])
             table.extend(pool.allocate() for _ in range(new))
 
     def try_reserve(self, seq: Sequence, num_tokens: int) -> bool:
@@ -217,15 +218,15 @@ class WindowedPagedCache(PagedCache):
         self.reserve(seq, num_tokens)
         return True
 
-    def _copy_part(self, kind: int, part: int) -> int:
+    def _copy_run(self, kind: int, run: int) -> int:
         pool = self.arena.pools[kind]
         fresh = pool.allocate()
         span = self.arena.sizes[kind] * self.layout.block_size
         device = self.spec.device
         bs = self.layout.block_size
-        self.storage.copy_slots(torch.arange(part * bs, part * bs + span, device=device),
+        self.storage.copy_slots(torch.arange(run * bs, run * bs + span, device=device),
                                 torch.arange(fresh * bs, fresh * bs + span, device=device))
-        pool.decref(part)
+        pool.decref(run)
         self.cow_copies += 1
         return fresh
 
@@ -248,9 +249,9 @@ class WindowedPagedCache(PagedCache):
             self._window_keys[seq.seq_id] = min(self._window_keys[seq.seq_id], num_tokens // bs)
         self.prefix.truncate(seq, num_tokens)
 
-    def _drop(self, kind: int, part: int) -> None:
-        if part != self.arena.null:
-            self.arena.pools[kind].decref(part)
+    def _drop(self, kind: int, run: int) -> None:
+        if run != self.arena.null:
+            self.arena.pools[kind].decref(run)
 
     def free(self, seq: Sequence) -> None:
         tables = self._tables.pop(seq.seq_id, None)
@@ -258,16 +259,16 @@ class WindowedPagedCache(PagedCache):
             store.pop(seq.seq_id, None)
         self.prefix.forget(seq)
         for kind, table in zip(self.kinds, tables or []):
-            for part in reversed(table):  # the tail first: later blocks of a prefix are evicted first
-                self._drop(kind, part)
+            for run in reversed(table):  # the tail first: later blocks of a prefix are evicted first
+                self._drop(kind, run)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         self.free(child)
         tables = [list(t) for t in self._tables[parent.seq_id]]
         for kind, table in zip(self.kinds, tables):
-            for part in table:
-                if part != self.arena.null:
-                    self.arena.pools[kind].incref(part)
+            for run in table:
+                if run != self.arena.null:
+                    self.arena.pools[kind].incref(run)
         self._tables[child.seq_id] = tables
         self._computed[child.seq_id] = parent.num_computed_tokens
         self._released[child.seq_id] = self._released.get(parent.seq_id, 0)
@@ -287,7 +288,7 @@ class WindowedPagedCache(PagedCache):
         self._release_passed(seq, tables[-1], n)
 
     def _index_window(self, seq: Sequence, table: list[int]) -> None:
-        """Index the window table's newly full parts under the full table's content keys."""
+        """Index the window table's newly full runs under the full table's content keys."""
         keys = self.prefix.keys.get(seq.seq_id, [])
         done = self._window_keys.get(seq.seq_id, 0)
         pool = self.arena.pools[SLIDING]
@@ -323,10 +324,10 @@ class WindowedPagedCache(PagedCache):
         for kind in self.kinds:
             pool = self.arena.pools[kind]
             first = low if kind == SLIDING else 0
-            parts = [pool.lookup(k) for k in keys[first:m]]
-            for part in parts:
-                pool.incref(part)
-            tables.append([self.arena.null] * first + parts)
+            runs = [pool.lookup(k) for k in keys[first:m]]
+            for run in runs:
+                pool.incref(run)
+            tables.append([self.arena.null] * first + runs)
         self._tables[seq.seq_id] = tables
         self._released[seq.seq_id] = low
         self._window_keys[seq.seq_id] = m
@@ -336,8 +337,8 @@ class WindowedPagedCache(PagedCache):
         return m * bs
 
     def _longest_hit(self, keys: list[bytes]) -> tuple[int, int]:
-        """The most leading blocks m whose full parts are all cached and whose sliding parts
-        are cached over the last window before them, and the first of those sliding parts."""
+        """The most leading blocks m whose full runs are all cached and whose sliding runs
+        are cached over the last window before them, and the first of those sliding runs."""
         bs = self.layout.block_size
         m = len(keys)
         if FULL in self.arena.pools:
