@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -108,4 +109,17 @@ def init_tensor_parallel(size: int, device: torch.device, timeout_s: float) -> T
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(seconds=timeout_s))
+        # leave the group while the interpreter is whole: a group left to interpreter teardown
+        # may have gloo's worker threads drop tensors after Python is gone, and the process
+        # dies of SIGABRT ("terminate called without an active exception") after its work is
+        # done. atexit runs last-registered first, so rank 0's RankSync.stop still reaches the
+        # followers through the group before this.
+        atexit.register(_leave_group)
     return TensorParallel(rank, size, dist.group.WORLD, device)
+
+
+def _leave_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
