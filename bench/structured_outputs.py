@@ -21,8 +21,9 @@ prefix cache and fresh engine stats, after one warm-up of each side.
   output tokens over the wall time of the whole ``generate`` call); the target is >= 0.90;
 - per side: mean output tokens, steps, step time (the engine's ``step_seconds``), TPOT;
 - the grammar's host cost per engine step, from timing wrappers set on this pipeline's
-  objects (no core code changed): ``fill`` (``GrammarSession.mask`` less the backend's
-  ``apply_mask``: the matchers writing their bitmasks, the buffer, the logits copy),
+  objects (no core code changed): ``fill`` (``GrammarSession.fill`` less the backend's
+  ``apply_mask``: the matchers writing their bitmasks and the buffer; the logits copy is the
+  engine's, shared by every logits processor),
   ``apply_mask`` (the bitmask to the device and onto the logits; on CUDA this includes
   waiting for the step's forward, which the copy queues behind), ``accept`` (advancing the
   matchers and checking for completion, per generated token);
@@ -99,7 +100,7 @@ def check_output(text: str, min_items: int) -> str:
 
 class GrammarClock:
     """Seconds spent in the engine's grammar calls, by bucket, from wrappers set on the
-    instances (``GrammarSession.mask`` / ``accept`` / ``is_complete`` and the backend's
+    instances (``GrammarSession.fill`` / ``accept`` / ``is_complete`` and the backend's
     ``apply_mask``); removed on exit, so the class methods answer again."""
 
     def __init__(self, llm: LLM):
@@ -109,7 +110,7 @@ class GrammarClock:
         self.reset()
 
     def reset(self) -> None:
-        self.seconds = {"mask": 0.0, "apply_mask": 0.0, "accept": 0.0}
+        self.seconds = {"fill": 0.0, "apply_mask": 0.0, "accept": 0.0}
 
     def _timed(self, bucket: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -130,12 +131,12 @@ class GrammarClock:
             delattr(obj, name)
 
     def _targets(self) -> list[tuple[Any, str, str]]:
-        return [(self.session, "mask", "mask"), (self.backend, "apply_mask", "apply_mask"),
+        return [(self.session, "fill", "fill"), (self.backend, "apply_mask", "apply_mask"),
                 (self.session, "accept", "accept"), (self.session, "is_complete", "accept")]
 
     def per_step_ms(self, steps: int) -> dict[str, float]:
         s = self.seconds
-        ms = {"fill": s["mask"] - s["apply_mask"], "apply_mask": s["apply_mask"], "accept": s["accept"]}
+        ms = {"fill": s["fill"] - s["apply_mask"], "apply_mask": s["apply_mask"], "accept": s["accept"]}
         ms["total"] = sum(ms.values())
         return {k: round(v * 1e3 / max(steps, 1), 4) for k, v in ms.items()}
 

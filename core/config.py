@@ -109,7 +109,11 @@ class PipelineConfig(BaseModel):
         raise ValueError(f"must be auto, cpu, cuda or cuda:N, not {value!r}")
 
     def section(self, kind: str) -> PluginSection:
-        """The config section of plugin kind ``kind`` (``architecture`` for ``model``)."""
+        """The config section of plugin kind ``kind`` (``architecture`` for ``model``); the
+        ``logits`` kind has none (a request names its processors)."""
+        if kind == "logits":
+            raise ConfigError("the logits kind has no config section: every logits processor serves every pipeline, "
+                              "and a request turns on the ones it uses (SamplingParams)")
         return getattr(self, "architecture" if kind == "model" else kind)
 
 

@@ -67,6 +67,12 @@ def register_grammar(register: Register) -> None:
 
 
 @hookspec
+def register_logits(register: Register) -> None:
+    """Register logits processors (per-request penalties, bans, masks): subclasses of
+    ``tessellm.LogitsProcessor``."""
+
+
+@hookspec
 def register_model(register: Register) -> None:
     """Register model architectures: subclasses of ``tessellm.ModelArchitecture``, each
     declaring the Hugging Face ``model_type``s it builds."""

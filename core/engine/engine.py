@@ -24,8 +24,9 @@ import torch
 from tessellm.core.engine import contracts
 from tessellm.core.engine.batch_builder import build_batch
 from tessellm.core.engine.faults import find_culprits
-from tessellm.core.engine.grammar import GrammarSession
-from tessellm.core.engine.outputs import StopRule, apply_logit_bias, record_prompt_logprobs, token_logprobs
+from tessellm.core.engine.grammar import GrammarMask, GrammarSession
+from tessellm.core.engine.outputs import StopRule, record_prompt_logprobs, token_logprobs
+from tessellm.core.engine.processors import LogitsProcessors
 from tessellm.core.engine.request import RequestState
 from tessellm.core.engine.scoring import score_tokens
 from tessellm.core.engine.stats import WASTE_SAMPLE_STEPS, EngineStats
@@ -33,6 +34,7 @@ from tessellm.core.errors import InvalidRequestError, RequestRejectedError
 from tessellm.core.interfaces.batch import BatchMetadata, ScheduledSeq, SchedulerOutput
 from tessellm.core.interfaces.cache import CacheManager
 from tessellm.core.interfaces.decoder import Decoder
+from tessellm.core.interfaces.logits import LogitsProcessor
 from tessellm.core.interfaces.scheduler import Scheduler
 from tessellm.core.interfaces.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from tessellm.core.model.kernel_builds import build_log
@@ -68,13 +70,15 @@ class Engine:
 
     def __init__(self, runner: ModelRunner, cache: CacheManager, scheduler: Scheduler, decoder: Decoder,
                  *, stop: StopRule, vocab_size: int, seed: int = 0, sync: RankSync | None = None,
-                 grammar: GrammarSession | None = None):
+                 grammar: GrammarSession | None = None, processors: list[LogitsProcessor] = ()):
         self.runner = runner
         self.sync = sync  # tensor parallel: keeps this rank in lockstep with rank 0
         self.cache = cache
         self.scheduler = scheduler
         self.decoder = decoder
         self.grammar = grammar or GrammarSession(None, decoder.num_lookahead_tokens)
+        # every transformation of the logits a request may ask for, the grammar's mask last
+        self.processors = LogitsProcessors([*processors, GrammarMask(self.grammar)])
         self.stop = stop
         self.max_model_len = stop.max_model_len
         self.vocab_size = vocab_size
@@ -84,8 +88,6 @@ class Engine:
         self.stats = EngineStats()
         self._seeded = 0  # generators seeded from ``seed`` so far
         self._finished: dict[str, RequestState] = {}  # finished, not yet handed out by ``step``
-        self._min_tokens_live = 0  # live sequences with a min_tokens bar (rare: skip the mask without)
-        self._biased_live = 0  # live sequences with a logit_bias (rare: skip it without)
         self._kv_check = contracts.KVWriteCheck(runner.backend, cache, runner.spec.num_layers)
 
     # ------------------------------------------------------------------ requests
@@ -102,25 +104,20 @@ class Engine:
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(f"prompt has {len(prompt_token_ids)} tokens; the context window "
                                       f"(max_model_len) is {self.max_model_len}, leaving no room to generate")
-        outside = [t for t in params.logit_bias if t >= self.vocab_size]
-        if outside:
-            raise InvalidRequestError(f"logit_bias token id {outside[0]} is outside the vocabulary [0, {self.vocab_size})")
         self.decoder.validate_request_fields(params)
         self.decoder.validate_request_args(params)
         self.decoder.check(params)
         if params.structured_output is not None and params.min_tokens:
             raise InvalidRequestError("min_tokens cannot be combined with structured output: the grammar decides "
                                       "where the output ends")
-        self.grammar.check(params)
+        binding = self.processors.bind(params)  # compiles a grammar; refuses bad processor arguments
         seq = Sequence(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
         seq.generator = self._generator(params, 0)
         self.scheduler.add([seq])  # raises RequestRejectedError if it can never fit
         state = RequestState(request_id, params, [seq])
         self.requests[request_id] = state
         self.stats.prompt_tokens += len(prompt_token_ids)
-        self._min_tokens_live += params.min_tokens > 0
-        self._biased_live += bool(params.logit_bias)
-        self.grammar.live += params.structured_output is not None
+        self.processors.add(seq, binding)
         if self.sync is not None:
             self.sync.record("add", request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
                              priority=priority, cache_salt=cache_salt)
@@ -281,15 +278,10 @@ class Engine:
         slot's accepted tokens (the decoder's side of the contract checked)."""
         logits = self._forward(batch)
         # the decoder reads the sample rows only; prompt-scoring rows follow them
-        barred = logits[:batch.num_sample_rows] if batch.prompt_rows else logits
-        if self._min_tokens_live:
-            barred = self.stop.bar_early_stops(barred, batch)
-        if self._biased_live:
-            barred = apply_logit_bias(barred, batch)
-        if self.grammar.live:
-            barred = self.grammar.mask(barred, batch)
+        sampled = logits[:batch.num_sample_rows] if batch.prompt_rows else logits
+        sampled = self.processors.apply(sampled, self.processors.plan(batch))
         # a step of prefill chunks only (none reaching its prompt's end) samples nothing
-        tokens = self.decoder.decode(barred, batch) if batch.samples else []
+        tokens = self.decoder.decode(sampled, batch) if batch.samples else []
         if self.sync is not None and batch.samples:
             tokens = self.sync.tokens(tokens)
         contracts.check_decoded(self.decoder, tokens, batch, logits.shape[-1])
@@ -325,11 +317,14 @@ class Engine:
     def _append_tokens(self, batch: BatchMetadata, logits: torch.Tensor, tokens: list[list[int]]) -> None:
         """Append each slot's accepted tokens (with their logprobs) until the stop rule fires,
         rolling back the KV of drafts the decoder rejected."""
-        stats = self.stats
+        stats, bound, appended = self.stats, self.processors.bound, []
         for slot, accepted, lps in zip(batch.samples, tokens, token_logprobs(logits, batch, tokens)):
             seq = slot.seq
             if seq.status is SequenceStatus.FINISHED:  # its request failed in this loop (grammar)
                 continue
+            tracked = bool(bound) and seq.seq_id in bound  # (no processor live: one test per slot)
+            if tracked:
+                appended.append((seq, len(seq.token_ids)))
             stats.sample_slots += 1
             stats.draft_tokens += len(slot.draft_tokens)
             stats.accepted_draft_tokens += len(accepted) - 1
@@ -337,17 +332,20 @@ class Engine:
             if rejected > 0:
                 seq.num_computed_tokens -= rejected
                 self.cache.truncate(seq, seq.num_computed_tokens)
+            constrained = tracked and seq.params.structured_output is not None
             for i, token in enumerate(accepted):
-                if self.grammar.live and not self.grammar.accept(seq, token):
+                if constrained and not self.grammar.accept(seq, token):
                     self._refused_by_grammar(seq, token)
                     break
                 if lps is not None:
                     seq.logprobs.append(lps[i])
                 if self._append(seq, token):
                     break
-                if self.grammar.live and self.grammar.is_complete(seq):  # ended by the grammar (ignore_eos)
+                if constrained and self.grammar.is_complete(seq):  # ended by the grammar (ignore_eos)
                     self._finish(seq, FinishReason.STOP)
                     break
+        if appended:  # the processors of the sequences still running learn their new tokens
+            self.processors.accept([(seq, seq.token_ids[start:]) for seq, start in appended if not seq.is_finished])
 
     def _refused_by_grammar(self, seq: Sequence, token: int) -> None:
         """A decoder picked a token its masked logits ruled out: fail that request alone."""
@@ -402,9 +400,9 @@ class Engine:
                     children.append(child)
                 state.seqs.extend(children)
                 forks[seq.seq_id] = children
-                self._min_tokens_live += (state.params.min_tokens > 0) * len(children)
-                self._biased_live += bool(state.params.logit_bias) * len(children)
-                self.grammar.live += (state.params.structured_output is not None) * len(children)
+                binding = self.processors.binding(seq)
+                for child in children:
+                    self.processors.add(child, binding)
         return forks
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -415,9 +413,7 @@ class Engine:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
-        self._min_tokens_live -= seq.params.min_tokens > 0
-        self._biased_live -= bool(seq.params.logit_bias)
-        self.grammar.finish(seq)
+        self.processors.remove(seq)
         self.scheduler.finish(seq)
         self.decoder.finish(seq)
 

@@ -17,9 +17,10 @@ from typing import Any, Callable
 import torch
 
 from tessellm.core.errors import InvalidRequestError
-from tessellm.core.interfaces.batch import BatchMetadata
 from tessellm.core.interfaces.grammar import GrammarBackend, GrammarMatcher, GrammarSpec
+from tessellm.core.interfaces.logits import LogitsProcessor, ProcessorRows
 from tessellm.core.interfaces.sequence import SamplingParams, Sequence
+from tessellm.core.version import PLUGIN_API_VERSION
 
 
 class GrammarSession:
@@ -27,9 +28,9 @@ class GrammarSession:
 
     ``check(params)`` compiles (or finds cached) a request's grammar when it arrives, raising
     ``InvalidRequestError`` when the pipeline has no grammar backend or the grammar does not
-    compile. ``mask(logits, batch)`` returns the logits with every disallowed token at -inf
-    on constrained rows (a copy; the model's own logits stay for log-probabilities).
-    ``accept(seq, token)`` advances a sequence's matcher (False: the grammar refuses the
+    compile. ``fill(logits, rows)`` sets every disallowed token to -inf
+    on constrained rows (in place, on the engine's copy: ``GrammarMask``, the grammar as a
+    logits processor, calls it). ``accept(seq, token)`` advances a sequence's matcher (False: the grammar refuses the
     token); ``is_complete(seq)`` says its grammar has ended; ``finish(seq)`` drops it.
 
     The backend is built by ``build`` when the first grammar is compiled (reading a large
@@ -43,7 +44,6 @@ class GrammarSession:
         self._lock = threading.Lock()  # a server compiles on its worker threads
         self.max_rollback = max_rollback
         self.matchers: dict[int, GrammarMatcher] = {}
-        self.live = 0  # live constrained sequences (skip every step's scan without)
 
     @property
     def backend(self) -> GrammarBackend | None:
@@ -77,29 +77,26 @@ class GrammarSession:
                 matcher.accept(token)
         return matcher
 
-    def mask(self, logits: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
-        slots = [s for s in batch.samples if s.seq.params.structured_output is not None]
-        if not slots:
-            return logits
-        rows: list[int] = []
-        done: set[int] = set()  # samples of one request share rows until they fork: mask each once
-        buffer = self.backend.new_mask(sum(s.num_rows for s in slots))
-        for slot in slots:
-            if slot.first_row in done:
-                continue
-            done.add(slot.first_row)
-            matcher = self._matcher(slot.seq)
-            walked = 0
-            for j in range(slot.num_rows):
-                matcher.fill_mask(buffer, len(rows))
-                rows.append(slot.first_row + j)
-                if j < len(slot.draft_tokens) and walked == j and matcher.accept(slot.draft_tokens[j]):
+    def fill(self, logits: torch.Tensor, rows: ProcessorRows) -> None:
+        """Set every token the grammar disallows to -inf on ``rows`` (in place). Rows of one
+        slot come in order, each following one more draft than the row before; the matcher
+        walks those drafts and is rolled back after the slot."""
+        buffer = self.backend.new_mask(len(rows))
+        matcher, walked, refused = None, 0, False
+        for i, (seq, drafts) in enumerate(zip(rows.seqs, rows.drafts)):
+            if not drafts:  # a slot's first row: the sequence's own state
+                if walked:
+                    matcher.rollback(walked)
+                matcher, walked, refused = self._matcher(seq), 0, False
+            elif not refused:  # the draft just before this row
+                if matcher.accept(drafts[-1]):
                     walked += 1
-            if walked:
-                matcher.rollback(walked)
-        logits = logits.clone()
-        self.backend.apply_mask(logits, buffer[:len(rows)], rows)
-        return logits
+                else:  # the rows after a refused draft keep the last allowed state's mask
+                    refused = True
+            matcher.fill_mask(buffer, i)
+        if walked:
+            matcher.rollback(walked)
+        self.backend.apply_mask(logits, buffer[:len(rows)], rows.rows)
 
     def accept(self, seq: Sequence, token: int) -> bool:
         if seq.params.structured_output is None:
@@ -111,6 +108,29 @@ class GrammarSession:
         return matcher is not None and matcher.is_terminated()
 
     def finish(self, seq: Sequence) -> None:
-        if seq.params.structured_output is not None:
-            self.matchers.pop(seq.seq_id, None)
-            self.live -= 1
+        self.matchers.pop(seq.seq_id, None)
+
+
+class GrammarMask(LogitsProcessor):
+    """The grammar's mask as the engine's last logits processor: a request with
+    ``structured_output`` uses it. The matchers advance in the engine's token loop, which
+    must fail a request whose decoder picked a forbidden token and end one whose grammar is
+    complete (``GrammarSession.accept`` / ``is_complete``), so ``accept`` here does nothing."""
+
+    name = "structured_output"
+    api_version = PLUGIN_API_VERSION
+    order = 100
+    fields = ("structured_output",)
+
+    def __init__(self, session: GrammarSession):
+        self.session = session
+
+    def request_args(self, params: SamplingParams) -> GrammarSpec | None:
+        self.session.check(params)  # compiles now: a grammar that does not compile is refused on arrival
+        return params.structured_output
+
+    def apply(self, logits: torch.Tensor, rows: ProcessorRows) -> None:
+        self.session.fill(logits, rows)
+
+    def remove(self, seq: Sequence) -> None:
+        self.session.finish(seq)

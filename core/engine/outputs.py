@@ -1,5 +1,5 @@
-"""What happens to a step's tokens: the stop rule, the log-probabilities a request asks for,
-and the ``min_tokens`` bar on stopping early. Every stop condition lives in ``StopRule``.
+"""What happens to a step's tokens: the stop rule and the log-probabilities a request asks
+for. Every stop condition lives in ``StopRule``.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from tessellm.core.interfaces.batch import BatchMetadata, SampleSlot
+from tessellm.core.interfaces.batch import BatchMetadata
 from tessellm.core.interfaces.sequence import FinishReason, Sequence, TokenLogprob
 
 
@@ -19,8 +19,8 @@ class StopRule:
     of the request's ``stop_token_ids``; a stop string in the output text (``stop_text_len``
     is set where the first begins); ``max_tokens`` generated, or the context window
     (``max_model_len``) full. EOS, stop ids and stop strings count only once ``min_tokens``
-    tokens are out; until then the engine also bars the decoder from picking EOS or a stop id
-    (``bar_early_stops``), so the output never holds one early.
+    tokens are out; until then the ``min_tokens`` logits processor bars the decoder from
+    picking EOS or a stop id, so the output never holds one early.
 
     Lengths count tokens still on the device (async scheduling: ``Sequence.num_pending``), so
     the same rule tells whether a token about to be launched will surely be the last.
@@ -82,63 +82,6 @@ class StopRule:
             return True
         return False
 
-    def bar_early_stops(self, logits: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
-        """``logits`` with EOS and each request's stop ids at -inf on the rows of sequences
-        that have fewer than ``min_tokens`` tokens out at that row (a draft's rows count their
-        position); a copy when any row changes, ``logits`` itself otherwise."""
-        rows: list[int] = []
-        cols: list[int] = []
-        vocab = logits.shape[-1]
-        for slot in batch.samples:
-            params = slot.seq.params
-            if not params.min_tokens:
-                continue
-            banned = [t for t in self._stop_ids(slot) if t < vocab]
-            out = slot.seq.num_output_tokens
-            for j in range(min(slot.num_rows, params.min_tokens - out)):
-                rows.extend([slot.first_row + j] * len(banned))
-                cols.extend(banned)
-        if not rows:
-            return logits
-        logits = logits.clone()
-        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
-        return logits
-
-    def _stop_ids(self, slot: SampleSlot) -> list[int]:
-        params = slot.seq.params
-        ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            ids |= self.eos_token_ids
-        return sorted(ids)
-
-
-def apply_logit_bias(logits: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:
-    """``logits`` with each request's ``logit_bias`` added on its sample rows (a copy when any
-    request has one, ``logits`` itself otherwise). Samples of one request share rows: each
-    row is biased once."""
-    rows: list[int] = []
-    cols: list[int] = []
-    values: list[float] = []
-    seen: set[int] = set()
-    vocab = logits.shape[-1]
-    for slot in batch.samples:
-        bias = slot.seq.params.logit_bias
-        if not bias or slot.first_row in seen:
-            continue
-        seen.add(slot.first_row)
-        ids = [t for t in bias if t < vocab]
-        for row in range(slot.first_row, slot.first_row + slot.num_rows):
-            rows.extend([row] * len(ids))
-            cols.extend(ids)
-            values.extend(bias[t] for t in ids)
-    if not rows:
-        return logits
-    logits = logits.clone()
-    device = logits.device
-    logits[torch.tensor(rows, device=device), torch.tensor(cols, device=device)] += torch.tensor(
-        values, dtype=logits.dtype, device=device)
-    return logits
-
 
 def _scored_rows(logits: torch.Tensor, rows: list[int], chosen: list[int], top_n: int) -> list[list[Any]]:
     """Per row of ``logits[rows]``: the log-probability of its ``chosen`` token and the
@@ -189,24 +132,4 @@ def token_logprobs(logits: torch.Tensor, batch: BatchMetadata,
         n = batch.samples[i].seq.params.logprobs
         # the tokens first: zip then stops without taking one more row
         out[i] = [TokenLogprob(value, top[:n]) for _, (value, top) in zip(tokens[i], scored)]
-    return out
-    rows = [batch.samples[i].first_row + j for i in want for j in range(len(tokens[i]))]
-    index = torch.tensor(rows, dtype=torch.long, device=logits.device)
-    picked_rows = logits.index_select(0, index)
-    lp = torch.log_softmax(picked_rows if picked_rows.dtype == torch.float64 else picked_rows.float(), dim=-1)
-    top_n = max(batch.samples[i].seq.params.logprobs for i in want)
-    top = lp.topk(max(top_n, 1), dim=-1) if top_n else None
-    chosen = torch.tensor([t for i in want for t in tokens[i]], dtype=torch.long, device=logits.device)
-    picked = lp.gather(1, chosen[:, None])[:, 0].tolist()
-    top_values = top.values.tolist() if top is not None else None
-    top_ids = top.indices.tolist() if top is not None else None
-    r = 0
-    for i in want:
-        n = batch.samples[i].seq.params.logprobs
-        entries = []
-        for _ in tokens[i]:
-            alts = list(zip(top_ids[r][:n], top_values[r][:n])) if top is not None and n else []
-            entries.append(TokenLogprob(picked[r], alts))
-            r += 1
-        out[i] = entries
     return out

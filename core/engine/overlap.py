@@ -95,9 +95,8 @@ class OverlappedEngine(Engine):
         params = seq.params
         state = self.requests.get(seq.request_id)
         settled = params.n == 1 or state is None or state.forked  # n > 1 changes when it forks
-        ok = (self.decoder.num_lookahead_tokens == 0 and params.logprobs is None and not params.min_tokens
-              and not params.logit_bias and params.prompt_logprobs is None and params.structured_output is None
-              and self.decoder.samples_on_device(params) and settled)
+        ok = (self.decoder.num_lookahead_tokens == 0 and params.logprobs is None and params.prompt_logprobs is None
+              and self.processors.overlap_safe(seq) and self.decoder.samples_on_device(params) and settled)
         if settled:
             self._device_ok[seq.seq_id] = ok
         return ok
@@ -132,8 +131,10 @@ class OverlappedEngine(Engine):
                                            list(self.scheduler.running_sequences()))
         if previous is not None:
             self._inputs_from(previous, batch, decodes)
-        logits = self._forward(batch, native_logits=self.decoder.device_tokens_any_dtype)
-        tokens = self.decoder.device_tokens(logits, batch)
+        plan = self.processors.plan(batch)
+        # processors run on float32 logits, as in the synchronous step, so both pick the same tokens
+        logits = self._forward(batch, native_logits=self.decoder.device_tokens_any_dtype and not plan)
+        tokens = self.decoder.device_tokens(self.processors.apply(logits, plan), batch)
         contracts.check_device_tokens(self.decoder, tokens, batch)
         host, ready = tokens, None
         if tokens.is_cuda:  # pinned, so the copy waits for this step only, not for the next
@@ -146,6 +147,7 @@ class OverlappedEngine(Engine):
             item.seq.num_computed_tokens += item.num_query_tokens
         # the coming tokens count in their sequences' lengths, unless one is surely its last
         continuing = self.stop.continuing([slot.seq for slot in batch.samples])
+        self.processors.accept_on_device(batch, tokens)
         for seq in continuing:
             seq.num_pending += 1
         return LaunchedStep(out, batch, tokens, host, ready, {s.seq_id for s in continuing}, start)

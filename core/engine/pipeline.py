@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Sequence as Layers
@@ -23,6 +24,7 @@ from tessellm.core.errors import ConfigError
 from tessellm.core.interfaces.batch import ScheduledSeq
 from tessellm.core.interfaces.cache import CacheSpec
 from tessellm.core.interfaces.decoder import Decoder, DecoderContext
+from tessellm.core.interfaces.logits import LogitsProcessor, ProcessorContext
 from tessellm.core.interfaces.quantizer import CalibrationContext, Quantizer
 from tessellm.core.interfaces.scheduler import SchedulerLimits
 from tessellm.core.model.kernel_builds import build_log
@@ -103,11 +105,25 @@ class Pipeline:
         self.engine = engine(self.runner, self.cache, self.scheduler, self.decoder, stop=self.stop,
                              vocab_size=self.spec.vocab_size, seed=config.seed,
                              sync=RankSync(self.tp) if self.tp else None,
-                             grammar=GrammarSession(build, self.decoder.num_lookahead_tokens))
+                             grammar=GrammarSession(build, self.decoder.num_lookahead_tokens),
+                             processors=self._logits_processors())
         self._attach_decoder()
         if self.tp and not self.tp.is_leader:  # a follower serves rank 0 until it stops, then exits
             follow(self.engine, self.engine.sync)
             raise SystemExit(0)
+
+    def _logits_processors(self) -> list[LogitsProcessor]:
+        """One instance of every registered logits processor (a request turns on the ones it
+        uses); each keeps nothing until a request does."""
+        self.tokenizer_lock = threading.Lock()  # fast tokenizers refuse two threads at once
+
+        def encode(text: str) -> list[int]:
+            with self.tokenizer_lock:
+                return self.tokenizer.encode(text, add_special_tokens=False)
+
+        ctx = ProcessorContext(self.spec.vocab_size, self.resolved.device, self.stop.eos_token_ids, encode,
+                               self.resolved.max_model_len)
+        return [entry.cls(entry.cls.Options(), ctx) for entry in self.registry.entries("logits")]
 
     @property
     def grammar(self) -> Any:

@@ -14,6 +14,21 @@ from tessellm.core.interfaces.grammar import GrammarSpec
 from tessellm.core.plugin import reject_booleans_for_numbers
 
 
+class LogitsProcessorRequest(BaseModel):
+    """One logits-processor plugin a request turns on: its name and its arguments (validated
+    by the plugin's ``Args``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    args: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bare_name(cls, data: Any) -> Any:
+        return {"name": data} if isinstance(data, str) else data
+
+
 class SamplingParams(BaseModel):
     """How one request is decoded. Temperature 0 means greedy.
 
@@ -73,6 +88,32 @@ class SamplingParams(BaseModel):
     """Added to the logits of these token ids before the decoder picks (OpenAI's logit_bias:
     -100 bans a token, 100 all but forces it); values in [-100, 100]. Log-probabilities stay
     the model's own."""
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    """OpenAI's: subtracted from the logit of every token the output holds so far (positive
+    values steer away from repeating a token at all); 0 leaves the logits alone."""
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    """OpenAI's: subtracted from a token's logit once per time the output holds it so far
+    (positive values steer away from repeating a token often); 0 leaves the logits alone."""
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    """transformers' and vLLM's: every token of the prompt or the output so far has its logit
+    divided by this where positive and multiplied by it where negative (above 1 steers away
+    from repeating); 1 leaves the logits alone."""
+    bad_words: list[str] = Field(default_factory=list)
+    """vLLM's: words the output may not contain. Each is tokenized as it stands and with a
+    leading space; a token that would complete one of those token sequences is banned
+    (a one-token word is never picked)."""
+    bad_words_ids: list[list[int]] = Field(default_factory=list)
+    """transformers' form of ``bad_words``: token-id sequences the output may not complete."""
+    allowed_token_ids: Optional[list[int]] = None
+    """vLLM's: the only token ids the output may hold (None: any)."""
+    no_repeat_ngram_size: int = Field(0, ge=0, le=1024)
+    """transformers': no n-gram of this size may occur twice in the prompt and output (a
+    token that would complete one is banned); 0 turns it off."""
+    logits_processors: list[LogitsProcessorRequest] = Field(default_factory=list)
+    """Logits-processor plugins beyond the fields above, each by name with its arguments
+    (``{"name": "my-processor", "args": {...}}``, or the bare name for one without
+    arguments), applied in the order the plugins declare. The plugin validates its arguments
+    when the request arrives; an unknown name is refused, naming the installed ones."""
     extra_args: dict[str, Any] = Field(default_factory=dict)
     """Settings for the decoding plugin beyond the fields above (a new sampler's own knobs).
     The plugin declares them as its ``RequestArgs`` model, which validates them when the
@@ -91,6 +132,22 @@ class SamplingParams(BaseModel):
         if bad:
             raise ValueError(f"logit_bias maps token ids (0 or more) to values in [-100, 100]; got {bad[0][0]}: "
                              f"{bad[0][1]}")
+        return value
+
+    @field_validator("bad_words_ids")
+    @classmethod
+    def _words_not_empty(cls, value: list[list[int]]) -> list[list[int]]:
+        bad = [w for w in value if not w or min(w) < 0]
+        if bad:
+            raise ValueError(f"bad_words_ids holds token-id sequences, each non-empty, ids 0 or more; got {bad[0]}")
+        return value
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _some_allowed(cls, value: Optional[list[int]]) -> Optional[list[int]]:
+        if value is not None and (not value or min(value) < 0):
+            raise ValueError("allowed_token_ids lists token ids (0 or more), at least one; leave it out (None) "
+                             "to allow every token")
         return value
 
     @model_validator(mode="after")

@@ -123,3 +123,24 @@ def _leave_group() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def in_launched_group() -> bool:
+    """Whether this process joined a tensor-parallel group (a torchrun rank)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def end_rank(code: int) -> None:
+    """End a torchrun rank that has done its work: run the exit handlers now (rank 0's stop
+    to the followers, leaving the group, flushing logs), flush the output and leave without
+    C++'s static teardown, where a thread of gloo's still joinable aborts a finished process
+    ("terminate called without an active exception", SIGABRT) now and then even after the
+    group was destroyed."""
+    import sys
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

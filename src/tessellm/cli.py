@@ -62,9 +62,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt per line")
     g.add_argument("--min-tokens", type=int, default=0, help="fewest tokens before EOS or a stop may end a sample")
+    g.add_argument("--sampling", metavar="JSON", default=None,
+                   help="further SamplingParams fields as a JSON object, over the flags above: penalties, "
+                        "bad_words, allowed_token_ids, logits_processors, ... e.g. "
+                        "'{\"presence_penalty\": 0.5, \"logits_processors\": [\"my-processor\"]}'")
 
     n = sub.add_parser("new-plugin", help="write a ready plugin package (code, tests, pyproject) for one kind")
-    n.add_argument("kind", metavar="KIND", help="attention, cache, scheduler, decoding or quant")
+    n.add_argument("kind", metavar="KIND", help="attention, cache, scheduler, decoding, quant, model or logits")
     n.add_argument("name", metavar="NAME", help="the plugin's name, as a config selects it (e.g. my-attention)")
     n.add_argument("--dir", metavar="DIR", default=None, help="where to write it (default ./tessellm-NAME)")
 
@@ -151,11 +155,20 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     if args.seed is not None:
         params["seed"] = args.seed
     if args.extra_args is not None:
-        try:
-            params["extra_args"] = json.loads(args.extra_args)
-        except json.JSONDecodeError as exc:
-            raise InvalidRequestError(f"--extra-args must be a JSON object: {exc}") from None
+        params["extra_args"] = _json_object("--extra-args", args.extra_args)
+    if args.sampling is not None:
+        params.update(_json_object("--sampling", args.sampling))
     return params
+
+
+def _json_object(flag: str, text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequestError(f"{flag} must be a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise InvalidRequestError(f"{flag} must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -193,6 +206,22 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``tessellm`` command; its exit status. A torchrun rank ends the process here (see
+    ``end_rank``), a follower too (its pipeline raises SystemExit once rank 0 stops it)."""
+    from tessellm.core.parallel.group import end_rank, in_launched_group
+
+    try:
+        code = _main(argv)
+    except SystemExit as exc:
+        if not in_launched_group():
+            raise
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    if in_launched_group():
+        end_rank(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     given = sys.argv[1:] if argv is None else list(argv)
     if given[:2] == ["eval", "lm-eval"]:  # every later argument is lm_eval's, options included

@@ -12,7 +12,7 @@ import yaml
 from tessellm.core.config import (PipelineConfig, PluginSection, apply_overrides, config_from_dict,
                                   default_config_data, load_config, read_config_file)
 from tessellm.core.errors import ConfigError, TessellmError
-from tessellm.core.plugin import KINDS
+from tessellm.core.plugin import CONFIG_KINDS as KINDS  # the kinds with a config section
 
 FIELDS = list(PipelineConfig.model_fields)
 

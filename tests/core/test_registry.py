@@ -33,6 +33,7 @@ BUILTINS = {
     "decoding": ["greedy", "sample"],
     "quant": ["none"],
     "model": ["llama", "qwen3", "qwen2-moe", "mixtral", "deepseek"],
+    "logits": ["min_tokens", "logit_bias"],
 }
 BUILTIN_ENTRY_POINTS = [f"{kind}.{name}" for kind, names in BUILTINS.items() for name in names]
 MODULE_PREFIX = "tessellm_testplug_"  # every module this file writes to disk starts with this
@@ -50,7 +51,8 @@ def plugin_source(name: str, *, kind: str = "attention", api_version: str | None
             "decoding": ("tessellm", "Decoder"),
             "quant": ("tessellm", "Quantizer"),
             "grammar": ("tessellm", "GrammarBackend"),
-            "model": ("tessellm", "ModelArchitecture")}[kind]
+            "model": ("tessellm", "ModelArchitecture"),
+            "logits": ("tessellm", "LogitsProcessor")}[kind]
     version_line = "" if api_version is None else f"api_version = {api_version!r}"
     return textwrap.dedent(f"""\
         import tessellm
@@ -63,6 +65,7 @@ def plugin_source(name: str, *, kind: str = "attention", api_version: str | None
             description = "fake {kind} plugin {name}"
             auto_priority = None
             {"spec = build = lambda self, arg: None  # what a model plugin must implement" if kind == "model" else ""}
+            {"apply = lambda self, logits, rows: None  # what a logits processor must implement" if kind == "logits" else ""}
 
         @tessellm.hookimpl
         def {hook or "register_" + kind}(register):
@@ -292,7 +295,7 @@ def test_same_name_in_different_kinds_is_no_conflict():
 
 
 @pytest.mark.parametrize("version", [
-    "2.0", "1.9", "0.9", "3",
+    "2.0", "1.10", "0.9", "3",
     ("abc"),
 ])
 def test_incompatible_api_version_is_a_load_failure(version):

@@ -225,6 +225,19 @@ def test_two_ranks_generate_one_ranks_tokens(layout, request, capsys):
     assert run.stdout.count("\n") == len(PROMPTS)  # rank 0 alone prints
 
 
+def test_two_ranks_apply_logits_processors_as_one_rank(gqa_config, capsys):
+    """Penalties and bans keep per-sequence state on every rank; rank 0's tokens feed them
+    all, so two ranks give one rank's tokens (which the processors changed)."""
+    sampling = ["--sampling", json.dumps({"presence_penalty": 1.2, "frequency_penalty": 0.4, "repetition_penalty": 1.5,
+                                           "no_repeat_ngram_size": 2, "bad_words_ids": [[5, 6]], "min_tokens": 4})]
+    plain = one_rank(gqa_config, capsys)
+    expected = one_rank(gqa_config, capsys, *sampling)
+    assert expected != plain
+    run = torchrun(2, *generate_args(gqa_config, "--set", "parallel.tensor=2", *sampling))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert token_ids(run.stdout) == expected
+
+
 def test_default_model_two_ranks_generate_one_ranks_tokens(smollm2_dir, capsys):
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     args = ["generate", "--set", "device=cpu", "--set", f"model={smollm2_dir}", "--max-tokens", "16",

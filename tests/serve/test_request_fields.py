@@ -34,9 +34,9 @@ def post(url: str, path: str, **body) -> httpx.Response:
 
 @pytest.mark.parametrize("path, field, value", [
     ("completions", "suffix", "end"), ("completions", "best_of", 3),
-    ("completions", "presence_penalty", 0.5),
+    ("completions", "prediction", {"type": "content", "content": "x"}),
     ("chat/completions", "functions", [{"name": "f", "parameters": {}}]),
-    ("chat/completions", "tool_choice", "required"), ("chat/completions", "frequency_penalty", 1.0),
+    ("chat/completions", "tool_choice", "required"), ("chat/completions", "modalities", ["audio"]),
     ("completions", "guided_regex", "a+"),
 ])
 def test_unimplemented_fields_that_change_the_result_are_400_naming_them(server, path, field, value):
@@ -46,6 +46,7 @@ def test_unimplemented_fields_that_change_the_result_are_400_naming_them(server,
 
 @pytest.mark.parametrize("path, extra", [
     ("completions", {"echo": False, "suffix": None, "best_of": 1, "logit_bias": {}, "presence_penalty": 0}),
+    ("chat/completions", {"presence_penalty": None, "frequency_penalty": None, "logits_processors": None}),
     ("chat/completions", {"response_format": {"type": "text"}, "tool_choice": "none", "tools": []}),
     ("completions", {"user": "u1", "metadata": {"a": "b"}, "store": False, "some_vendor_field": 1}),
 ])

@@ -118,7 +118,7 @@ class FlashAttention(AttentionBackend):
     """
 
     name = "flash"
-    api_version = "1.8"
+    api_version = "1.9"
     description = "Triton FlashAttention over packed varlen batches, K/V read through block tables"
     Options = FlashOptions
     auto_priority = 30

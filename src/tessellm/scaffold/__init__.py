@@ -1,9 +1,10 @@
-"""``tessellm new-plugin KIND NAME``: a ready plugin package for the five kinds of the forward and decode path and for model architectures.
+"""``tessellm new-plugin KIND NAME``: a ready plugin package for the five kinds of the forward and decode path, for model architectures and for logits processors.
 
 The package holds a plugin class whose body is a correct plain-torch implementation of its
 kind (attention: explicit softmax attention; cache: one region per sequence; scheduler: FCFS
 continuous batching; decoding: argmax; quant: int8 per-channel weights; model: Llama's
-decoder from tessellm's building blocks), its options model,
+decoder from tessellm's building blocks; logits: a per-request cap on repeated tokens), its
+options model,
 a pyproject.toml with the ``tessellm`` entry point, a tests/ module subclassing the kind's
 conformance suite, and a README. It imports only ``tessellm``, the plugin API.
 """
@@ -24,13 +25,15 @@ NAME_PATTERN = re.compile(r"[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
 """Plugin names the scaffold accepts: lowercase words of letters and digits joined by hyphens."""
 
 CLASS_SUFFIX = {"attention": "Attention", "cache": "Cache", "scheduler": "Scheduler", "decoding": "Decoder",
-                "quant": "Quantizer", "model": "Architecture"}
+                "quant": "Quantizer", "model": "Architecture", "logits": "Processor"}
 SCAFFOLD_KINDS = tuple(CLASS_SUFFIX)
 """The kinds ``new-plugin`` has templates for (every kind but the optional grammar kind)."""
 SECTION = {"model": "architecture"}
 """A kind's config section where it is not named after the kind."""
 BUILTIN_TO_COMPARE = {"attention": "sdpa", "cache": "paged", "scheduler": "continuous", "decoding": "greedy",
                       "quant": "none", "model": "llama"}
+"""The built-in ``tessellm ab`` compares a generated plugin with (a logits processor has no
+config section: its README compares requests with and without it instead)."""
 
 
 @dataclass(frozen=True)
@@ -71,11 +74,29 @@ def substitutions(kind: str, name: str) -> dict[str, str]:
            else f'tessellm generate --set decoding.name={name} --temperature 0 --max-tokens 16 "Hello"')
     if kind == "model":  # it serves Llama checkpoints as written
         run = f'tessellm generate --set model=A_LLAMA_FOLDER --set architecture.name={name} --max-tokens 16 "Hello"'
-    return {"kind": kind, "name": name, "class_name": class_name, "options_class": f"{class_name}Options",
-            "plan_class": f"{camel}Plan", "linear_class": f"{camel}Int8Linear", "package": package,
-            "layer_class": f"{camel}Layer", "module_class": f"{camel}ForCausalLM", "section": section,
-            "dist": f"tessellm-{name}", "suite": f"{kind.capitalize()}Conformance", "api_version": PLUGIN_API_VERSION,
-            "requirement": requirement(), "builtin": BUILTIN_TO_COMPARE[kind], "run_hint": run}
+    values = {"kind": kind, "name": name, "class_name": class_name, "options_class": f"{class_name}Options",
+              "args_class": f"{class_name}Args", "plan_class": f"{camel}Plan", "linear_class": f"{camel}Int8Linear",
+              "package": package, "layer_class": f"{camel}Layer", "module_class": f"{camel}ForCausalLM",
+              "section": section, "dist": f"tessellm-{name}", "suite": f"{kind.capitalize()}Conformance",
+              "api_version": PLUGIN_API_VERSION, "requirement": requirement(), "run_hint": run, "suite_settings": "",
+              "compare": ("Then compare it with a built-in on the same workload, outputs checked for equivalence:\n"
+                          f"`tessellm ab --a {section}.name={BUILTIN_TO_COMPARE.get(kind)} --b {section}.name={name}` "
+                          "(see tessellm's\ndocs/plugins.md).")}
+    if kind == "logits":
+        values.update(_per_request(name))
+    return values
+
+
+def _per_request(name: str) -> dict[str, str]:
+    """A logits processor has no config section: each request turns it on, by name, with its
+    arguments; what its README runs and compares, and the requests its test gives the suite."""
+    request = f'{{"logits_processors": [{{"name": "{name}", "args": {{"max_repeats": 1}}}}]}}'
+    return {"run_hint": f"tessellm generate --sampling '{request}' --max-tokens 16 \"Hello\"",
+            "compare": ("Then compare what a request gets with it and without it: the same prompts, with\n"
+                        f"`--sampling '{request}'` and without (see tessellm's docs/plugins.md)."),
+            "suite_settings": ("\n    # SamplingParams keyword arguments of the requests the suite runs (each turns it on)"
+                               f'\n    requests = [{{"logits_processors": [{{"name": "{name}", "args": {{"max_repeats": 1}}}}]}},'
+                               f'\n                {{"logits_processors": [{{"name": "{name}", "args": {{"max_repeats": 3}}}}]}}]')}
 
 
 def _render(template: str, values: dict[str, str]) -> str:

@@ -155,7 +155,7 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
                                        temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
                                        min_p=body.min_p, n=body.n, stop=body.stop_list(), seed=body.seed,
                                        logprobs=logprobs, ignore_eos=body.ignore_eos, min_tokens=body.min_tokens,
-                                       logit_bias=body.bias(),
+                                       logit_bias=body.bias(), **body.logits_fields(),
                                        extra_args=body.extra_args or {}, **more))
 
     def piece(token: int) -> str:

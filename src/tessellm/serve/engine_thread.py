@@ -137,7 +137,7 @@ class EngineThread:
         """(request id, engine steps when its abort was asked for, engine steps when it was done)."""
         # Hugging Face fast tokenizers may raise "Already borrowed" when one thread encodes while
         # another decodes: every tokenizer call of the server and the engine thread takes this lock
-        self.tokenizer_lock = threading.Lock()
+        self.tokenizer_lock = getattr(llm.pipeline, "tokenizer_lock", None) or threading.Lock()
         stop = self.engine.stop
         if stop.decode_text is not None:
             decode_text = stop.decode_text

@@ -12,10 +12,11 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from tessellm.core.errors import InvalidRequestError
+from tessellm.core.interfaces.sequence import LogitsProcessorRequest
 from tessellm.serve.structured import ResponseFormat, StructuredOutputs
 from tessellm.serve.tools import Tool, ToolCallItem, ToolCalling, ToolChoice
 
@@ -23,10 +24,9 @@ logger = logging.getLogger(__name__)
 
 NOT_IMPLEMENTED: dict[str, Any] = {
     # field -> its value that means "not used" (any other value changes the result)
-    "suffix": None, "presence_penalty": 0, "frequency_penalty": 0,
-    "repetition_penalty": 1, "functions": None, "function_call": None, "guided_json": None,
+    "suffix": None, "functions": None, "function_call": None, "guided_json": None,
     "guided_regex": None, "guided_choice": None, "guided_grammar": None, "prompt_logprobs": None,
-    "logits_processors": None, "prediction": None, "audio": None, "modalities": None,
+    "prediction": None, "audio": None, "modalities": None,
 }
 """Fields that change the result, which this server does not implement yet."""
 
@@ -111,6 +111,22 @@ class _Sampling(BaseModel):
     logit before the token is picked."""
     min_tokens: int = Field(0, ge=0)
     """Extension (as vLLM's): generate at least this many tokens before a stop can end it."""
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    """OpenAI's: subtracted from the logit of every token the output holds so far."""
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    """OpenAI's: subtracted from a token's logit once per time the output holds it so far."""
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    """Extension (as vLLM's): the logits of the prompt's and output's tokens divided by it where
+    positive, multiplied where negative; 1 leaves them alone."""
+    bad_words: list[str] = Field(default_factory=list)
+    """Extension (as vLLM's): words the output may not contain."""
+    allowed_token_ids: Optional[list[int]] = None
+    """Extension (as vLLM's): the only token ids the output may hold."""
+    no_repeat_ngram_size: int = Field(0, ge=0, le=1024)
+    """Extension (transformers'): no n-gram of this size occurs twice; 0 turns it off."""
+    logits_processors: list[LogitsProcessorRequest] = Field(default_factory=list)
+    """Extension (vLLM's field name): logits-processor plugins, each a name or ``{"name": ...,
+    "args": {...}}``; an unknown name or arguments its plugin refuses is a 400 at admission."""
     response_format: Optional[ResponseFormat] = None
     """OpenAI's: ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema":
     {"name", "schema", "strict"}}`` constrains the output (``text``: no constraint)."""
@@ -121,6 +137,22 @@ class _Sampling(BaseModel):
     """Extension: settings for the decoding plugin beyond these fields, validated by that
     plugin (``SamplingParams.extra_args``); the openai library sends them with
     ``extra_body={"extra_args": {...}}``."""
+
+    @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words",
+                     "no_repeat_ngram_size", "logits_processors", mode="before")
+    @classmethod
+    def _null_is_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """OpenAI's clients send null for a field left unset: it means the default."""
+        if value is None:
+            return cls.model_fields[info.field_name].get_default(call_default_factory=True)
+        return value
+
+    def logits_fields(self) -> dict[str, Any]:
+        """The logits processors' fields, as ``SamplingParams`` takes them."""
+        return dict(presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                    repetition_penalty=self.repetition_penalty, bad_words=self.bad_words,
+                    allowed_token_ids=self.allowed_token_ids, no_repeat_ngram_size=self.no_repeat_ngram_size,
+                    logits_processors=self.logits_processors)
 
     def bias(self) -> dict[int, float]:
         """``logit_bias`` with integer token ids (InvalidRequestError naming a key that is not one)."""

@@ -4,13 +4,11 @@ included, and the same lengths for tokens on the host and tokens still on the de
 from __future__ import annotations
 
 import pytest
-import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from tessellm import LLM
 from tessellm.core.engine.outputs import StopRule
-from tessellm.core.interfaces.batch import BatchMetadata, SampleSlot
 from tessellm.core.interfaces.sequence import FinishReason, SamplingParams, Sequence
 
 EOS = 2
@@ -72,25 +70,6 @@ def test_length_counts_pending_tokens_and_agrees_with_tokens_left(prompt, output
             stopped_after = new
         assert new <= left
     assert stopped_after == left
-
-
-def test_bar_early_stops_masks_only_rows_before_min_tokens():
-    rule = StopRule({EOS}, 100)
-    plain = seq_with(3, [])
-    early = seq_with(3, [5], min_tokens=3, stop_token_ids=[9])
-    ignoring = seq_with(3, [], min_tokens=1, ignore_eos=True, stop_token_ids=[9])
-    batch = BatchMetadata(*(torch.zeros(0),) * 7, [], [], [], 16, [],
-                          [SampleSlot(plain, 0, 1), SampleSlot(early, 1, 3, (5, 6)), SampleSlot(ignoring, 4, 1)])
-    logits = torch.zeros(5, 12)
-    barred = rule.bar_early_stops(logits, batch)
-    assert barred is not logits and not torch.isinf(logits).any()
-    inf = torch.isinf(barred)
-    assert not inf[0].any()  # no min_tokens
-    assert inf[1, [EOS, 9]].all() and inf[2, [EOS, 9]].all() and not inf[3].any()  # 1 out: rows 1, 2 of 3 barred
-    assert inf[4, 9] and not inf[4, EOS]  # ignore_eos: only the stop id
-    assert inf.sum() == 5
-    assert rule.bar_early_stops(logits, BatchMetadata(*(torch.zeros(0),) * 7, [], [], [], 16, [],
-                                                      [SampleSlot(plain, 0, 1)])) is logits
 
 
 @pytest.mark.parametrize("decoding, async_scheduling", [("greedy", False), ("greedy", True), ("sample", False),

@@ -72,7 +72,7 @@ def test_regex_choice_and_ebnf_outputs_fit(sampler, spec, fits):
                                             "structured_output": spec})
     samples = [s for o in outs for s in o.outputs]
     assert all(fits(s.text) and s.finish_reason == "stop" for s in samples), [s.text for s in samples]
-    assert not sampler.engine.grammar.matchers and sampler.engine.grammar.live == 0
+    assert not sampler.engine.grammar.matchers and not sampler.engine.processors.bound
 
 
 def test_greedy_speculative_equals_greedy_under_the_grammar(sampler, speculative):
@@ -112,7 +112,7 @@ def test_bad_grammar_is_refused_at_admission_and_nothing_leaks(sampler):
     with pytest.raises(InvalidRequestError, match="min_tokens"):
         sampler.generate(["a"], {"min_tokens": 2, "structured_output": GrammarSpec.choice(["x"])})
     assert sampler.engine.cache.num_free_blocks == free and not sampler.engine.requests
-    assert sampler.engine.grammar.live == 0 and not sampler.engine.grammar.matchers
+    assert not sampler.engine.processors.bound and not sampler.engine.grammar.matchers
 
 
 def test_no_grammar_backend_names_what_to_install():

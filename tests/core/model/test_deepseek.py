@@ -44,7 +44,8 @@ def _reference(hf, prompts: list[list[int]], new: int) -> list[list[int]]:
     """transformers' greedy tokens (float64), computed once per model and prompt."""
     out = []
     for prompt in prompts:
-        key = (id(hf), tuple(prompt), new)
+        # by model type (one model each here), not id(hf): a freed model's id may be reused by the next
+        key = (hf.config.model_type, tuple(prompt), new)
         if key in _REFERENCE:
             out.append(_REFERENCE[key])
             continue

@@ -142,12 +142,16 @@ TOP_K = 3
 LENGTH = 3
 
 
-def exact_distribution(reference: LLM, prompt: list[int], temperature: float) -> dict[tuple[int, ...], float]:
-    """P(t1, t2, t3) of the target after top-k filtering, from teacher-forced logits."""
+def exact_distribution(reference: LLM, prompt: list[int], temperature: float,
+                       process=None) -> dict[tuple[int, ...], float]:
+    """P(t1, t2, t3) of the target after top-k filtering, from teacher-forced logits (first
+    transformed by ``process(logits, prompt, path)`` where given: a logits processor's reference)."""
     from tessellm.plugins.decoding.sample import filter_logits
 
     def next_probs(tokens: list[int]) -> torch.Tensor:
         logits = reference.engine.score(tokens)[-1:].double()
+        if process is not None:
+            logits = process(logits, prompt, tokens[len(prompt):])
         f = filter_logits(logits, torch.tensor([temperature], dtype=torch.float64), torch.tensor([TOP_K]),
                           torch.tensor([1.0], dtype=torch.float64))
         return f.softmax(dim=-1)[0]
@@ -163,9 +167,10 @@ def exact_distribution(reference: LLM, prompt: list[int], temperature: float) ->
     return out
 
 
-def sample_paths(llm: LLM, prompt: list[int], temperature: float) -> list[tuple[int, ...]]:
-    params = [SamplingParams(max_tokens=LENGTH, temperature=temperature, top_k=TOP_K, n=16, seed=s)
-              for s in range(NUM_REQUESTS)]
+def sample_paths(llm: LLM, prompt: list[int], temperature: float, requests: int | None = None,
+                 **fields) -> list[tuple[int, ...]]:
+    params = [SamplingParams(max_tokens=LENGTH, temperature=temperature, top_k=TOP_K, n=16, seed=s, **fields)
+              for s in range(requests or NUM_REQUESTS)]
     outs = llm.generate([prompt] * len(params), params)
     return [tuple(o.token_ids) for out in outs for o in out.outputs]
 
@@ -198,6 +203,38 @@ def test_sampled_output_has_the_target_distribution(variant, cpu_config, tiny_mo
     result = fit(paths, exact_distribution(reference, PROMPT, TEMPERATURE))
     assert result is not None and result.p_value > 1e-3, result
     assert engine.stats.draft_tokens > len(paths) / 4  # speculation did the work
+    assert 0 < engine.stats.accepted_draft_tokens < engine.stats.draft_tokens
+    assert_nothing_left(llm)
+
+
+PENALTIES = {"presence_penalty": -1.5, "frequency_penalty": -1.0, "repetition_penalty": 1.6}
+"""Negative presence and frequency penalties favour the tokens already out: the distribution of
+each token depends strongly on the ones before it (drafts included)."""
+
+
+def penalised(logits: torch.Tensor, prompt: list[int], path: list[int]) -> torch.Tensor:
+    """``PENALTIES`` in float64 plain torch: the repetition penalty over prompt and output,
+    then presence and frequency over the output (the processors' order)."""
+    row = logits[0].clone()
+    seen = torch.tensor(sorted(set(prompt) | set(path)), dtype=torch.long)
+    row[seen] = torch.where(row[seen] > 0, row[seen] / 1.6, row[seen] * 1.6)
+    for token in set(path):
+        row[token] -= -1.5 + -1.0 * path.count(token)
+    return row[None]
+
+
+def test_sampled_output_with_penalties_has_the_processed_distribution(cpu_config, tiny_model, other_draft, reference):
+    """Rejection sampling stays exact for the processed distribution: 512 samples drafted by
+    another model and verified against penalised rows (each row seeing the drafts before it as
+    accepted) fit the penalised target's exact distribution, and not the unpenalised one."""
+    llm = speculative_llm(cpu_config, tiny_model, other_draft, "draft-other", 2, False, wide=True)
+    engine = llm.engine
+    engine.stats = type(engine.stats)()
+    paths = sample_paths(llm, PROMPT, TEMPERATURE, NUM_REQUESTS // 2, **PENALTIES)
+    result = fit(paths, exact_distribution(reference, PROMPT, TEMPERATURE, penalised))
+    assert result is not None and result.p_value > 1e-3, result
+    unpenalised = fit(paths, exact_distribution(reference, PROMPT, TEMPERATURE))
+    assert unpenalised is None or unpenalised.p_value < 1e-4, unpenalised
     assert 0 < engine.stats.accepted_draft_tokens < engine.stats.draft_tokens
     assert_nothing_left(llm)
 

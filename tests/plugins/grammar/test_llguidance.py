@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 pytest.importorskip("llguidance")
 
+from tessellm.core.version import PLUGIN_API_VERSION  # noqa: E402
 from tessellm.core.interfaces.grammar import GrammarSpec  # noqa: E402
 from tessellm.plugins.grammar.llguidance_backend import (  # noqa: E402
     LLGuidanceBackend, gbnf_code_points, strict_schema)
@@ -38,7 +39,7 @@ def test_options_are_validated():
 
 
 def test_takes_part_only_when_named():
-    assert LLGuidanceBackend.auto_priority is None and LLGuidanceBackend.api_version == "1.8"
+    assert LLGuidanceBackend.auto_priority is None and LLGuidanceBackend.api_version == PLUGIN_API_VERSION
 
 
 # ---------------------------------------------------------------------- kinds
@@ -168,4 +169,4 @@ def test_outputs_fit_through_the_engine(cpu_config, tiny_model, decoding):
         samples = [s for o in outs for s in o.outputs]
         assert all(s.finish_reason == "stop" and fits(s.text) for s in samples), [s.text for s in samples]
     assert decoding["name"] != "speculative" or llm.engine.stats.draft_tokens > 0
-    assert not llm.engine.grammar.matchers and llm.engine.grammar.live == 0
+    assert not llm.engine.grammar.matchers and not llm.engine.processors.bound

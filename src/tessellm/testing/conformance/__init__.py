@@ -18,7 +18,7 @@ from tessellm.testing.conformance.base import ConformanceSuite, property_setting
 
 _SUITES = {"AttentionConformance": "attention", "CacheConformance": "cache", "SchedulerConformance": "scheduler",
            "DecodingConformance": "decoding", "QuantConformance": "quant", "GrammarConformance": "grammar",
-           "ModelConformance": "model"}
+           "ModelConformance": "model", "LogitsConformance": "logits"}
 
 __all__ = ["ConformanceSuite", "property_settings", *_SUITES]
 

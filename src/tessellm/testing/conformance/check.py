@@ -24,7 +24,7 @@ from typing import Any
 
 SUITES = {"attention": "AttentionConformance", "cache": "CacheConformance", "scheduler": "SchedulerConformance",
           "decoding": "DecodingConformance", "quant": "QuantConformance", "grammar": "GrammarConformance",
-          "model": "ModelConformance"}
+          "model": "ModelConformance", "logits": "LogitsConformance"}
 """The conformance class of each kind, in tessellm.testing.conformance."""
 
 

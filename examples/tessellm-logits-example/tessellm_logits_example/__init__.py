@@ -1,0 +1,1 @@
+"""tessellm-logits-example: the logits processor 'wrap-up'."""

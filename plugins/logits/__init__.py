@@ -1,0 +1,1 @@
+"""The built-in logits processors: per-request penalties, bans, a bias and allowed tokens."""
