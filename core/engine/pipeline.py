@@ -68,6 +68,7 @@ class Pipeline:
         self.resolved: ResolvedPipeline = resolve(config, self.registry, spec)
         r, c = self.resolved, self.resolved.choices
         self.tokenizer = load_tokenizer(self.model_dir)
+        self.tokenizer_lock = threading.Lock()  # fast tokenizers refuse two threads at once (a server's)
         quantizer = c["quant"].cls(c["quant"].options, r.device, r.dtype)
         calibrates = type(quantizer).calibrate is not Quantizer.calibrate  # then apply waits for the runner
         state = (load_shard(self.model_dir, self.spec, self.shard, self.architecture) if self.shard
@@ -97,8 +98,7 @@ class Pipeline:
         if config.cuda_graphs and self.runner.graphs_unsupported() is None and self.tp is None:
             self._capture_graphs()
         self.async_scheduling = r.async_scheduling and self.tp is None
-        self.stop = StopRule(self._eos_ids(hf_config), r.max_model_len,
-                             decode_text=lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True))
+        self.stop = StopRule(self._eos_ids(hf_config), r.max_model_len, decode_text=self._decode_text)
         engine = OverlappedEngine if self.async_scheduling else Engine
         grammar = c.get("grammar")
         build = (lambda: grammar.cls(grammar.options, self.tokenizer, spec.vocab_size)) if grammar else None
@@ -115,8 +115,6 @@ class Pipeline:
     def _logits_processors(self) -> list[LogitsProcessor]:
         """One instance of every registered logits processor (a request turns on the ones it
         uses); each keeps nothing until a request does."""
-        self.tokenizer_lock = threading.Lock()  # fast tokenizers refuse two threads at once
-
         def encode(text: str) -> list[int]:
             with self.tokenizer_lock:
                 return self.tokenizer.encode(text, add_special_tokens=False)
@@ -124,6 +122,11 @@ class Pipeline:
         ctx = ProcessorContext(self.spec.vocab_size, self.resolved.device, self.stop.eos_token_ids, encode,
                                self.resolved.max_model_len)
         return [entry.cls(entry.cls.Options(), ctx) for entry in self.registry.entries("logits")]
+
+    def _decode_text(self, ids: list[int]) -> str:
+        """The stop rule's decoding, holding ``tokenizer_lock``: a server's threads share the tokenizer."""
+        with self.tokenizer_lock:
+            return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     @property
     def grammar(self) -> Any:

@@ -2,11 +2,16 @@
 every way a client leaves (a closed socket mid-stream, response.close() of the openai client,
 a client timeout, a non-streaming request whose client leaves before the answer). After it
 leaves, the engine aborts the request before its next step, and the gauges of /metrics
-return to zero: no request left running, no KV block left held."""
+return to zero: no request left running, no KV block left held. Each departure is logged as
+one info line on ``tessellm.server`` naming the request and 499, and nothing else is logged:
+no traceback, no warning."""
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
+import re
 import socket
 import threading
 import time
@@ -86,6 +91,38 @@ def assert_cancelled(url: str, engine_thread, since: int, count: int = 1) -> Non
     assert all(done - asked <= 1 for _, asked, done in aborts), aborts
 
 
+@pytest.fixture
+def server_log(caplog):
+    """Every record the server logs while a test runs: tessellm's at info level and above,
+    uvicorn's (its logger does not propagate to the root, so the capture joins it) and
+    asyncio's (an exception no task retrieved)."""
+    caplog.set_level(logging.INFO, logger="tessellm.server")
+    uvicorn_logger = logging.getLogger("uvicorn")
+    uvicorn_logger.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        uvicorn_logger.removeHandler(caplog.handler)
+
+
+GONE = re.compile(r"^((?:chat)?cmpl-[0-9a-f]{32}) POST /v1/(?:chat/)?completions 499: the client disconnected")
+
+
+def assert_logged_gone(caplog, count: int, timeout: float = 10.0) -> None:
+    """``count`` clients that left were logged, one info line each naming its own request and
+    499, and nothing was logged at warning level or above, nor any traceback."""
+    deadline = time.time() + timeout
+    while len([r for r in caplog.records if r.name == "tessellm.server"]) < count and time.time() < deadline:
+        time.sleep(0.02)
+    time.sleep(0.2)  # anything logged just after the line
+    gc.collect()  # an abandoned task or generator complains when it is collected
+    loud = [f"{r.name}: {r.getMessage()}" for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not loud and "Traceback" not in caplog.text, loud or caplog.text
+    ours = [r for r in caplog.records if r.name == "tessellm.server"]
+    ids = [m.group(1) for m in (GONE.match(r.getMessage()) for r in ours) if m]
+    assert len(ids) == len(ours) == len(set(ids)) == count, [r.getMessage() for r in ours]
+
+
 def post(url: str, body: dict) -> bytes:
     data = json.dumps(body).encode()
     host, port = url.removeprefix("http://").split(":")
@@ -101,7 +138,7 @@ def connect(url: str) -> socket.socket:
 LONG = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": MAX_TOKENS, "ignore_eos": True}
 
 
-def test_raw_socket_closed_mid_stream(server):
+def test_raw_socket_closed_mid_stream(server, server_log):
     url, engine_thread, llm = server
     since, generated = len(engine_thread.aborts), llm.engine.stats.generated_tokens
     sock = connect(url)
@@ -114,9 +151,10 @@ def test_raw_socket_closed_mid_stream(server):
     sock.close()
     assert_cancelled(url, engine_thread, since)
     assert llm.engine.stats.generated_tokens - generated < MAX_TOKENS // 10
+    assert_logged_gone(server_log, 1)
 
 
-def test_openai_streams_closed_after_three_chunks(server):
+def test_openai_streams_closed_after_three_chunks(server, server_log):
     url, engine_thread, _ = server
     since = len(engine_thread.aborts)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
@@ -130,17 +168,19 @@ def test_openai_streams_closed_after_three_chunks(server):
             pass
         stream.response.close()
     assert_cancelled(url, engine_thread, since, count=12)
+    assert_logged_gone(server_log, 12)
 
 
-def test_client_timeout_on_a_non_streaming_request(server):
+def test_client_timeout_on_a_non_streaming_request(server, server_log):
     url, engine_thread, _ = server
     since = len(engine_thread.aborts)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/completions", json=LONG, timeout=httpx.Timeout(10.0, read=READ_TIMEOUT_S))
     assert_cancelled(url, engine_thread, since)
+    assert_logged_gone(server_log, 1)
 
 
-def test_client_timeout_mid_stream(server):
+def test_client_timeout_mid_stream(server, server_log):
     """The engine slows down mid-stream (a long prefill of another request, say) past the
     client's read timeout: the client gives up and closes its connection."""
     url, engine_thread, llm = server
@@ -155,9 +195,10 @@ def test_client_timeout_mid_stream(server):
     finally:
         llm.stall.clear()
     assert_cancelled(url, engine_thread, since)
+    assert_logged_gone(server_log, 1)
 
 
-def test_non_streaming_socket_closed_before_the_answer(server):
+def test_non_streaming_socket_closed_before_the_answer(server, server_log):
     url, engine_thread, llm = server
     since = len(engine_thread.aborts)
     sock = connect(url)
@@ -168,9 +209,10 @@ def test_non_streaming_socket_closed_before_the_answer(server):
         time.sleep(0.01)
     sock.close()
     assert_cancelled(url, engine_thread, since)
+    assert_logged_gone(server_log, 1)
 
 
-def test_a_stream_read_to_its_end_is_not_aborted(server):
+def test_a_stream_read_to_its_end_is_not_aborted(server, server_log):
     url, engine_thread, _ = server
     since = len(engine_thread.aborts)
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
@@ -179,3 +221,4 @@ def test_a_stream_read_to_its_end_is_not_aborted(server):
     assert chunks[-1].choices[0].finish_reason == "length"
     wait_until_idle(url, engine_thread)
     assert list(engine_thread.aborts)[since:] == []
+    assert_logged_gone(server_log, 0)

@@ -20,6 +20,19 @@ def add_parser(sub: Any, add_config_args: Callable[[argparse.ArgumentParser], No
 
 
 
+def log_server_events() -> None:
+    """The server's own log lines (``tessellm.server``: a client that left, 499; an engine
+    failure) on stderr from info level up, while uvicorn's stay at warning level."""
+    import logging
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
+    logger = logging.getLogger("tessellm.server")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    logger.propagate = False
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from tessellm.core.engine.llm import LLM
     from tessellm.core.errors import ConfigError
@@ -37,5 +50,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                     max_request_bytes=args.max_request_bytes, max_waiting=args.max_waiting)
     print(f"tessellm: serving {args.served_model_name or llm.pipeline.config.model!r} on http://{args.host}:{args.port}/v1",
           file=sys.stderr, flush=True)
+    log_server_events()
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

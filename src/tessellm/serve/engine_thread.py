@@ -1,10 +1,15 @@
 """One engine loop for many concurrent clients: the engine steps on a background thread;
-coroutines submit requests and receive each step's new text as it is produced.
+coroutines submit requests and receive each step's new tokens and text as they are produced.
 
 Every touch of the engine happens on its thread: coroutines only put commands (add, abort)
 on a queue and read per-request asyncio queues that the thread fills with
 ``loop.call_soon_threadsafe``. So requests from all connections are batched by the
 configured scheduler, and a client that goes away aborts its request, which frees its blocks.
+
+The engine thread hands out token ids only (its work per step is proportional to the new
+tokens); each request's coroutine turns them into text as it reads them (``RequestText``:
+incremental, a few tokens decoded per step), so detokenizing never lengthens a step. The
+thread also records the server's metrics per engine request (``ServerMetrics``).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
@@ -23,36 +29,12 @@ from tessellm.core.engine.llm import prompt_logprobs_of
 from tessellm.core.errors import RequestRejectedError
 from tessellm.core.parallel.group import TensorParallelError
 from tessellm.core.engine.gc_freeze import frozen_heap
-from tessellm.core.interfaces.sequence import SamplingParams, Sequence, SequenceStatus, TokenLogprob
+from tessellm.core.interfaces.sequence import (FinishReason, SamplingParams, Sequence, SequenceStatus,
+                                               TokenLogprob)
+from tessellm.serve.detokenize import RequestText
 
 
 logger = logging.getLogger("tessellm.server")
-
-
-class IncrementalDetokenizer:
-    """Text deltas of a growing token list without re-decoding it all every step.
-
-    Decodes a short window (from ``prefix`` to the end) and emits what it adds beyond the
-    window's already-emitted part (``prefix`` to ``read``); a delta ending in U+FFFD (an
-    incomplete UTF-8 sequence split across tokens) waits for the next token.
-    """
-
-    def __init__(self, decode: Callable[[list[int]], str]):
-        self.decode = decode
-        self.ids: list[int] = []
-        self.prefix = self.read = 0
-        self.text = ""
-
-    def add(self, new_ids: list[int]) -> str:
-        self.ids.extend(new_ids)
-        window = self.decode(self.ids[self.prefix:])
-        before = self.decode(self.ids[self.prefix:self.read])
-        if len(window) <= len(before) or window.endswith("\ufffd"):
-            return ""
-        delta = window[len(before):]
-        self.prefix, self.read = self.read, len(self.ids)
-        self.text += delta
-        return delta
 
 
 @dataclass
@@ -62,9 +44,13 @@ class SampleDelta:
     index: int
     token_ids: list[int]
     text: str
+    """Filled in by the coroutine that reads the request's stream (``RequestText``)."""
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     """One per new token, when the request asked for logprobs."""
+    stop_text_len: int | None = None
+    """On a sample's final delta: where a stop string begins in the text of its whole output
+    (the text ends there), or None."""
 
 
 @dataclass
@@ -93,14 +79,16 @@ class ServerBusy(RequestRejectedError):
 
 @dataclass
 class _Stream:
+    """A request's link to its coroutine; the engine thread owns every field but ``queue``'s
+    reading end."""
+
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    params: SamplingParams
-    detokenizers: dict[int, IncrementalDetokenizer] = field(default_factory=dict)
+    arrival: float  # time.perf_counter() when the coroutine submitted the request
     emitted: dict[int, int] = field(default_factory=dict)  # sample index -> tokens sent
-    text: dict[int, str] = field(default_factory=dict)  # sample index -> text sent
-    done: set[int] = field(default_factory=set)
+    done: set[int] = field(default_factory=set)  # samples whose final delta was sent
     started: bool = False  # an output was sent
+    first_token_seen: bool = False  # its time to first token was recorded
 
     def put(self, item: Any) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
@@ -115,18 +103,20 @@ class EngineThread:
     the server closes the iterator as soon as it sees one) aborts the request: the engine
     thread stops it before its next step, and ``aborts`` records, for the most recent aborted
     requests, the engine steps counted when the abort was asked for and when it was done.
-    ``on_step`` (metrics) runs after every step, and after commands that changed the engine
-    while it had no step to run. ``max_waiting`` bounds requests admitted but not yet
-    running: beyond it ``generate`` raises ``RequestRejectedError`` at once (a server
-    answers 429).
+    ``metrics`` (a ``ServerMetrics``) records every engine request's admission, tokens,
+    latencies and end; ``on_step`` (by default ``metrics.on_step``: the gauges) runs after
+    every step, and after commands that changed the engine while it had no step to run.
+    ``max_waiting`` bounds requests admitted but not yet running: beyond it ``generate``
+    raises ``RequestRejectedError`` at once (a server answers 429).
     """
 
     def __init__(self, llm: Any, *, max_waiting: int | None = None,
-                 on_step: Callable[[Any], None] | None = None):
+                 on_step: Callable[[Any], None] | None = None, metrics: Any | None = None):
         self.llm = llm
         self.engine = llm.engine
         self.max_waiting = max_waiting
-        self.on_step = on_step
+        self.metrics = metrics
+        self.on_step = on_step if on_step is not None or metrics is None else metrics.on_step
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._wake = threading.Event()
@@ -136,12 +126,8 @@ class EngineThread:
         self.aborts: deque[tuple[str, int, int]] = deque(maxlen=1000)
         """(request id, engine steps when its abort was asked for, engine steps when it was done)."""
         # Hugging Face fast tokenizers may raise "Already borrowed" when one thread encodes while
-        # another decodes: every tokenizer call of the server and the engine thread takes this lock
+        # another decodes: every tokenizer call of the server and the engine (its stop rule) takes this lock
         self.tokenizer_lock = getattr(llm.pipeline, "tokenizer_lock", None) or threading.Lock()
-        stop = self.engine.stop
-        if stop.decode_text is not None:
-            decode_text = stop.decode_text
-            stop.decode_text = lambda ids: self.with_tokenizer(decode_text, ids)
 
     # ------------------------------------------------------------------ coroutine side
 
@@ -162,13 +148,17 @@ class EngineThread:
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        **kwargs: Any) -> AsyncIterator[StepOutput]:
+        arrival = time.perf_counter()
         if self.max_waiting is not None and self.num_waiting() >= self.max_waiting:
+            if self.metrics is not None:
+                self.metrics.request_rejected("busy")
             raise ServerBusy(f"the server is busy: {self.num_waiting()} requests are waiting "
-                                       f"(limit {self.max_waiting}); retry later")
+                             f"(limit {self.max_waiting}); retry later")
         loop = asyncio.get_running_loop()
         if params.structured_output is not None:  # compile off the engine's thread (cached: once per grammar)
             await loop.run_in_executor(None, self.engine.grammar.compile, params.structured_output)
-        stream = _Stream(loop, asyncio.Queue(), params)
+        stream = _Stream(loop, asyncio.Queue(), arrival)
+        text = RequestText(self._decode, params.stop)  # detokenized here, as the outputs are read
         self._commands.put(("add", request_id, prompt_ids, params, kwargs, stream))
         self._wake.set()
         finished = False
@@ -178,7 +168,7 @@ class EngineThread:
                 if isinstance(item, BaseException):
                     finished = True  # the engine already dropped it
                     raise item
-                yield item
+                yield text.fill(item)
                 if item.finished:
                     finished = True
                     return
@@ -226,6 +216,7 @@ class EngineThread:
             exc = self.engine.failures.pop(request_id)
             self._streams.pop(request_id).put(RequestFailed(
                 f"the engine failed while running this request: {type(exc).__name__}: {exc}"))
+            self._record_aborted("failed")
         self.engine.failures.clear()  # any other entry belongs to a request nobody waits for
         self._publish()
         if self.on_step is not None:
@@ -241,19 +232,27 @@ class EngineThread:
                 return changed
             changed = True
             if command[0] == "add":
-                _, request_id, prompt_ids, params, kwargs, stream = command
-                try:
-                    self.engine.add_request(request_id, prompt_ids, params, **kwargs)
-                except Exception as exc:
-                    stream.put(exc)
-                    continue
-                self._streams[request_id] = stream
+                self._add(*command[1:])
             else:
                 _, request_id, asked_at = command
-                self._streams.pop(request_id, None)
+                if self._streams.pop(request_id, None) is not None:  # not yet ended: its end is this abort
+                    self._record_aborted("cancelled")
                 if request_id in self.engine.requests:
                     self.engine.abort(request_id)
                     self.aborts.append((request_id, asked_at, self.engine.stats.steps))
+
+    def _add(self, request_id: str, prompt_ids: list[int], params: SamplingParams, kwargs: dict[str, Any],
+             stream: _Stream) -> None:
+        try:
+            self.engine.add_request(request_id, prompt_ids, params, **kwargs)
+        except Exception as exc:
+            if self.metrics is not None:
+                self.metrics.request_rejected("invalid")
+            stream.put(exc)
+            return
+        self._streams[request_id] = stream
+        if self.metrics is not None:
+            self.metrics.request_admitted(len(prompt_ids))
 
     def _fail_running(self, exc: Exception) -> None:
         """Fail and abort the requests that were running when the step raised (the step's
@@ -263,10 +262,13 @@ class EngineThread:
             stream = self._streams.pop(request_id, None)
             self.engine.abort(request_id)
             if stream is not None:
+                self._record_aborted("failed")
                 stream.put(RequestFailed(f"the engine failed while running this request: "
                                          f"{type(exc).__name__}: {exc}"))
 
     def _publish(self) -> None:
+        """Hand each request's new tokens to its coroutine (no text: its reader decodes them)."""
+        generated = 0
         for request_id, stream in list(self._streams.items()):
             state: RequestState | None = self.engine.requests.get(request_id)
             if state is None:
@@ -274,44 +276,67 @@ class EngineThread:
             deltas = [d for d in (self._delta(stream, seq) for seq in state.seqs) if d is not None]
             if not deltas and not state.finished:
                 continue
-            completion = sum(s.num_output_tokens for s in state.seqs)
+            generated += sum(len(d.token_ids) for d in deltas)
+            self._record_first_token(stream, state)
             first = state.seqs[0]
+            completion = sum(s.num_output_tokens for s in state.seqs)
             out = StepOutput(request_id, deltas, state.finished, first.num_prompt_tokens, completion,
                              first.num_cached_tokens or 0, None if stream.started else prompt_logprobs_of(first))
             stream.started = True
             if state.finished:
                 self.engine.pop_finished(request_id)
                 del self._streams[request_id]
+                self._record_finished(stream, state)
             stream.put(out)
+        if generated and self.metrics is not None:
+            self.metrics.tokens_generated(generated)
 
     def _delta(self, stream: _Stream, seq: Sequence) -> SampleDelta | None:
+        """The tokens ``seq`` gained since its last delta (a slice of the new ones only)."""
         index = seq.sample_index
         if index in stream.done:
             return None
         sent = stream.emitted.get(index, 0)
-        new = seq.output_token_ids[sent:]
+        new = seq.token_ids[seq.num_prompt_tokens + sent:]
         if not new and not seq.is_finished:
             return None
         stream.emitted[index] = sent + len(new)
-        detok = stream.detokenizers.setdefault(index, IncrementalDetokenizer(self._decode))
-        detok.add(new)
-        shown = stream.text.get(index, "")
-        if seq.is_finished:  # the whole output, cut where a stop string begins, is the final word
+        reason = cut = None
+        if seq.is_finished:
             stream.done.add(index)
-            full = self._decode(seq.output_token_ids)
-            if seq.stop_text_len is not None:
-                full = full[:seq.stop_text_len]
-            end = len(full)
-        else:
-            full = detok.text
-            # hold back a tail that could still turn into a stop string
-            hold = max((len(x) for x in stream.params.stop), default=1) - 1
-            end = max(len(shown), len(full) - hold)
-        text = full[len(shown):end]
-        stream.text[index] = shown + text
-        reason = seq.finish_reason.value if seq.is_finished and seq.finish_reason else None
+            reason, cut = (seq.finish_reason.value if seq.finish_reason else None), seq.stop_text_len
         lps = seq.logprobs[sent:sent + len(new)] if seq.params.logprobs is not None else None
-        return SampleDelta(index, new, text, reason, lps)
+        return SampleDelta(index, new, "", reason, lps, cut)
+
+    # ------------------------------------------------------------------ metrics (engine thread)
+
+    def _record_first_token(self, stream: _Stream, state: RequestState) -> None:
+        if stream.first_token_seen or self.metrics is None:
+            return
+        times = [s.first_token_time for s in state.seqs if s.first_token_time is not None]
+        if times:
+            stream.first_token_seen = True
+            self.metrics.request_first_token(min(times) - stream.arrival)
+
+    def _record_finished(self, stream: _Stream, state: RequestState) -> None:
+        if self.metrics is None:
+            return
+        now = time.perf_counter()
+        ends = [s.finish_time or now for s in state.seqs]
+        reason = "length" if any(s.finish_reason is FinishReason.LENGTH for s in state.seqs) else "stop"
+        samples = [(s.num_output_tokens, end - s.first_token_time)
+                   for s, end in zip(state.seqs, ends) if s.first_token_time is not None]
+        self.metrics.request_finished(reason, max(ends) - stream.arrival, samples)
+
+    # A request's stream is registered when the engine admits it and dropped once, when it
+    # ends: finished (``_publish``), cancelled (an abort command) or failed. Each end is
+    # recorded where its stream is dropped, so every admitted request is counted once.
+
+    def _record_aborted(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.request_aborted(reason)
+
+    # ------------------------------------------------------------------ tokenizer
 
     def with_tokenizer(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` holding the tokenizer lock (any thread)."""

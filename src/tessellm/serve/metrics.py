@@ -1,15 +1,18 @@
 """Prometheus metrics of a serving engine (prometheus-client, a registry per server).
 
-Gauges are refreshed by the engine thread after every step (running and waiting requests,
-KV blocks used and free, prefix-cache hit rate); counters and histograms are fed by the
-request handlers (generated tokens, time to first token, time per output token).
+Everything is recorded on the engine thread, per engine request (one prompt of an HTTP
+request: a completions request with a list of prompts makes one engine request per prompt,
+and an engine request holds its ``n`` samples). Every admitted engine request ends exactly
+once, finished or aborted, so ``requests_admitted = requests_finished + requests_aborted``
+once nothing is in flight. Gauges are read from the engine when the server is built and
+after every step (and after commands that changed the engine while it had no step to run).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Any
+from typing import Any, Iterable
 
 from tessellm.extras import require
 
@@ -21,14 +24,33 @@ HIT_RATE_WINDOW_S = 60.0
 """The span of ``tessellm_prefix_cache_hit_rate_window``."""
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+FINISH_REASONS = ("stop", "length")
+"""``requests_finished``'s labels. A request of ``n`` samples finished by ``length`` when
+any of its samples ran out of tokens (``max_tokens`` or the context window), else by ``stop``."""
+ABORT_REASONS = ("cancelled", "failed")
+"""``requests_aborted``'s labels: ``cancelled``, its stream was closed before the end (the
+client left or closed its stream, or the server dropped it because another prompt of the
+same batch was refused); ``failed``, the engine failed while running it (the client got a
+500 or an error event)."""
+REJECT_REASONS = ("busy", "invalid")
+"""``requests_rejected``'s labels: the waiting queue was full (429), or the engine refused
+the request on admission (400: a prompt too long, an id outside the vocabulary, ...)."""
 
 
 class ServerMetrics:
-    """The server's metrics, all prefixed ``tessellm_``."""
+    """The server's metrics, all prefixed ``tessellm_``; the engine thread records them."""
 
     def __init__(self, pipeline: Any):
         self.cache = pipeline.cache
         self.registry = CollectorRegistry()
+        self._gauges()
+        self._request_counters()
+        self._latencies()
+        self.on_step(pipeline.engine)  # true from start-up, not 0 until the first step
+
+    def _gauges(self) -> None:
         r = self.registry
         self.running = Gauge("tessellm_requests_running", "Sequences running in the last step", registry=r)
         self.waiting = Gauge("tessellm_requests_waiting", "Sequences admitted and waiting to run", registry=r)
@@ -49,17 +71,70 @@ class ServerMetrics:
         self._prefix_seen = (start.queried_tokens, start.hit_tokens)  # already counted
         # (time, queried, hit) after each step: the first at or before the window's start, then the rest
         self._prefix_samples: deque[tuple[float, int, int]] = deque([(time.monotonic(), *self._prefix_seen)])
-        self.generated = Counter("tessellm_generated_tokens", "Tokens generated for finished requests", registry=r)
-        self.requests = Counter("tessellm_requests_finished", "Requests answered in full", registry=r)
-        self.ttft = Histogram("tessellm_time_to_first_token_seconds", "Time from arrival to the first token",
+
+    def _request_counters(self) -> None:
+        r = self.registry
+        self.requests_admitted = Counter("tessellm_requests_admitted", "Engine requests the engine admitted",
+                                         registry=r)
+        self.requests_rejected = Counter("tessellm_requests_rejected", "Engine requests refused before admission",
+                                         ["reason"], registry=r)
+        self.requests_finished = Counter("tessellm_requests_finished", "Engine requests whose every sample finished",
+                                         ["finish_reason"], registry=r)
+        self.requests_aborted = Counter("tessellm_requests_aborted",
+                                        "Admitted engine requests stopped before their end", ["reason"], registry=r)
+        for counter, labels in ((self.requests_rejected, REJECT_REASONS), (self.requests_finished, FINISH_REASONS),
+                                (self.requests_aborted, ABORT_REASONS)):
+            for label in labels:  # every series present (at 0) from start-up
+                counter.labels(label)
+        self.prompt_tokens = Counter("tessellm_prompt_tokens", "Prompt tokens of admitted engine requests",
+                                     registry=r)
+        self.generated = Counter("tessellm_generated_tokens",
+                                 "Output tokens handed to requests, all samples, aborted requests included",
+                                 registry=r)
+
+    def _latencies(self) -> None:
+        r = self.registry
+        self.ttft = Histogram("tessellm_time_to_first_token_seconds",
+                              "Per engine request: from its submission to its first token on the host",
                               buckets=LATENCY_BUCKETS, registry=r)
         self.tpot = Histogram("tessellm_time_per_output_token_seconds",
-                              "Mean time between output tokens of a finished request", buckets=LATENCY_BUCKETS,
-                              registry=r)
-        self._ttft: dict[int, float] = {}
+                              "Per sample of a finished request: (finish - first token) / (its tokens - 1)",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("tessellm_e2e_request_latency_seconds",
+                             "Per finished engine request: from its submission to its last sample's finish",
+                             buckets=E2E_BUCKETS, registry=r)
+
+    # ------------------------------------------------------------------ engine requests
+
+    def request_rejected(self, reason: str) -> None:
+        self.requests_rejected.labels(reason).inc()
+
+    def request_admitted(self, prompt_tokens: int) -> None:
+        self.requests_admitted.inc()
+        self.prompt_tokens.inc(prompt_tokens)
+
+    def tokens_generated(self, count: int) -> None:
+        self.generated.inc(count)
+
+    def request_first_token(self, seconds: float) -> None:
+        """Once per engine request, when its first output token reached the host."""
+        self.ttft.observe(seconds)
+
+    def request_finished(self, reason: str, e2e_seconds: float, samples: Iterable[tuple[int, float]]) -> None:
+        """``samples``: (output tokens, seconds from its first token to its finish) of each sample."""
+        self.requests_finished.labels(reason).inc()
+        self.e2e.observe(e2e_seconds)
+        for tokens, decode_seconds in samples:
+            if tokens > 1:
+                self.tpot.observe(decode_seconds / (tokens - 1))
+
+    def request_aborted(self, reason: str) -> None:
+        self.requests_aborted.labels(reason).inc()
+
+    # ------------------------------------------------------------------ gauges
 
     def on_step(self, engine: Any) -> None:
-        """Called on the engine thread after each step."""
+        """Refresh the gauges (the engine thread, after each step; and at start-up)."""
         self.running.set(engine.scheduler.num_running)
         self.waiting.set(engine.scheduler.num_waiting)
         free = self.cache.num_free_blocks
@@ -82,15 +157,6 @@ class ServerMetrics:
         _, queried0, hit0 = samples[0]  # younger than the window: the server's start
         window_queried = queried - queried0
         self.prefix_hit_rate_window.set((hit - hit0) / window_queried if window_queried else 0.0)
-
-    def first_token(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
-
-    def finished(self, completion_tokens: int, seconds: float, ttft: float | None = None) -> None:
-        self.generated.inc(completion_tokens)
-        self.requests.inc()
-        if completion_tokens > 1 and ttft is not None:
-            self.tpot.observe((seconds - ttft) / (completion_tokens - 1))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

@@ -84,7 +84,7 @@ class _Sampling(BaseModel):
         best_of = data.get("best_of")
         if best_of is not None and best_of != data.get("n", 1):
             raise PydanticCustomError("not_supported", "best_of is not supported by this server unless equal to n "
-                                      "(got {value})", {"value": repr(best_of)})
+                                      "(got {value})", {"field": "best_of", "value": repr(best_of)})
         return data
 
     model: str
@@ -239,6 +239,47 @@ class ChatCompletionRequest(_Sampling):
                 raise InvalidRequestError("tool_choice asks for a tool call, but the request declares no tools")
             return None
         return ToolCalling(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize, vLLM's two forms in one: ``prompt`` (a text) or ``messages`` (a chat,
+    rendered with the model's chat template as /v1/chat/completions renders it)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+    add_special_tokens: Optional[bool] = None
+    """Add the tokenizer's special tokens (BOS, ...) around the text: by default yes for a
+    prompt, no for messages (their template writes them)."""
+    add_generation_prompt: bool = True
+    """Messages: end with the template's opening of the assistant's turn."""
+    continue_final_message: bool = False
+    """Messages: leave the last message open (no end-of-turn), for the model to continue it."""
+    tools: Optional[list[Tool]] = None
+    """Messages: the tools offered, rendered as the chat route renders them."""
+    return_token_strs: bool = False
+    """Also return each token as the tokenizer's vocabulary spells it."""
+
+    @model_validator(mode="after")
+    def _one_form(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise PydanticCustomError("one_form", "give exactly one of prompt (a text) and messages (a chat)")
+        if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in \
+                self.model_fields_set:
+            raise PydanticCustomError("one_form", "continue_final_message and add_generation_prompt cannot both "
+                                      "be true", {"field": "continue_final_message"})
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's): token ids back to text."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Optional[str] = None
+    tokens: list[int]
 
 
 class ErrorBody(BaseModel):

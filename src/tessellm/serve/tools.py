@@ -152,17 +152,22 @@ class ToolCalling:
                 "function": {"name": value["name"], "arguments": json.dumps(arguments)}}
 
 
-def render_chat(messages: list[dict[str, Any]], tokenizer: Any, calling: ToolCalling | None = None) -> str:
-    """The prompt text of a conversation (with the tools ``calling`` offers, if any)."""
+def render_chat(messages: list[dict[str, Any]], tokenizer: Any, calling: ToolCalling | None = None, *,
+                add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+    """The prompt text of a conversation (with the tools ``calling`` offers, if any), ending
+    with the opening of the assistant's turn (``add_generation_prompt``) or inside the last
+    message, left open (``continue_final_message``; /tokenize asks for either)."""
     offered = calling is not None and calling.mode != "none" and calling.tools
+    ending = {"add_generation_prompt": add_generation_prompt}
+    if continue_final_message:  # only when asked: a tokenizer older than the option refuses it
+        ending["continue_final_message"] = True
     if "tools" in (tokenizer.chat_template or ""):
         tools = [t.model_dump(exclude_none=True) for t in calling.tools.values()] if offered else None
-        return tokenizer.apply_chat_template(_for_template(messages), tools=tools, tokenize=False,
-                                             add_generation_prompt=True)
+        return tokenizer.apply_chat_template(_for_template(messages), tools=tools, tokenize=False, **ending)
     messages = [_as_text(m) for m in messages]
     if offered:
         messages = calling._described(messages)
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer.apply_chat_template(messages, tokenize=False, **ending)
 
 
 def _for_template(message: list[dict[str, Any]]) -> Any:

@@ -1,0 +1,12 @@
+"""OpenAI's error body, the one shape every route of the server answers an error with."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+          code: str | None = None) -> JSONResponse:
+    """``{"error": {"message", "type", "param", "code"}}`` with HTTP status ``status``."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status)

@@ -1,0 +1,71 @@
+"""What completions and chat share before the engine sees a request: the model check, the
+``SamplingParams`` a request body asks for, and which request field an engine's refusal is
+about, so that every 400 names the field as the API spells it (``param``)."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import ValidationError
+
+from tessellm.core.errors import InvalidRequestError
+from tessellm.core.interfaces.sequence import SamplingParams
+from tessellm.serve.context import ServerContext
+from tessellm.serve.http_errors import RequestError, clean_message
+
+
+def check_model(ctx: ServerContext, requested: str | None) -> None:
+    """RequestError unless ``requested`` is the model this server serves (None: the default)."""
+    if requested is not None and requested != ctx.model_name:
+        raise RequestError(400, f"model {requested!r} is not served here; this server serves {ctx.model_name!r}",
+                           param="model", code="model_not_found")
+
+
+def sampling_params(ctx: ServerContext, body: Any, *, max_tokens: int | None, logprobs: int | None,
+                    names: dict[str, str] | None = None, **more: Any) -> SamplingParams:
+    """The engine's ``SamplingParams`` for ``body`` (a completions or chat request); a field
+    out of the engine's bounds (``n`` over 64, ...) is a RequestError naming it. ``names``
+    maps a ``SamplingParams`` field to the request's name for it where the two differ
+    (chat's ``top_logprobs`` is the engine's ``logprobs``)."""
+    if max_tokens is None:
+        max_tokens = max(1, ctx.llm.pipeline.resolved.max_model_len // 2)
+    try:
+        bias = body.bias()
+    except InvalidRequestError as exc:
+        raise RequestError(400, str(exc), param="logit_bias") from None
+    fields = dict(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+                  min_p=body.min_p, n=body.n, stop=body.stop_list(), seed=body.seed, logprobs=logprobs,
+                  ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logit_bias=bias,
+                  **body.logits_fields(), extra_args=body.extra_args or {}, **more)
+    try:
+        return SamplingParams.model_validate(fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        field = str(first["loc"][0]) if first["loc"] else None
+        param = (names or {}).get(field, field)
+        message = clean_message(first["msg"], field)
+        got = "" if "got " in message else f" (got {first.get('input')!r})"
+        raise RequestError(400, f"{param}: {message}{got}", param=param) from None
+
+
+_BATCH_PREFIX = re.compile(r"^prompt \d+: ")
+_SAMPLING_FIELD = re.compile(r"\bSamplingParams\.(\w+)")
+
+
+def admission_param(message: str, body: Any, prompt_param: str) -> str | None:
+    """The request field an engine's refusal at admission is about, read from its message:
+    the prompt (``prompt_param``: ``prompt`` or ``messages``) for a prompt too long or out of
+    the vocabulary, a ``SamplingParams`` field it names, or the body field its first word is;
+    None when it names none."""
+    message = _BATCH_PREFIX.sub("", message)
+    first = message.split(" ", 1)[0]
+    if first == "prompt":
+        return prompt_param
+    if (named := _SAMPLING_FIELD.search(message)) is not None:
+        return named.group(1)
+    if "extra_args" in message:
+        return "extra_args"
+    if message.startswith("logits processor "):
+        return "logits_processors"
+    return first if first in getattr(type(body), "model_fields", {}) else None
