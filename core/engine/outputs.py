@@ -69,14 +69,17 @@ class StopRule:
         token's text is new: it lies within the last few tokens, and only those are decoded
         (a token is at least a quarter of a character; 8 tokens of margin keep the window's
         own start, where decoding a suffix may differ, out of play). The whole output is
-        decoded only to place a hit."""
+        decoded only to place a hit. Under ``min_tokens`` only an occurrence that ends in the
+        text of the ``min_tokens``-th token or later counts (the check starts with that token,
+        so an earlier one never stopped the output and cannot cut it now)."""
         stops = [s for s in seq.params.stop if s]
         output = seq.output_token_ids
         window = 4 * max((len(s) for s in stops), default=0) + 8
         if len(output) > window and not any(s in self.decode_text(output[-window:]) for s in stops):
             return False
         text = self.decode_text(output)
-        hits = [text.find(s) for s in stops if s in text]
+        floor = len(self.decode_text(output[:seq.params.min_tokens - 1])) if seq.params.min_tokens > 1 else 0
+        hits = [at for s in stops if (at := text.find(s, max(0, floor - len(s) + 1))) >= 0]
         if hits:
             seq.stop_text_len = min(hits)
             return True

@@ -37,7 +37,8 @@ def test_min_tokens_bars_every_stop_but_length():
     text_hit = seq_with(3, [0], min_tokens=2, stop=["A"])  # token 0 decodes to "A"
     assert rule.check(text_hit, 0) is None
     text_hit.token_ids.append(0)
-    assert rule.check(text_hit, 0) is FinishReason.STOP and text_hit.stop_text_len == 0
+    # the first "A" came before min_tokens and never stopped the output: the cut is at the second
+    assert rule.check(text_hit, 0) is FinishReason.STOP and text_hit.stop_text_len == 1
     assert rule.check(seq_with(3, [5, 6], min_tokens=2, max_tokens=2), 6) is FinishReason.LENGTH
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=5, max_tokens=4)
@@ -90,3 +91,18 @@ def test_min_tokens_through_the_engine(tiny_model, cpu_config, decoding, async_s
     assert first not in out.token_ids[:3] and len(out.token_ids) >= 3
     if first in out.token_ids:
         assert out.token_ids.index(first) == len(out.token_ids) - 1 and out.finish_reason == "stop"
+
+
+def test_a_stop_string_before_min_tokens_never_cuts_the_output():
+    """vLLM's rule: stop strings are looked for from the min_tokens-th token on, so an
+    occurrence earlier in the output neither stops it nor becomes the cut later (a streamed
+    answer has already sent that text). An occurrence straddling the boundary counts."""
+    letters = lambda ids: "".join(chr(65 + i % 26) for i in ids)  # noqa: E731 (token i decodes to one letter)
+    rule = StopRule({EOS}, 100, decode_text=letters)
+    # (28 decodes to "C": token 2 is EOS)
+    early = seq_with(3, [1, 28, 3, 4], min_tokens=3, stop=["BC"])  # "BCDE": "BC" ends at token 2, before token 3
+    assert rule.check(early, 4) is None and early.stop_text_len is None
+    early.token_ids += [1, 28]  # "BCDEBC": a later occurrence stops it there
+    assert rule.check(early, 28) is FinishReason.STOP and early.stop_text_len == 4
+    straddling = seq_with(3, [1, 28, 3], min_tokens=3, stop=["CD"])  # "BCD": "CD" ends in token 3's text
+    assert rule.check(straddling, 3) is FinishReason.STOP and straddling.stop_text_len == 1
