@@ -1,7 +1,8 @@
 """A streamed request's host cost per step, as its output grows: handing out the step's new
 token and turning it into text, now (the engine thread slices the new tokens, the request's
-reader decodes a window of a few tokens) and before issue 40 (the engine thread decoded, and
-sliced and joined the whole output at every step, and decoded all of it at the last).
+reader decodes a window of a few tokens) and the engine-thread detokenizer it replaced (restated
+here: the engine thread decoded, sliced and joined the whole output at every step, and decoded
+all of it at the last).
 
 What it measures
 ----------------
@@ -15,7 +16,7 @@ of ``--prompt-tokens``. At each step the bench appends the next token to the req
 - ``new``: ``EngineThread._publish`` (the engine thread's part: a ``StepOutput`` holding the
   new token's id) plus ``RequestText.fill`` (the reading coroutine's part: its text), on a
   stub engine holding the request; ``engine_thread_us`` and ``reader_us`` split it;
-- ``old``: the same step's work as the engine thread did it at commit 64f64ce (its
+- ``old``: the same step's work as the engine thread did it in the design this replaced (its
   ``_publish``, ``_delta`` and ``IncrementalDetokenizer``, restated below in ``Legacy``),
   all of it on the engine thread.
 
@@ -90,8 +91,8 @@ class Inbox:
 
 
 class Legacy:
-    """The engine thread's per-step delta work before issue 40 (commit 64f64ce's
-    ``EngineThread._publish``/``_delta`` and its ``IncrementalDetokenizer``), for one request."""
+    """The engine thread's per-step delta work as the replaced design did it
+    (``EngineThread._publish``/``_delta`` and its ``IncrementalDetokenizer``), for one request."""
 
     def __init__(self, decode: Callable[[list[int]], str], stop: list[str]):
         self.decode, self.stop = decode, stop

@@ -3,28 +3,18 @@ timed and in agreement, the whole-model runs' throughput, and a wrong fast path 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from datetime import datetime
 from pathlib import Path
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).parents[2] / "bench" / "mla.py"
 
 
 @pytest.fixture(scope="module")
-def mla_script():
-    spec = importlib.util.spec_from_file_location("bench_mla", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
+def mla_script(bench_script):
+    return bench_script("mla.py")
 
 
 def run(mla_script, tmp_path: Path, *args: str) -> tuple[int, dict]:

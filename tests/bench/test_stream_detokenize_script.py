@@ -5,26 +5,15 @@ it), and the new way's engine-thread part a share of its step."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parents[2] / "bench" / "stream_detokenize.py"
 
 
 @pytest.fixture(scope="module")
-def script():
-    spec = importlib.util.spec_from_file_location("bench_stream_detokenize", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
+def script(bench_script):
+    return bench_script("stream_detokenize.py")
 
 
 def test_small_run_reports_both_ways_at_each_length(script, tokenizer_dir, tmp_path):

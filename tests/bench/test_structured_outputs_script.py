@@ -4,27 +4,16 @@ cost and the schema's compile times."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parents[2] / "bench" / "structured_outputs.py"
 SMALL_MIXED = ["prompt_median=12", "prompt_max=32", "output_median=6", "output_min=4", "output_max=10"]
 
 
 @pytest.fixture(scope="module")
-def script():
-    spec = importlib.util.spec_from_file_location("bench_structured_outputs", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop(spec.name, None)
+def script(bench_script):
+    return bench_script("structured_outputs.py")
 
 
 def test_smoke_reports_both_sides_the_ratio_and_the_grammar_cost(script, tiny_model, tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""The logits processors' request fields over HTTP (issue 39): presence_penalty,
+"""The logits processors' request fields over HTTP: presence_penalty,
 frequency_penalty, repetition_penalty, bad_words, allowed_token_ids, no_repeat_ngram_size and
 a third-party processor named in logits_processors, sent by the openai client to completions and
 chat, give the offline engine's greedy tokens with the same SamplingParams and change them as
