@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, for a device machine with no package registry:
 #   bench/gpu_checks.sh STAGE...   (stages: env tests sweep kernels e2e e2e-sync e2e-512 e2e-512-sync e2e-eager
-#   e2e-before profile profile-async e2e-smoke moe window quest-pages; e2e runs the defaults, async scheduling included; the -sync
+#   e2e-before profile profile-async e2e-smoke moe window quest-pages lora-kernels; e2e runs the defaults, async scheduling included; the -sync
 #   stages turn it off; e2e-before runs an earlier commit's wheel and e2e_gpu.py from .whl/old/ on the same
 #   workload, for an A/B of two commits in one lease)
 # Expects the wheels tessellm needs beyond the image (pydantic and its parts, and tessellm's
@@ -27,7 +27,8 @@ for stage in "$@"; do
     tests) [ -d .whl/tok ] && export TESSELLM_TEST_TOKENIZER_DIR=$PWD/.whl/tok  # tiny models' tokenizer
            limit python3 -m pytest -q -p no:cacheprovider tests/plugins/attention/flash tests/core/model/test_cuda_graphs.py \
              tests/core/model/test_fused_ops.py tests/core/engine/test_warm_up.py tests/core/engine/test_overlap.py \
-             tests/core/engine/test_outputs.py ${TESTS_EXTRA:-} 2>&1 | tail -40 | tee "$OUT/tests.log" ;;
+             tests/core/engine/test_outputs.py tests/plugins/lora/test_triton_lora.py \
+             tests/conformance/test_lora_conformance.py ${TESTS_EXTRA:-} 2>&1 | tail -40 | tee "$OUT/tests.log" ;;
     sweep) limit python3 bench/kernels.py --sweep --out "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1; tail -60 "$OUT/sweep.log" ;;
     kernels) limit python3 bench/kernels.py --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1; tail -5 "$OUT/kernels.log" ;;
     e2e) f=$(fresh e2e); limit python3 bench/e2e_gpu.py --out "$f.json" ${E2E_ARGS:-} > "$f.log" 2>&1; tail -40 "$f.log" ;;
@@ -58,6 +59,8 @@ for stage in "$@"; do
               > "$OUT/window.log" 2>&1; tail -30 "$OUT/window.log" ;;
     quest-pages) for p in 2 4 16; do limit python3 bench/quest_e2e.py --context 32768 --budgets 512 --page $p \
                    --json "$OUT/quest_page$p.json" > "$OUT/quest_page$p.log" 2>&1; tail -3 "$OUT/quest_page$p.log"; done ;;
+    lora-kernels) limit python3 bench/lora_kernels.py --out "$OUT/lora_kernels.json" > "$OUT/lora_kernels.log" 2>&1
+                  tail -80 "$OUT/lora_kernels.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

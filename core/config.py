@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tessellm.core.errors import ConfigError
 from tessellm.core.model.loader import DEFAULT_MODEL
@@ -57,6 +57,42 @@ class ParallelConfig(BaseModel):
     slowest rank's kernel compiles at start-up)."""
 
 
+class LoraConfig(PluginSection):
+    """LoRA adapters over the base model: ``name`` and ``options`` choose the kernel (kind
+    ``lora``: ``auto``, ``torch``, ``triton``); the rest say which adapters and how many at once."""
+
+    enabled: Optional[bool] = None
+    """Wrap the model's projections for adapters. None (the default): on when ``adapters``
+    names any or ``runtime_updates`` is set."""
+    adapters: dict[str, str] = Field(default_factory=dict)
+    """Adapters registered at start, name -> PEFT folder (adapter_config.json and
+    adapter_model.safetensors); a request names one (``lora`` offline, ``model`` over HTTP)."""
+    max_loras: int = Field(4, ge=1, le=256, strict=True)
+    """Adapters resident on the device at once (the slots); the others wait in host memory and
+    are copied in, least recently used out, when a request needs them."""
+    max_rank: int = Field(16, ge=1, le=512, strict=True)
+    """The largest adapter rank served; every slot is this wide, so an adapter of any rank up
+    to it loads without new shapes (no kernel compiles, no graph recapture)."""
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                               "up_proj", "down_proj"])
+    """The decoder-layer projections given slots; an adapter targeting another is refused at load."""
+    runtime_updates: bool = False
+    """Allow loading and unloading adapters while serving (``POST /v1/load_lora_adapter``,
+    ``/v1/unload_lora_adapter``)."""
+
+    @model_validator(mode="after")
+    def _adapters_need_lora_on(self) -> "LoraConfig":
+        if self.enabled is False and (self.adapters or self.runtime_updates):
+            what = "adapters" if self.adapters else "runtime_updates"
+            raise ValueError(f"lora.{what} is set but lora.enabled is false; drop one of them")
+        return self
+
+    @property
+    def active(self) -> bool:
+        """Whether the pipeline serves adapters."""
+        return self.enabled if self.enabled is not None else bool(self.adapters) or self.runtime_updates
+
+
 class PipelineConfig(BaseModel):
     """Everything that defines a pipeline. Every field has a default."""
 
@@ -87,6 +123,8 @@ class PipelineConfig(BaseModel):
     """The model plugin (kind ``model``) that builds the checkpoint; ``auto`` takes the one,
     by priority, that declares the checkpoint's ``model_type`` (``tessellm plugins`` lists
     them with the types they build)."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """LoRA adapters and the kernel that applies them (off unless adapters are given)."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     cuda_graphs: bool = True
     """On CUDA, replay decode steps from captured CUDA graphs when the attention backend and
@@ -124,7 +162,8 @@ def _format_validation(exc: ValidationError, where: str) -> str:
         value = err.get("input")
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
-            allowed = ", ".join(PipelineConfig.model_fields) if len(err["loc"]) == 1 else "name, options"
+            allowed = ", ".join(PipelineConfig.model_fields) if len(err["loc"]) == 1 else \
+                ", ".join(LoraConfig.model_fields) if err["loc"][0] == "lora" else "name, options"
             msg = f"unknown field; allowed: {allowed}"
         parts.append(f"{field}: {msg} (got {value!r})" if err["type"] != "missing" else f"{field}: {msg}")
     return f"{where}: " + "; ".join(parts)

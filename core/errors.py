@@ -54,3 +54,9 @@ class InvalidRequestError(TessellmError, ValueError):
 class RequestRejectedError(InvalidRequestError):
     """A well-formed request that can never be served (longer than the context window or
     than the whole cache): rejected at admission instead of waiting forever."""
+
+
+class LoraAdapterError(TessellmError, ValueError):
+    """A LoRA adapter that cannot be loaded for this model (not PEFT's format, a target the
+    pipeline does not serve, base shapes that differ, a rank above the maximum), or a
+    request naming an adapter that is not registered."""

@@ -73,6 +73,12 @@ def register_logits(register: Register) -> None:
 
 
 @hookspec
+def register_lora(register: Register) -> None:
+    """Register LoRA kernels (many adapters applied to one batch's rows): subclasses of
+    ``tessellm.LoraKernel``."""
+
+
+@hookspec
 def register_model(register: Register) -> None:
     """Register model architectures: subclasses of ``tessellm.ModelArchitecture``, each
     declaring the Hugging Face ``model_type``s it builds."""

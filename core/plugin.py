@@ -15,18 +15,19 @@ if TYPE_CHECKING:
     from tessellm.core.interfaces.kv import KVLayout
     from tessellm.core.model.spec import ModelSpec
 
-KINDS = ("attention", "cache", "scheduler", "decoding", "quant", "grammar", "model", "logits")
+KINDS = ("attention", "cache", "scheduler", "decoding", "quant", "grammar", "model", "logits", "lora")
 """The kinds of part, named as their plugins/ folders and (but for ``model``) their config
 sections: the five of the forward and decode path, the grammar backends that constrain
 outputs (structured outputs), which a pipeline may do without, and the model architectures
 (config section ``architecture``; ``auto`` picks by the checkpoint's model_type), and the
-logits processors (no config section: each request turns on the ones it uses)."""
+logits processors (no config section: each request turns on the ones it uses), and the
+LoRA kernels (section ``lora``, which also lists the adapters)."""
 
 CONFIG_KINDS = tuple(kind for kind in KINDS if kind != "logits")
 """The kinds a pipeline config chooses a plugin of (``PipelineConfig.section``); every logits
 processor serves every pipeline, and each request names the ones it uses."""
 
-OPTIONAL_KINDS = frozenset({"grammar"})
+OPTIONAL_KINDS = frozenset({"grammar", "lora"})
 """Kinds a pipeline runs without when ``auto`` finds no plugin that can serve (requests that
 need one are then refused, naming what to install)."""
 

@@ -4,7 +4,7 @@ Every named plugin must exist and accept its options; every chosen plugin is ask
 reasons it cannot serve this pipeline. ``auto`` takes the first plugin in priority order
 (``tessellm plugins`` shows it) with no reasons, given the choices for the other kinds; a
 plugin named explicitly that has reasons fails with them, never falling back to another.
-Kinds are chosen in the order quant, cache, attention, scheduler, decoding, grammar, so a later kind
+Kinds are chosen in the order quant, cache, attention, scheduler, decoding, grammar, lora, so a later kind
 sees the earlier choices (an attention backend sees the cache's layout); a named attention
 backend's ``kv_extras`` reach the cache first, so its layout can include them. A pipeline
 may do without an optional kind (``OPTIONAL_KINDS``: grammar) that ``auto`` finds no plugin for.
@@ -27,7 +27,7 @@ from tessellm.core.model.spec import ModelSpec
 from tessellm.core.plugin import OPTIONAL_KINDS, PluginOptions, SelectionContext
 from tessellm.core.registry import PluginEntry, PluginRegistry, did_you_mean
 
-ORDER = ("quant", "cache", "attention", "scheduler", "decoding", "grammar")
+ORDER = ("quant", "cache", "attention", "scheduler", "decoding", "grammar", "lora")
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 

@@ -80,7 +80,7 @@ def test_every_core_class_or_function_the_plugin_docs_name_is_importable_from_te
 
 
 @pytest.mark.parametrize("name", ["PluginCallError", "LatentProjection", "LatentKVStorage", "dense_storage",
-                                  "LoadFailure", "EngineStats"])
+                                  "LoadFailure", "EngineStats", "LoraKernel", "LoraMapping", "LoraWeights"])
 def test_names_the_docs_use_are_exported(name):
     assert name in tessellm.__all__ and getattr(tessellm, name) is not None
 

@@ -120,7 +120,7 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
         query_start_loc=ints[:b + 1], seq_lens=ints[b + 1:2 * b + 1], block_tables=ints[2 * b + 1:].view(b, width),
         query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist(),
         block_tables_cpu=tables, block_size=bs, seqs=[s.seq for s in scheduled], samples=samples,
-        prompt_rows=prompt_rows)
+        prompt_rows=prompt_rows, lora_slots_cpu=_lora_slots(scheduled))
     for group in range(1, len(getattr(cache, "layer_groups", ()))):  # a cache that frees out-of-window blocks
         group_tables = [cache.group_block_table(item.seq, group) for item in scheduled]
         group_padded = _padded(group_tables)
@@ -130,6 +130,13 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
             batch, slot_mapping=upload(group_slots), block_tables=upload(group_padded.astype(np.int32)),
             block_tables_cpu=group_tables, groups=[]))
     return batch
+
+
+def _lora_slots(scheduled: list[ScheduledSeq]) -> list[int] | None:
+    """Each sequence's LoRA slot, or None when none has an adapter (a decoder's stand-in for a
+    sequence without the attribute has none)."""
+    slots = [getattr(item.seq, "lora_slot", -1) for item in scheduled]
+    return slots if max(slots, default=-1) >= 0 else None
 
 
 def _padded(tables: list[list[int]]) -> np.ndarray:

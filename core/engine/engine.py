@@ -25,6 +25,7 @@ from tessellm.core.engine import contracts
 from tessellm.core.engine.batch_builder import build_batch
 from tessellm.core.engine.faults import find_culprits
 from tessellm.core.engine.grammar import GrammarMask, GrammarSession
+from tessellm.core.engine.lora import LoraAdapters
 from tessellm.core.engine.outputs import StopRule, record_prompt_logprobs, token_logprobs
 from tessellm.core.engine.processors import LogitsProcessors
 from tessellm.core.engine.request import RequestState
@@ -38,6 +39,7 @@ from tessellm.core.interfaces.logits import LogitsProcessor
 from tessellm.core.interfaces.scheduler import Scheduler
 from tessellm.core.interfaces.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from tessellm.core.model.kernel_builds import build_log
+from tessellm.core.model.lora import LoraAdapter
 from tessellm.core.model.runner import ModelRunner
 from tessellm.core.parallel.sync import RankSync
 
@@ -70,7 +72,8 @@ class Engine:
 
     def __init__(self, runner: ModelRunner, cache: CacheManager, scheduler: Scheduler, decoder: Decoder,
                  *, stop: StopRule, vocab_size: int, seed: int = 0, sync: RankSync | None = None,
-                 grammar: GrammarSession | None = None, processors: list[LogitsProcessor] = ()):
+                 grammar: GrammarSession | None = None, processors: list[LogitsProcessor] = (),
+                 lora: LoraAdapters | None = None):
         self.runner = runner
         self.sync = sync  # tensor parallel: keeps this rank in lockstep with rank 0
         self.cache = cache
@@ -89,11 +92,17 @@ class Engine:
         self._seeded = 0  # generators seeded from ``seed`` so far
         self._finished: dict[str, RequestState] = {}  # finished, not yet handed out by ``step``
         self._kv_check = contracts.KVWriteCheck(runner.backend, cache, runner.spec.num_layers)
+        self.lora = lora
+        """The adapters this engine serves (None: LoRA is off)."""
+        self._lora_waiting: list[Sequence] = []  # admitted, waiting for a device slot for their adapter
 
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    *, priority: int = 0, cache_salt: str | None = None) -> RequestState:
+                    *, priority: int = 0, cache_salt: str | None = None, lora: str | None = None) -> RequestState:
+        """Admit a request (``lora``: the registered adapter it runs under, None for the base
+        model); ``InvalidRequestError`` or ``RequestRejectedError`` (an unknown adapter:
+        ``LoraAdapterError``) if it cannot be served."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
@@ -110,18 +119,94 @@ class Engine:
         if params.structured_output is not None and params.min_tokens:
             raise InvalidRequestError("min_tokens cannot be combined with structured output: the grammar decides "
                                       "where the output ends")
+        salt = self._lora_salt(lora, cache_salt)
         binding = self.processors.bind(params)  # compiles a grammar; refuses bad processor arguments
-        seq = Sequence(request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt)
+        seq = Sequence(request_id, prompt_token_ids, params, priority=priority, cache_salt=salt)
         seq.generator = self._generator(params, 0)
-        self.scheduler.add([seq])  # raises RequestRejectedError if it can never fit
+        seq.lora = lora
+        if lora is None or self._give_slot(seq):
+            self._schedule_new(seq)  # raises RequestRejectedError if it can never fit
+        else:
+            self._lora_waiting.append(seq)  # every slot is held: it starts when one is let go
         state = RequestState(request_id, params, [seq])
         self.requests[request_id] = state
         self.stats.prompt_tokens += len(prompt_token_ids)
         self.processors.add(seq, binding)
         if self.sync is not None:
             self.sync.record("add", request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
-                             priority=priority, cache_salt=cache_salt)
+                             priority=priority, cache_salt=cache_salt, lora=lora)
         return state
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def _lora_salt(self, lora: str | None, cache_salt: str | None) -> str | None:
+        """The request's prefix-cache key: its salt, with the adapter's registration folded
+        in (K/V computed under one adapter is never another's, nor a reloaded one's)."""
+        if lora is None:
+            return cache_salt
+        if self.lora is None:
+            raise InvalidRequestError(f"request names LoRA adapter {lora!r}, but this pipeline serves no adapters; "
+                                      f"start it with lora.adapters (tessellm serve --lora NAME=PATH) or "
+                                      f"lora.enabled=true")
+        adapter = self.lora.get(lora)  # LoraAdapterError naming the loaded ones
+        return f"{cache_salt or ''}\x1flora:{adapter.uid}"
+
+    def _give_slot(self, seq: Sequence) -> bool:
+        slot = self.lora.acquire(seq.lora)
+        if slot is None:
+            return False
+        seq.lora_slot = slot
+        return True
+
+    def _schedule_new(self, seq: Sequence) -> None:
+        try:
+            self.scheduler.add([seq])
+        except BaseException:
+            self._let_go_of_slot(seq)
+            raise
+
+    def _let_go_of_slot(self, seq: Sequence) -> None:
+        if seq.lora_slot >= 0:
+            self.lora.release(seq.lora_slot)
+            seq.lora_slot = -1
+
+    def _admit_lora_waiting(self) -> None:
+        """Start the requests that waited for a slot, in arrival order, as slots come free (a
+        waiting request whose adapter is resident starts at once: none holds up another)."""
+        waiting, self._lora_waiting = self._lora_waiting, []
+        for seq in waiting:
+            if seq.is_finished:
+                continue
+            if not self._give_slot(seq):
+                self._lora_waiting.append(seq)
+                continue
+            try:
+                self._schedule_new(seq)
+            except Exception as exc:  # e.g. RequestRejectedError: fail it alone, as its admission would have
+                self._lora_waiting.append(seq)  # so finishing it does not ask the scheduler to forget it
+                self.failures[seq.request_id] = exc
+                self.abort(seq.request_id)
+
+    def load_lora(self, name: str, path: str, adapter: LoraAdapter | None = None) -> None:
+        """Register adapter ``name`` from the PEFT folder ``path`` (``LoraAdapterError`` if
+        it is not one this model can serve, or the name is taken); ``adapter``: the folder
+        already read (``lora.reader.read``) off the engine's thread. Tensor-parallel followers
+        read the folder themselves (each its own slices)."""
+        if self.lora is None:
+            raise InvalidRequestError("this pipeline serves no LoRA adapters; start it with lora.enabled=true "
+                                      "(or lora.runtime_updates=true) to load them at run time")
+        self.lora.register(name, path, adapter)
+        if self.sync is not None:
+            self.sync.record("load_lora", name=name, path=path)
+
+    def unload_lora(self, name: str) -> None:
+        """Unregister adapter ``name``: new requests for it are refused at once; running ones
+        finish under it."""
+        if self.lora is None:
+            raise InvalidRequestError("this pipeline serves no LoRA adapters")
+        self.lora.unregister(name)
+        if self.sync is not None:
+            self.sync.record("unload_lora", name=name)
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator:
         if params.seed is not None:
@@ -143,9 +228,11 @@ class Engine:
         for seq in state.seqs:
             if not seq.is_finished:
                 self._finish(seq, FinishReason.ABORT)
+        if self._lora_waiting:
+            self._lora_waiting = [s for s in self._lora_waiting if s.request_id != request_id]
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.unfinished())
+        return bool(self.scheduler.unfinished()) or bool(self._lora_waiting)
 
     def pop_finished(self, request_id: str) -> RequestState:
         return self.requests.pop(request_id)
@@ -182,6 +269,8 @@ class Engine:
             self._run_step(out)
 
     def _schedule(self) -> SchedulerOutput:
+        if self._lora_waiting:
+            self._admit_lora_waiting()
         out = self.scheduler.schedule()
         if self.sync is not None:
             self.sync.schedule(out)
@@ -403,6 +492,8 @@ class Engine:
                 binding = self.processors.binding(seq)
                 for child in children:
                     self.processors.add(child, binding)
+                    if child.lora_slot >= 0:  # each sample holds the adapter's slot until it finishes
+                        self.lora.pin(child.lora_slot)
         return forks
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
@@ -414,8 +505,12 @@ class Engine:
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
         self.processors.remove(seq)
-        self.scheduler.finish(seq)
+        if seq in self._lora_waiting:  # never reached the scheduler
+            self._lora_waiting.remove(seq)
+        else:
+            self.scheduler.finish(seq)
         self.decoder.finish(seq)
+        self._let_go_of_slot(seq)
 
     def _sample_memory(self, num_running: int) -> None:
         stats = self.stats

@@ -113,13 +113,15 @@ class LLM:
 
     def generate(self, prompts: str | Seq[str] | Seq[list[int]], params: Any = None, *, chat: bool = False,
                  progress: bool | None = None, priority: int | Seq[int] = 0,
-                 cache_salt: str | None | Seq[str | None] = None) -> list[RequestOutput]:
+                 cache_salt: str | None | Seq[str | None] = None,
+                 lora: str | None | Seq[str | None] = None) -> list[RequestOutput]:
         """Run every prompt as one batch; outputs come back in prompt order.
 
         ``params`` is one SamplingParams (or dict) for all prompts or a list of them;
-        ``priority`` (lower runs first under the `priority` scheduling policy) and
-        ``cache_salt`` (a tenant key: prefix-cache blocks are shared only within one salt)
-        are one value for all prompts or one per prompt."""
+        ``priority`` (lower runs first under the `priority` scheduling policy),
+        ``cache_salt`` (a tenant key: prefix-cache blocks are shared only within one salt) and
+        ``lora`` (the registered LoRA adapter to run under, None for the base model) are one
+        value for all prompts or one per prompt."""
         if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)
@@ -130,12 +132,13 @@ class LLM:
             raise InvalidRequestError(f"{len(per)} sampling params for {len(prompts)} prompts")
         priorities = _per_prompt(priority, len(prompts), "priority", int)
         salts = _per_prompt(cache_salt, len(prompts), "cache_salt", (str, type(None)))
+        adapters = _per_prompt(lora, len(prompts), "lora", (str, type(None)))
         encoded = [list(p) if isinstance(p, (list, tuple)) else self.encode(p, chat=chat) for p in prompts]
         ids = []
         try:
-            for tokens, p, prio, salt in zip(encoded, per, priorities, salts):
+            for tokens, p, prio, salt, adapter in zip(encoded, per, priorities, salts, adapters):
                 request_id = uuid.uuid4().hex
-                self.engine.add_request(request_id, tokens, p, priority=prio, cache_salt=salt)
+                self.engine.add_request(request_id, tokens, p, priority=prio, cache_salt=salt, lora=adapter)
                 ids.append(request_id)
             done = self._run(ids, per, progress)
         except BaseException:
@@ -143,6 +146,20 @@ class LLM:
                 self.engine.abort(request_id)
             raise
         return [self._output(done[i], prompt, tokens) for i, prompt, tokens in zip(ids, prompts, encoded)]
+
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Register the PEFT adapter folder ``path`` as ``name`` (the pipeline must serve LoRA:
+        ``lora.enabled``, or adapters in the config)."""
+        self.engine.load_lora(name, str(path))
+
+    def unload_lora(self, name: str) -> None:
+        """Unregister adapter ``name``; requests already running under it finish."""
+        self.engine.unload_lora(name)
+
+    @property
+    def lora_adapters(self) -> list[str]:
+        """The names of the registered LoRA adapters."""
+        return sorted(self.engine.lora.adapters) if self.engine.lora is not None else []
 
     def _run(self, ids: list[str], params: list[Any], progress: bool | None) -> dict[str, RequestState]:
         if progress is None:

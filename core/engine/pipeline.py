@@ -16,6 +16,7 @@ from tessellm.core.config import PipelineConfig, apply_overrides, config_from_di
 from tessellm.core.engine.batch_builder import build_batch
 from tessellm.core.engine.engine import Engine
 from tessellm.core.engine.grammar import GrammarSession
+from tessellm.core.engine.lora import LoraAdapters
 from tessellm.core.engine.outputs import StopRule
 from tessellm.core.engine.overlap import OverlappedEngine
 from tessellm.core.engine.scoring import score_tokens
@@ -29,9 +30,10 @@ from tessellm.core.interfaces.quantizer import CalibrationContext, Quantizer
 from tessellm.core.interfaces.scheduler import SchedulerLimits
 from tessellm.core.model.kernel_builds import build_log
 from tessellm.core.model.loader import build_model, load_hf_config, load_state_dict, load_tokenizer, quantized
+from tessellm.core.model.lora import AdapterReader, LoraState, wrap_targets
 from tessellm.core.model.runner import ModelRunner
 from tessellm.core.parallel.group import TensorParallel, init_tensor_parallel
-from tessellm.core.parallel.shard import load_shard, local_spec, plan_shard
+from tessellm.core.parallel.shard import load_shard, local_spec, plan_shard, slice_rule
 from tessellm.core.parallel.sync import RankSync, follow
 from tessellm.core.registry import PluginRegistry, get_registry
 from tessellm.core.resolve import ResolvedPipeline, model_dir_for, precheck, resolve, resolve_device
@@ -93,6 +95,7 @@ class Pipeline:
         self.runner = ModelRunner(self.model, spec, self.attention, self.cache, r.device)
         if calibrates:
             self._calibrate_and_quantize(quantizer)
+        self.lora = self._build_lora() if config.lora.active else None
         if self.runner.compiles_kernels():
             self._warm_up()
         if config.cuda_graphs and self.runner.graphs_unsupported() is None and self.tp is None:
@@ -106,11 +109,41 @@ class Pipeline:
                              vocab_size=self.spec.vocab_size, seed=config.seed,
                              sync=RankSync(self.tp) if self.tp else None,
                              grammar=GrammarSession(build, self.decoder.num_lookahead_tokens),
-                             processors=self._logits_processors())
+                             processors=self._logits_processors(), lora=self.lora)
         self._attach_decoder()
         if self.tp and not self.tp.is_leader:  # a follower serves rank 0 until it stops, then exits
             follow(self.engine, self.engine.sync)
             raise SystemExit(0)
+
+    def _build_lora(self) -> LoraAdapters:
+        """Wrap the target projections with ``max_loras`` slots of ``max_rank`` and register
+        the config's adapters (``LoraAdapterError`` for one this model cannot serve)."""
+        cfg, r = self.config.lora, self.resolved
+        if self.spec.mla is not None:
+            raise ConfigError("lora: adapters on multi-head latent attention (DeepSeek's MLA) are not supported: its "
+                              "projections are absorbed into the attention; serve this model without lora")
+        choice = r.choices.get("lora")
+        if choice is None:
+            raise ConfigError("lora: adapters are on, but no installed LoRA kernel (plugin kind lora) can serve this "
+                              "pipeline; `tessellm plugins` lists them with their reasons")
+        kernel = choice.cls(choice.options, r.device, r.dtype)
+        state = LoraState(kernel, cfg.max_loras)
+        targets = tuple(cfg.target_modules)
+        layers = wrap_targets(self.model, targets, cfg.max_loras, cfg.max_rank, state, r.device, r.dtype)
+        if not layers:
+            raise ConfigError(f"lora.target_modules {list(targets)}: no decoder-layer projection of this "
+                              f"{self.spec.model_type} model has such a name")
+        rule = None
+        if self.shard is not None:
+            def rule(name: str) -> Any:
+                own = self.architecture.shard_rule(name, self.spec, self.shard)
+                return None if own == "whole" else own if own is not None else slice_rule(name, self.spec, self.shard)
+        reader = AdapterReader(layers, cfg.max_rank, targets, self.architecture.checkpoint_name, rule)
+        adapters = LoraAdapters(layers, reader, cfg.max_loras)
+        for name, path in cfg.adapters.items():
+            adapters.register(name, path)
+        self.runner.lora = state
+        return adapters
 
     def _logits_processors(self) -> list[LogitsProcessor]:
         """One instance of every registered logits processor (a request turns on the ones it

@@ -31,9 +31,13 @@ def warm_up(runner: ModelRunner, max_step_tokens: int, max_model_len: int) -> in
     chunk = max(1, min(max_step_tokens, max_model_len))
     shapes = [[(chunk, chunk)] * max(1, max_step_tokens // chunk), [(1, 1)]]
     shapes += runner.backend.warm_up_shapes(max_step_tokens, max_model_len)
-    for shape in shapes:
-        runner.forward(scratch_batch(shape, scratch, runner.cache.layout.block_size, runner.device))
-    return len(shapes)
+    # with LoRA, the same shapes again with every row under an adapter slot: the LoRA kernel's
+    # variants (a decode's and a prefill's) compile too
+    slots = [-1] if runner.lora is None else [-1, 0]
+    for slot in slots:
+        for shape in shapes:
+            runner.forward(scratch_batch(shape, scratch, runner.cache.layout.block_size, runner.device, slot))
+    return len(shapes) * len(slots)
 
 
 class _ScratchTables:
@@ -47,13 +51,16 @@ class _ScratchTables:
         return [self.scratch] * -(-seq.num_tokens // self.layout.block_size)
 
 
-def scratch_batch(shape: list[tuple[int, int]], scratch: int, block_size: int, device: torch.device) -> BatchMetadata:
+def scratch_batch(shape: list[tuple[int, int]], scratch: int, block_size: int, device: torch.device,
+                  lora_slot: int = -1) -> BatchMetadata:
     """A batch of dummy sequences, (query tokens, context length after the step) each, laid out
-    by ``build_batch`` exactly as real ones are, all of their KV in the scratch block."""
+    by ``build_batch`` exactly as real ones are, all of their KV in the scratch block (each
+    under LoRA slot ``lora_slot``; -1: none)."""
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     scheduled = []
     for query, context in shape:
         seq = Sequence("warm-up", [0] * context, params)
         seq.num_computed_tokens = context - query
+        seq.lora_slot = lora_slot
         scheduled.append(ScheduledSeq(seq, query))
     return build_batch(scheduled, _ScratchTables(scratch, block_size), device)

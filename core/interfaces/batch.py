@@ -97,6 +97,9 @@ class BatchMetadata:
     seqs: list[Sequence]  # the scheduled sequences, in batch order
     samples: list[SampleSlot]  # which sequences sample this step, in logits-row order
     prompt_rows: list[PromptRows] = field(default_factory=list)  # after the sample rows
+    lora_slots_cpu: list[int] | None = None
+    """Each sequence's LoRA slot (-1: none), or None when no sequence of the batch has an
+    adapter (``Sequence.lora_slot``)."""
     groups: list["BatchMetadata"] = field(default_factory=list)
     """For a cache with several layer groups (``CacheManager.layer_groups``, plugin API 1.8):
     the batch as each further group's layers see it, its slot mapping and block tables that

@@ -255,6 +255,13 @@ class Sequence:
         self.num_pending = 0
         """Read only. Tokens sampled on the device whose values have not reached the host yet
         (async scheduling): counted in ``num_tokens``, absent from ``token_ids``."""
+        self.lora: str | None = None
+        """Read only. The LoRA adapter the request runs under (None: the base model); the
+        engine sets it and folds the adapter into ``cache_salt``, so a prefix cache never
+        shares K/V computed under one adapter with another."""
+        self.lora_slot = -1
+        """Read only. The device slot holding ``lora``'s weights while the sequence lives (-1:
+        none); the engine sets it at admission."""
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -282,6 +289,7 @@ class Sequence:
                          priority=self.priority, arrival_time=self.arrival_time,
                          sample_index=sample_index, cache_salt=self.cache_salt)
         child.token_ids = list(self.token_ids)
+        child.lora, child.lora_slot = self.lora, self.lora_slot
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
         return child

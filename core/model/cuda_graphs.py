@@ -11,6 +11,9 @@ B..P-1 are padding: token 0 at position 0, one key long, writing and reading onl
 scratch block (``CacheManager.scratch_block``), which no sequence ever holds. The attention
 backend contributes a plan that reads only those buffers (``AttentionBackend.graph_plan``).
 
+With LoRA (``lora``, the wrapped layers' state) each size gets a second graph whose LoRA
+kernel reads static slot buffers; a batch with adapters replays that one.
+
 Only pure decode batches qualify (one query token per sequence, every one sampled, no layer
 subset, block tables within the captured width); anything else runs eagerly. With
 ``capture=False`` the same padded path runs eagerly, which is how it is tested on a CPU.
@@ -18,7 +21,7 @@ subset, block tables within the captured width); anything else runs eagerly. Wit
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -26,6 +29,10 @@ from torch import nn
 from tessellm.core.interfaces.attention import AttentionBackend
 from tessellm.core.interfaces.batch import BatchMetadata
 from tessellm.core.interfaces.cache import CacheManager
+from tessellm.core.interfaces.lora import LoraMapping
+
+if TYPE_CHECKING:
+    from tessellm.core.model.lora import LoraState
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -44,7 +51,7 @@ class DecodeGraphs:
     """
 
     def __init__(self, model: nn.Module, backend: AttentionBackend, cache: CacheManager, device: torch.device,
-                 *, max_batch: int, max_model_len: int, capture: bool = True):
+                 *, max_batch: int, max_model_len: int, capture: bool = True, lora: "LoraState | None" = None):
         if cache.scratch_block is None:
             raise ValueError(f"cache {cache.name!r} has no scratch block for padded rows")
         self.model, self.backend, self.cache, self.device = model, backend, cache, device
@@ -70,12 +77,21 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[Any, Any]] = {}  # size -> (graph, plan)
         self.replays = 0
         self.capture = capture
+        # with LoRA, a second graph per size runs the kernel over static slot buffers (batches
+        # without adapters replay the plain one); a kernel that cannot be captured runs eagerly
+        self.lora = lora if lora is not None and lora.kernel.supports_cuda_graphs else None
+        self.has_lora = lora is not None
+        self.lora_graphs: dict[int, tuple[Any, Any]] = {}
+        self.lora_seq_slots = torch.full((m,), -1, **i32)
+        self.lora_token_slots = torch.full((m,), -1, **i64)
         with torch.inference_mode():
             # an eager forward of one row sizes the logits buffer, on this stream, outside the pool
             self._forward(1, backend.graph_plan(self._static_batch(1), cache, max_model_len))
             pool = torch.cuda.graph_pool_handle() if capture else None
             for size in reversed(self.sizes):  # largest first: later captures reuse its pool memory
                 self.graphs[size] = self._capture(size, pool)
+                if self.lora is not None:
+                    self.lora_graphs[size] = self._capture(size, pool, self._lora_plan(size))
 
     def _static_batch(self, size: int) -> BatchMetadata:
         """A decode batch of ``size`` rows whose tensors are views of the static buffers."""
@@ -87,29 +103,42 @@ class DecodeGraphs:
             seq_lens_cpu=[self.max_model_len] * size, block_tables_cpu=[], block_size=self.cache.layout.block_size,
             seqs=[], samples=[])
 
-    def _forward(self, size: int, plan: Any) -> torch.Tensor:
+    def _forward(self, size: int, plan: Any, lora_plan: Any = None) -> torch.Tensor:
         out = None if self.logits is None else self.logits[:size]
-        logits = self.model(self.input_ids[:size], self.positions[:size], self.logits_indices[:size],
-                            self.backend, self.cache, plan, logits_out=out, native_logits=True)
+        if lora_plan is not None:
+            self.lora.plan = lora_plan
+        try:
+            logits = self.model(self.input_ids[:size], self.positions[:size], self.logits_indices[:size],
+                                self.backend, self.cache, plan, logits_out=out, native_logits=True)
+        finally:
+            if lora_plan is not None:
+                self.lora.plan = None
         if self.logits is None:  # the first forward: its logits' row shape and dtype serve all sizes
             self.logits = torch.empty((self.sizes[-1], *logits.shape[1:]), dtype=logits.dtype, device=logits.device)
             logits = self.logits[:size].copy_(logits)
         return logits
 
-    def _capture(self, size: int, pool: Any) -> tuple[Any, Any]:
+    def _lora_plan(self, size: int) -> Any:
+        """The LoRA kernel's plan over the static slot buffers (``LoraMapping.static``)."""
+        mapping = LoraMapping(self.lora_seq_slots[:size], self.lora_token_slots[:size],
+                              self.query_start_loc[:size + 1], [0] * size, list(range(size + 1)),
+                              self.lora.num_slots, 1, static=True)
+        return self.lora.kernel.plan(mapping)
+
+    def _capture(self, size: int, pool: Any, lora_plan: Any = None) -> tuple[Any, Any]:
         plan = self.backend.graph_plan(self._static_batch(size), self.cache, self.max_model_len)
         if not self.capture:
-            return None, plan
+            return None, (plan, lora_plan)
         # warm up on a side stream (kernel compilation, allocator, library handles), then capture
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
-            self._forward(size, plan)
+            self._forward(size, plan, lora_plan)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
-            self._forward(size, plan)
-        return graph, plan
+            self._forward(size, plan, lora_plan)
+        return graph, (plan, lora_plan)
 
     def eligible(self, batch: BatchMetadata) -> int | None:
         """The padded size ``batch`` replays in, or None if it must run eagerly."""
@@ -124,6 +153,9 @@ class DecodeGraphs:
         size = self.eligible(batch)
         if size is None:
             return None
+        adapters = batch.lora_slots_cpu is not None and self.has_lora
+        if adapters and self.lora is None:  # the LoRA kernel cannot be captured
+            return None
         n, width = batch.num_seqs, batch.block_tables.shape[1]
         self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
         self.positions[:n].copy_(batch.positions, non_blocking=True)
@@ -136,9 +168,14 @@ class DecodeGraphs:
             self.slot_mapping[n:size].fill_(self.scratch_slot)
             self.seq_lens[n:size].fill_(1)
             self.block_tables[n:size, 0].fill_(self.cache.scratch_block)
-        graph, plan = self.graphs[size]
+        if adapters:
+            slots = torch.full((size,), -1, dtype=torch.int32)
+            slots[:n] = torch.tensor(batch.lora_slots_cpu, dtype=torch.int32)
+            self.lora_seq_slots[:size].copy_(slots, non_blocking=True)
+            self.lora_token_slots[:size].copy_(slots, non_blocking=True)
+        graph, (plan, lora_plan) = (self.lora_graphs if adapters else self.graphs)[size]
         self.replays += 1
         if graph is None:
-            return self._forward(size, plan)[:n]
+            return self._forward(size, plan, lora_plan)[:n]
         graph.replay()
         return self.logits[:n]

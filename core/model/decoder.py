@@ -28,16 +28,18 @@ if TYPE_CHECKING:
     from tessellm.core.model.moe import MoE
 
 
-def _stacked(*linears: nn.Linear) -> nn.Linear:
-    """One Linear computing ``linears`` side by side (outputs concatenated in order)."""
-    first = linears[0]
+def _stacked(**linears: nn.Linear) -> nn.Linear:
+    """One Linear computing ``linears`` side by side (outputs concatenated in order); its
+    ``stacked_parts`` names each part and its width (a LoRA adapter targets the parts)."""
+    first = next(iter(linears.values()))
     bias = first.bias is not None
-    out = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=bias,
+    out = nn.Linear(first.in_features, sum(m.out_features for m in linears.values()), bias=bias,
                     device=first.weight.device, dtype=first.weight.dtype)
     with torch.no_grad():
-        out.weight.copy_(torch.cat([m.weight for m in linears]))
+        out.weight.copy_(torch.cat([m.weight for m in linears.values()]))
         if bias:
-            out.bias.copy_(torch.cat([m.bias for m in linears]))
+            out.bias.copy_(torch.cat([m.bias for m in linears.values()]))
+    out.stacked_parts = tuple((name, m.out_features) for name, m in linears.items())
     return out.requires_grad_(False)
 
 
@@ -112,7 +114,7 @@ class Attention(nn.Module):
 
     def fuse_projections(self) -> None:
         """Replace q/k/v_proj by one ``qkv_proj`` (their weights stacked): one GEMM, not three."""
-        self.qkv_proj = _stacked(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_proj = _stacked(q_proj=self.q_proj, k_proj=self.k_proj, v_proj=self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -177,7 +179,7 @@ class MLP(nn.Module):
 
     def fuse_projections(self) -> None:
         """Replace gate/up_proj by one ``gate_up_proj`` (their weights stacked)."""
-        self.gate_up_proj = _stacked(self.gate_proj, self.up_proj)
+        self.gate_up_proj = _stacked(gate_proj=self.gate_proj, up_proj=self.up_proj)
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:

@@ -12,6 +12,7 @@ from tessellm.core.interfaces.attention import AttentionBackend
 from tessellm.core.interfaces.batch import BatchMetadata, LayerPlans
 from tessellm.core.interfaces.cache import CacheManager
 from tessellm.core.model.cuda_graphs import DecodeGraphs
+from tessellm.core.model.lora import LoraState
 from tessellm.core.model.spec import ModelSpec
 
 
@@ -32,6 +33,9 @@ class ModelRunner:
         self.cache = cache
         self.graphs: DecodeGraphs | None = None
         self._layer_group: list[int] | None = None
+        self.lora: LoraState | None = None
+        """Set where the model's projections are wrapped for LoRA: the wrapped layers' shared
+        state, whose plan ``forward`` sets for each batch with adapters."""
 
     def _group_of_layer(self) -> list[int]:
         """Each layer's group in the cache's ``layer_groups`` (fixed: worked out once)."""
@@ -67,7 +71,7 @@ class ModelRunner:
         """Capture decode forwards for batches up to ``max_batch`` (``capture=False``: the same
         padded static-buffer path, run eagerly, for testing without a GPU)."""
         self.graphs = DecodeGraphs(self.model, self.backend, self.cache, self.device, max_batch=max_batch,
-                                   max_model_len=max_model_len, capture=capture)
+                                   max_model_len=max_model_len, capture=capture, lora=self.lora)
 
     @torch.inference_mode()
     def forward(self, batch: BatchMetadata, layers: Layers[int] | None = None, *,
@@ -84,5 +88,13 @@ class ModelRunner:
         if batch.groups:  # a plan per block table (a cache that frees out-of-window blocks)
             plan = LayerPlans([plan, *(self.backend.plan(view, self.cache) for view in batch.groups)],
                               self._group_of_layer())
-        return self.model(batch.input_ids, batch.positions, batch.logits_indices,
-                          self.backend, self.cache, plan, layers, native_logits=native_logits)
+        lora = self.lora
+        if lora is None or batch.lora_slots_cpu is None:
+            return self.model(batch.input_ids, batch.positions, batch.logits_indices,
+                              self.backend, self.cache, plan, layers, native_logits=native_logits)
+        lora.plan = lora.plan_for(batch)
+        try:
+            return self.model(batch.input_ids, batch.positions, batch.logits_indices,
+                              self.backend, self.cache, plan, layers, native_logits=native_logits)
+        finally:
+            lora.plan = None

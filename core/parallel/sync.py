@@ -58,8 +58,8 @@ class RankSync:
     # ------------------------------------------------------------------ rank 0
 
     def record(self, op: str, **kwargs: Any) -> None:
-        """Rank 0 admitted a request (``add``) or aborted one (``abort``): the followers
-        replay it before the next step."""
+        """Rank 0 admitted a request (``add``), aborted one (``abort``) or loaded or unloaded
+        a LoRA adapter: the followers replay it before the next step (``FOLLOWED_OPS``)."""
         if self.tp.is_leader:
             self.pending.append((op, kwargs))
 
@@ -106,6 +106,10 @@ class RankSync:
         return self._share(tokens, "sharing the step's tokens")
 
 
+FOLLOWED_OPS = {"add": "add_request", "abort": "abort", "load_lora": "load_lora", "unload_lora": "unload_lora"}
+"""What rank 0 records (``RankSync.record``) -> the engine method a follower replays it with."""
+
+
 def follow(engine: "Engine", sync: RankSync) -> None:
     """A follower's loop: replay rank 0's requests and run each step (or scoring) with it,
     until rank 0 stops."""
@@ -117,8 +121,5 @@ def follow(engine: "Engine", sync: RankSync) -> None:
             engine.score(body)
             continue
         for op, kwargs in body:
-            if op == "add":
-                engine.add_request(**kwargs)
-            else:
-                engine.abort(**kwargs)
+            getattr(engine, FOLLOWED_OPS[op])(**kwargs)
         engine.step()

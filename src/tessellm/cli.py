@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ignore-eos", action="store_true", help="generate past the end-of-sequence token")
     g.add_argument("--chat", action="store_true", help="apply the model's chat template to each prompt")
     g.add_argument("--json", action="store_true", help="print one JSON object per prompt per line")
+    g.add_argument("--lora", metavar="NAME", default=None,
+                   help="run the prompts under this LoRA adapter (registered by the config's lora.adapters)")
     g.add_argument("--min-tokens", type=int, default=0, help="fewest tokens before EOS or a stop may end a sample")
     g.add_argument("--sampling", metavar="JSON", default=None,
                    help="further SamplingParams fields as a JSON object, over the flags above: penalties, "
@@ -178,7 +180,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = to_sampling_params(_sampling(args))  # reject bad sampling arguments before loading a model
     llm = LLM(args.config, overrides=args.overrides)
     start = time.perf_counter()
-    outputs = llm.generate(args.prompts, params, chat=args.chat)
+    outputs = llm.generate(args.prompts, params, chat=args.chat, lora=args.lora)
     elapsed = time.perf_counter() - start
     generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     for prompt, out in zip(args.prompts, outputs):

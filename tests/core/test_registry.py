@@ -34,6 +34,7 @@ BUILTINS = {
     "quant": ["none"],
     "model": ["llama", "qwen3", "qwen2-moe", "mixtral", "deepseek"],
     "logits": ["min_tokens", "logit_bias"],
+    "lora": ["torch", "triton"],
 }
 BUILTIN_ENTRY_POINTS = [f"{kind}.{name}" for kind, names in BUILTINS.items() for name in names]
 MODULE_PREFIX = "tessellm_testplug_"  # every module this file writes to disk starts with this
@@ -52,7 +53,8 @@ def plugin_source(name: str, *, kind: str = "attention", api_version: str | None
             "quant": ("tessellm", "Quantizer"),
             "grammar": ("tessellm", "GrammarBackend"),
             "model": ("tessellm", "ModelArchitecture"),
-            "logits": ("tessellm", "LogitsProcessor")}[kind]
+            "logits": ("tessellm", "LogitsProcessor"),
+            "lora": ("tessellm", "LoraKernel")}[kind]
     version_line = "" if api_version is None else f"api_version = {api_version!r}"
     return textwrap.dedent(f"""\
         import tessellm
@@ -295,7 +297,7 @@ def test_same_name_in_different_kinds_is_no_conflict():
 
 
 @pytest.mark.parametrize("version", [
-    "2.0", "1.10", "0.9", "3",
+    "2.0", "1.11", "0.9", "3",
     ("abc"),
 ])
 def test_incompatible_api_version_is_a_load_failure(version):

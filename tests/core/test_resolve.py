@@ -153,7 +153,7 @@ def ranked_attention(name: str, priority: int | None):
 def test_default_config_resolves_on_cpu(registry, spec):
     resolved = resolve(config(), registry, spec)
     assert isinstance(resolved, ResolvedPipeline)
-    assert list(resolved.choices) == [k for k in ORDER if k != "grammar"]  # none registered here: optional
+    assert list(resolved.choices) == [k for k in ORDER if k not in ("grammar", "lora")]  # none registered here: optional
     assert names(resolved) == {"quant": "none", "cache": "contiguous", "attention": "sdpa",
                                "scheduler": "static", "decoding": "sample"}
     assert resolved.device == torch.device("cpu")

@@ -398,3 +398,24 @@ def test_eval_perplexity_under_torchrun(gqa_config, capsys):
     run = torchrun(2, *args, "--set", "parallel.tensor=2")
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split(",")[0] == expected and expected.startswith("perplexity ")
+
+
+def test_two_ranks_serve_lora_adapters_as_one_rank(gqa_config, tmp_path, capsys):
+    """Adapters on every projection are sharded with their layers (B rows of column-parallel
+    layers, A columns of row-parallel ones): two ranks give one rank's tokens under each."""
+    from tessellm.testing.lora import build_tiny_lora
+
+    config = json.loads(gqa_config.read_text())
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    adapters = {name: str(build_tiny_lora(Path(config["model"]), tmp_path / name, rank=rank, seed=seed,
+                                          target_modules=targets))
+                for name, rank, seed in (("a", 8, 1), ("b", 3, 2))}
+    path = tmp_path / "lora.json"
+    path.write_text(json.dumps({**config, "lora": {"adapters": adapters}}))
+    plain = one_rank(path, capsys)
+    for name in adapters:
+        expected = one_rank(path, capsys, "--lora", name)
+        assert expected != plain
+        run = torchrun(2, *generate_args(path, "--set", "parallel.tensor=2", "--lora", name))
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert token_ids(run.stdout) == expected, name

@@ -1,6 +1,6 @@
 """The server's surface around generation, as clients meet it: the model list and
 ``GET /v1/models/{id}`` (the openai client's ``models.retrieve``, a stable ``created``, a 404
-for an unknown id), vLLM's /tokenize and /detokenize (text or chat messages in, the ids the
+for an unknown id, on every route that takes a model), vLLM's /tokenize and /detokenize (text or chat messages in, the ids the
 generating routes would use out), and OpenAI's error body for every failure of every route:
 unknown routes, wrong methods, bodies that are not JSON or not sent as JSON, fields that fail
 validation (named as the API names them, with ``param``), limits the engine sets."""
@@ -119,7 +119,6 @@ def test_tokenize_messages_counts_what_the_chat_route_prefills(served, client):
 @pytest.mark.parametrize("path, body, param, words", [
     ("/tokenize", {"model": MODEL}, None, ["exactly one of prompt", "messages"]),
     ("/tokenize", {"prompt": "a", "messages": CHAT}, None, ["exactly one of prompt"]),
-    ("/tokenize", {"model": "other", "prompt": "a"}, "model", ["'other'", "not served"]),
     ("/tokenize", {"messages": CHAT, "continue_final_message": True, "add_generation_prompt": True},
      "continue_final_message", ["cannot both be true"]),
     ("/tokenize", {"messages": [{"role": "user"}]}, "messages[0]", ["needs content"]),
@@ -189,13 +188,26 @@ def test_a_body_that_is_not_a_json_object(served, path, content, content_type, w
     ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", ["20"]),
     ("chat/completions", {"max_completion_tokens": 10 ** 9}, "max_completion_tokens", ["1000000"]),
     ("chat/completions", {"tool_choice": "required"}, "tool_choice", ["declares no tools"]),
-    ("chat/completions", {"model": "gpt-4"}, "model", ["'gpt-4'", "not served"]),
 ])
 def test_validation_errors_name_the_field_as_the_api_does(served, path, fields, param, words):
     base = {"model": MODEL, "max_tokens": 4}
     base.update({"prompt": "hi"} if path == "completions" else {"messages": [{"role": "user", "content": "hi"}]})
     body = {k: v for k, v in {**base, **fields}.items() if v is not None}
     assert_openai_error(httpx.post(f"{served[0]}/v1/{path}", json=body, timeout=60), 400, param, *words)
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": "hi"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/responses", {"input": "hi"}),
+    ("/tokenize", {"prompt": "a"}),
+    ("/detokenize", {"tokens": [5]}),
+])
+def test_an_unknown_model_is_a_404_on_every_route(served, path, body):
+    """As ``GET /v1/models/{id}`` answers it (and OpenAI and vLLM do): ``model_not_found``."""
+    r = httpx.post(served[0] + path, json={"model": "gpt-4", **body}, timeout=60)
+    err = assert_openai_error(r, 404, "model", "'gpt-4'", "does not exist", f"'{MODEL}'")
+    assert err["code"] == "model_not_found"
 
 
 def test_the_openai_client_reads_the_field_of_a_bad_request(client):

@@ -136,7 +136,6 @@ def test_vllm_style_top_k_and_min_p_reach_the_sampler(client):
 
 
 @pytest.mark.parametrize("body, words", [
-    ({"model": "gpt-4", "prompt": "hi"}, ["gpt-4", "not served"]),
     ({"model": MODEL, "prompt": "hi", "max_tokens": -1}, ["max_tokens"]),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 10 ** 9}, ["max_tokens"]),
     ({"model": MODEL, "prompt": "hi", "n": 1000}, ["n"]),

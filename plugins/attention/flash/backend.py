@@ -14,8 +14,6 @@ tested, and whole pipelines be run, on a machine without a GPU.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +24,7 @@ from tessellm.core.interfaces.batch import BatchMetadata
 from tessellm.core.interfaces.cache import CacheManager
 from tessellm.core.interfaces.kv import KVStorage
 from tessellm.core.model.spec import LayerAttention
+from tessellm.core.model.triton_support import triton_device_reasons
 from tessellm.core.plugin import PluginOptions, SelectionContext
 
 
@@ -96,10 +95,6 @@ def _scales(kv: KVStorage) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     return kv.kv_scales() if kv.layout.dtype == torch.int8 else (None, None)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 class FlashAttention(AttentionBackend):
     """Triton varlen FlashAttention over the paged cache's raw K/V tensors.
 
@@ -118,7 +113,7 @@ class FlashAttention(AttentionBackend):
     """
 
     name = "flash"
-    api_version = "1.9"
+    api_version = "1.10"
     description = "Triton FlashAttention over packed varlen batches, K/V read through block tables"
     Options = FlashOptions
     auto_priority = 30
@@ -130,15 +125,7 @@ class FlashAttention(AttentionBackend):
 
     @classmethod
     def unsupported_reasons(cls, ctx: SelectionContext) -> list[str]:
-        reasons = super().unsupported_reasons(ctx)
-        if importlib.util.find_spec("triton") is None:
-            reasons.append("needs triton, which is not installed")
-        if ctx.device.type == "cpu" and ctx.auto:
-            reasons.append("auto uses it on CUDA only (on a CPU it runs interpreted; name it to use it)")
-        elif ctx.device.type == "cpu" and not _interpreting():
-            reasons.append("runs on CPU only under Triton's interpreter: set TRITON_INTERPRET=1 (slow; for testing)")
-        elif ctx.device.type not in ("cpu", "cuda"):
-            reasons.append(f"runs on cuda (or cpu under TRITON_INTERPRET=1), not {ctx.device.type}")
+        reasons = super().unsupported_reasons(ctx) + triton_device_reasons(ctx)
         if ctx.model.head_dim > 256:
             reasons.append(f"supports head dims up to 256, the model has {ctx.model.head_dim}")
         for name in ("block_m", "block_n"):

@@ -68,6 +68,7 @@ class DraftView:
         self.num_prompt_tokens = seq.num_prompt_tokens
         self.num_computed_tokens = seq.num_computed_tokens
         self.num_pending = 0  # speculative steps never leave tokens on the device
+        self.lora_slot = seq.lora_slot  # a self-draft runs under the sequence's adapter
 
     @property
     def num_tokens(self) -> int:

@@ -47,8 +47,9 @@ def split_overrides(values: list[str]) -> list[str]:
 def parse_request_params(values: list[str], flag: str, base: dict[str, Any] | None = None) -> dict[str, Any]:
     """``--params``/``--a-params``/``--b-params`` values (``KEY=VALUE[,KEY=VALUE...]``, repeatable,
     values in ``--set``'s YAML syntax, ``extra_args.KEY`` for a decoder's own) as a mapping of
-    ``SamplingParams`` fields, on top of a copy of ``base``. Raises ConfigError naming the flag
-    and the item."""
+    ``SamplingParams`` fields, on top of a copy of ``base``; ``lora`` names the LoRA adapter
+    (or a list of them, null for the base model, dealt to the requests in turn). Raises
+    ConfigError naming the flag and the item."""
     params: dict[str, Any] = json.loads(json.dumps(base or {}))
     for item in split_overrides(values):
         key, sep, raw = item.partition("=")
@@ -62,8 +63,13 @@ def parse_request_params(values: list[str], flag: str, base: dict[str, Any] | No
         for part in path[:-1]:
             node = node.setdefault(part, {})
         node[path[-1]] = _yaml_scalar(raw.strip())
+    lora = params.get("lora")
+    if lora is not None and not (isinstance(lora, str) or (isinstance(lora, list) and lora and all(
+            n is None or isinstance(n, str) for n in lora))):
+        raise ConfigError(f"{flag} lora={lora!r}: expected an adapter name or a list of them (null: the base model), "
+                          f"e.g. lora=[a,b,null]")
     try:
-        SamplingParams.model_validate({**params, "max_tokens": 1})
+        SamplingParams.model_validate({**{k: v for k, v in params.items() if k != "lora"}, "max_tokens": 1})
     except ValidationError as exc:
         raise ConfigError(f"{flag} {','.join(split_overrides(values))!r}: {validation_problems(exc)}") from None
     return params
@@ -80,6 +86,7 @@ def _yaml_scalar(text: str) -> Any:
 
 def requests_sample(params: dict[str, Any]) -> bool:
     """Whether requests with these parameters sample (rather than take the argmax)."""
+    params = {k: v for k, v in params.items() if k != "lora"}
     return SamplingParams.model_validate({**params, "max_tokens": 1}).temperature > 0
 
 
@@ -145,11 +152,17 @@ class ArmRequest(BenchRequest):
                                               "ignore_eos": self.ignore_eos})
 
 
-def arm_request(r: BenchRequest, request_id: str, params: dict[str, Any]) -> BenchRequest:
-    """A copy of ``r`` named ``request_id`` that runs with ``params`` (none: as the workload says)."""
+def arm_request(r: BenchRequest, request_id: str, params: dict[str, Any], index: int = 0) -> BenchRequest:
+    """A copy of ``r`` named ``request_id`` that runs with ``params`` (none: as the workload
+    says); a list of LoRA adapters in ``params["lora"]`` gives request ``index`` the one at
+    ``index`` modulo its length."""
+    params = dict(params)
+    lora = params.pop("lora", None)
+    if isinstance(lora, list):
+        lora = lora[index % len(lora)]
     if not params:
-        return dataclasses.replace(r, request_id=request_id)
-    return ArmRequest(request_id, r.prompt_token_ids, r.output_len, r.ignore_eos, params=params)
+        return dataclasses.replace(r, request_id=request_id, lora=lora)
+    return ArmRequest(request_id, r.prompt_token_ids, r.output_len, r.ignore_eos, lora=lora, params=params)
 
 
 def run_rounds(llm_a: Any, llm_b: Any, requests: list[BenchRequest], rounds: int, *, progress: bool = False,
@@ -168,7 +181,7 @@ def run_rounds(llm_a: Any, llm_b: Any, requests: list[BenchRequest], rounds: int
             if reset is not None:
                 reset()
             # request ids must be unique among an engine's live requests: tag each run's copies
-            fresh = [arm_request(r, f"{r.request_id}#{arm}{i}", own) for r in requests]
+            fresh = [arm_request(r, f"{r.request_id}#{arm}{i}", own, n) for n, r in enumerate(requests)]
             out[arm].append(run_offline(llm, fresh, progress=progress, warmup=False))
     return out["a"], out["b"]
 
@@ -222,7 +235,8 @@ def draw_continuations(llm: Any, prompts: list[list[int]], params: dict[str, Any
     request j has seed ``first_seed + j * seed_step``, so the draws are reproducible."""
     most = min(SAMPLES_PER_REQUEST, llm.pipeline.scheduler.max_step_seqs or SAMPLES_PER_REQUEST)
     chunks = [min(most, num_samples - start) for start in range(0, num_samples, most)]
-    batch = [{**params, "max_tokens": max_tokens, "ignore_eos": True, "n": n,
+    sampling = {k: v for k, v in params.items() if k != "lora"}  # the agreement checks run on the base model
+    batch = [{**sampling, "max_tokens": max_tokens, "ignore_eos": True, "n": n,
               "seed": first_seed + (i * len(chunks) + c) * seed_step}
              for i in range(len(prompts)) for c, n in enumerate(chunks)]
     outs = llm.generate([p for p in prompts for _ in chunks], batch, progress=False)

@@ -145,7 +145,7 @@ def run_offline(llm: Any, requests: list[BenchRequest], *, progress: bool = Fals
     try:
         start = time.perf_counter()
         for r in requests:
-            state = engine.add_request(r.request_id, r.prompt_token_ids, r.sampling_params())
+            state = engine.add_request(r.request_id, r.prompt_token_ids, r.sampling_params(), lora=r.lora)
             state.seqs[0].arrival_time = start  # all arrive at t=0: submission time counts as queueing
             submitted.append(r.request_id)
         pending = set(submitted)

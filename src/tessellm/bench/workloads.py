@@ -33,6 +33,8 @@ class BenchRequest:
     prompt_token_ids: list[int]
     output_len: int
     ignore_eos: bool = True
+    lora: str | None = None
+    """The LoRA adapter the request runs under (None: the base model)."""
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.output_len, temperature=0.0, ignore_eos=self.ignore_eos)

@@ -1,10 +1,10 @@
-"""``tessellm new-plugin KIND NAME``: a ready plugin package for the five kinds of the forward and decode path, for model architectures and for logits processors.
+"""``tessellm new-plugin KIND NAME``: a ready plugin package for the five kinds of the forward and decode path, for model architectures, logits processors and LoRA kernels.
 
 The package holds a plugin class whose body is a correct plain-torch implementation of its
 kind (attention: explicit softmax attention; cache: one region per sequence; scheduler: FCFS
 continuous batching; decoding: argmax; quant: int8 per-channel weights; model: Llama's
-decoder from tessellm's building blocks; logits: a per-request cap on repeated tokens), its
-options model,
+decoder from tessellm's building blocks; logits: a per-request cap on repeated tokens; lora:
+rows grouped by adapter slot, a gather and two matmuls per slot), its options model,
 a pyproject.toml with the ``tessellm`` entry point, a tests/ module subclassing the kind's
 conformance suite, and a README. It imports only ``tessellm``, the plugin API.
 """
@@ -25,13 +25,13 @@ NAME_PATTERN = re.compile(r"[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
 """Plugin names the scaffold accepts: lowercase words of letters and digits joined by hyphens."""
 
 CLASS_SUFFIX = {"attention": "Attention", "cache": "Cache", "scheduler": "Scheduler", "decoding": "Decoder",
-                "quant": "Quantizer", "model": "Architecture", "logits": "Processor"}
+                "quant": "Quantizer", "model": "Architecture", "logits": "Processor", "lora": "Lora"}
 SCAFFOLD_KINDS = tuple(CLASS_SUFFIX)
 """The kinds ``new-plugin`` has templates for (every kind but the optional grammar kind)."""
 SECTION = {"model": "architecture"}
 """A kind's config section where it is not named after the kind."""
 BUILTIN_TO_COMPARE = {"attention": "sdpa", "cache": "paged", "scheduler": "continuous", "decoding": "greedy",
-                      "quant": "none", "model": "llama"}
+                      "quant": "none", "model": "llama", "lora": "torch"}
 """The built-in ``tessellm ab`` compares a generated plugin with (a logits processor has no
 config section: its README compares requests with and without it instead)."""
 
@@ -84,7 +84,20 @@ def substitutions(kind: str, name: str) -> dict[str, str]:
                           "(see tessellm's\ndocs/plugins.md).")}
     if kind == "logits":
         values.update(_per_request(name))
+    if kind == "lora":
+        values.update(_under_an_adapter(name))
     return values
+
+
+def _under_an_adapter(name: str) -> dict[str, str]:
+    """A LoRA kernel only runs for requests under an adapter: what its README runs and
+    compares registers one (a PEFT folder) and names it."""
+    adapter = f"--set lora.name={name} --set lora.adapters.mine=ADAPTER_FOLDER"
+    return {"run_hint": f'tessellm generate {adapter} --lora mine --max-tokens 16 "Hello"',
+            "compare": ("Then compare it with the built-in `torch` kernel on the same workload, every request under\n"
+                        "the adapter:\n"
+                        f"`tessellm ab --a lora.name=torch,lora.adapters.mine=ADAPTER_FOLDER --b lora.name={name},"
+                        "lora.adapters.mine=ADAPTER_FOLDER --params lora=mine`\n(see tessellm's docs/plugins.md).")}
 
 
 def _per_request(name: str) -> dict[str, str]:

@@ -2,8 +2,10 @@
 
 POST /v1/completions (serve/completions.py), /v1/chat/completions (serve/chat.py) and
 /v1/responses (serve/responses.py), streamed as server-sent events when ``stream`` is true;
-GET /v1/models and /v1/models/{id}; vLLM's POST /tokenize and /detokenize; /health and
-/metrics (Prometheus). One ``EngineThread`` serves every connection, so requests from all
+GET /v1/models and /v1/models/{id}, the base model and its LoRA adapters, and vLLM's POST
+/v1/load_lora_adapter and /v1/unload_lora_adapter (serve/models.py: a request's ``model``
+may name an adapter); vLLM's POST /tokenize and /detokenize; /health and /metrics
+(Prometheus). One ``EngineThread`` serves every connection, so requests from all
 clients are batched by the configured scheduler. Every error is OpenAI's error body
 (serve/http_errors.py): a user error is a 400 naming the field, never a 500; a full waiting
 queue is a 429; a failure inside the engine fails the requests it was running with a 500 and
@@ -24,7 +26,7 @@ from fastapi.responses import PlainTextResponse  # noqa: E402
 from starlette.datastructures import Headers  # noqa: E402
 
 import tessellm.serve.responses  # noqa: E402
-from tessellm.serve import chat, completions  # noqa: E402
+from tessellm.serve import chat, completions, models  # noqa: E402
 from tessellm.serve.context import ServerContext  # noqa: E402
 from tessellm.serve.engine_thread import EngineThread  # noqa: E402
 from tessellm.serve.errors import error  # noqa: E402
@@ -41,7 +43,7 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
     """The server's app around a loaded ``LLM``; the engine thread runs while the app does."""
     metrics = ServerMetrics(llm.pipeline)
     engine = EngineThread(llm, max_waiting=max_waiting, metrics=metrics)  # it records each request's metrics
-    ctx = ServerContext(llm, engine, model_name or llm.pipeline.config.model, created=int(time.time()))
+    ctx = server_context(llm, engine, model_name or llm.pipeline.config.model, int(time.time()))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -55,11 +57,23 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
     add_error_handlers(app)
     app.add_exception_handler(ClientGone, client_gone)
     add_info_routes(app, ctx, metrics)
+    models.add_routes(app, ctx)
     add_tokenizer_routes(app, ctx)
     completions.add_routes(app, ctx)
     chat.add_routes(app, ctx)
     tessellm.serve.responses.add_routes(app, ctx)
     return app
+
+
+def server_context(llm: Any, engine: EngineThread, model_name: str, created: int) -> ServerContext:
+    """The shared context, with the LoRA adapters the pipeline registered at start (read
+    before the engine thread starts: later changes go through it)."""
+    config = llm.pipeline.config
+    lora = llm.engine.lora
+    adapters = {name: a.path for name, a in lora.adapters.items()} if lora is not None else {}
+    served = models.ServedModels(model_name, config.model, created, llm.pipeline.resolved.max_model_len, adapters,
+                                 runtime_updates=lora is not None and config.lora.runtime_updates)
+    return ServerContext(llm, engine, model_name, created, served)
 
 
 class Guard:
@@ -91,8 +105,7 @@ class Guard:
 
 
 def add_info_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> None:
-    """/health, /metrics, and the model list and model object (``created``: the server's start)."""
-    model = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "tessellm"}
+    """/health and /metrics."""
 
     @app.get("/health")
     async def health():
@@ -104,17 +117,6 @@ def add_info_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) ->
     async def prometheus():
         body, content_type = metrics.render()
         return PlainTextResponse(body, media_type=content_type)
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [model]}
-
-    @app.get("/v1/models/{model_id:path}")
-    async def model_by_id(model_id: str):
-        if model_id != ctx.model_name:
-            raise RequestError(404, f"The model {model_id!r} does not exist; this server serves {ctx.model_name!r}",
-                               param="model", code="model_not_found")
-        return model
 
 
 def add_tokenizer_routes(app: FastAPI, ctx: ServerContext) -> None:

@@ -30,7 +30,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
 async def chat(ctx: ServerContext, body: ChatCompletionRequest, request: Request):
     """The whole answer, or its stream."""
-    check_model(ctx, body.model)
+    lora = check_model(ctx, body.model)
     if body.top_logprobs and not body.logprobs:
         raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if not getattr(ctx.llm.tokenizer, "chat_template", None):
@@ -43,7 +43,8 @@ async def chat(ctx: ServerContext, body: ChatCompletionRequest, request: Request
                              structured_output=constraint,
                              names={"logprobs": "top_logprobs", "max_tokens": max_name})
     prompt = chat_prompt(ctx, body, calling)
-    admitted = await admit(ctx, request, new_request_id("chatcmpl"), [prompt], params, body, prompt_param="messages")
+    admitted = await admit(ctx, request, new_request_id("chatcmpl"), [prompt], params, body, prompt_param="messages",
+                           lora=lora)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return chat_stream(request, admitted, calling, include_usage)
@@ -87,7 +88,7 @@ def chat_body(admitted: Admitted, outputs: list[list[StepOutput]], calling: Tool
     choices = [{"index": c.index, **chat_message(c.text, c.finish_reason, calling),
                 "logprobs": logprobs_content(ctx, c.deltas)} for c in choices_of(outputs, admitted.params.n)]
     return {"id": admitted.request_id, "object": "chat.completion", "created": int(time.time()),
-            "model": ctx.model_name, "choices": choices, "usage": usage([outs[-1] for outs in outputs])}
+            "model": admitted.model, "choices": choices, "usage": usage([outs[-1] for outs in outputs])}
 
 
 def chat_message(text: str, reason: str | None, calling: ToolCalling | None) -> dict[str, Any]:
@@ -101,11 +102,11 @@ def chat_message(text: str, reason: str | None, calling: ToolCalling | None) -> 
 def chat_stream(request: Request, admitted: Admitted, calling: ToolCalling | None,
                 include_usage: bool) -> EngineStream:
     """The streamed answer: ``chat.completion.chunk`` deltas."""
-    ctx, created = admitted.ctx, int(time.time())
+    created = int(time.time())
 
     def chunk(choices: list[dict], **extra: Any) -> dict:
         return {"id": admitted.request_id, "object": "chat.completion.chunk", "created": created,
-                "model": ctx.model_name, "choices": choices, **extra}
+                "model": admitted.model, "choices": choices, **extra}
 
     return event_stream(request, admitted, ChatChunks(admitted, calling), chunk, usage if include_usage else None)
 

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import Any, Callable
+
+from tessellm.core.errors import ConfigError
+
+LORA_FORM = "NAME=PATH (an adapter's name and its PEFT folder, e.g. sql=/adapters/sql-lora)"
 
 
 def add_parser(sub: Any, add_config_args: Callable[[argparse.ArgumentParser], None]) -> None:
@@ -17,6 +22,70 @@ def add_parser(sub: Any, add_config_args: Callable[[argparse.ArgumentParser], No
     sv.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     sv.add_argument("--max-waiting", type=int, default=1024,
                     help="requests waiting to run before new ones get 429 (default 1024)")
+    add_lora_args(sv)
+
+
+def add_lora_args(sv: argparse.ArgumentParser) -> None:
+    """LoRA adapters: each flag sets a field of the config's ``lora`` section (over the
+    config file's; adapters are added to the file's)."""
+    sv.add_argument("--lora", "--lora-modules", dest="lora", metavar="NAME=PATH", nargs="+", action="extend",
+                    type=lora_module, default=[],
+                    help="serve LoRA adapters: a request's model NAME runs under the PEFT adapter in PATH "
+                         "(repeatable; vLLM's JSON form {\"name\": ..., \"path\": ...} too)")
+    sv.add_argument("--max-loras", type=int, default=None, metavar="N",
+                    help="adapters resident on the device at once (lora.max_loras, default 4)")
+    sv.add_argument("--max-lora-rank", type=int, default=None, metavar="R",
+                    help="largest adapter rank served (lora.max_rank, default 16)")
+    sv.add_argument("--allow-runtime-lora-updating", action="store_true",
+                    help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora.runtime_updates)")
+
+
+def lora_module(text: str) -> tuple[str, str]:
+    """``NAME=PATH`` (or vLLM's ``{"name": ..., "path": ...}``) as (name, path)."""
+    if text.lstrip().startswith("{"):
+        try:
+            given = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON ({exc.msg}); expected {LORA_FORM}") from None
+        name, path = (given.get("name"), given.get("path")) if isinstance(given, dict) else (None, None)
+        if not isinstance(name, str) or not isinstance(path, str):
+            raise argparse.ArgumentTypeError(f"{text!r} needs string fields name and path; expected {LORA_FORM}")
+    else:
+        name, _, path = text.partition("=")
+    name, path = name.strip(), path.strip()
+    if not name or not path:
+        raise argparse.ArgumentTypeError(f"expected {LORA_FORM}, got {text!r}")
+    return name, path
+
+
+def lora_section(args: argparse.Namespace, current: dict[str, Any]) -> dict[str, Any] | None:
+    """The config's ``lora`` section (``current``) with the LoRA flags applied; None if no
+    flag was given."""
+    names = [name for name, _ in args.lora]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ConfigError(f"--lora names adapter {twice[0]!r} more than once; each NAME serves one adapter")
+    flags: dict[str, Any] = {}
+    if args.lora:
+        flags["adapters"] = {**current.get("adapters", {}), **dict(args.lora)}
+    if args.max_loras is not None:
+        flags["max_loras"] = args.max_loras
+    if args.max_lora_rank is not None:
+        flags["max_rank"] = args.max_lora_rank
+    if args.allow_runtime_lora_updating:
+        flags["runtime_updates"] = True
+    return {**current, **flags} if flags else None
+
+
+def serve_config(args: argparse.Namespace) -> Any:
+    """The pipeline config: ``--config`` and ``--set``, then the LoRA flags."""
+    from tessellm.core.config import config_from_dict, load_config
+
+    config = load_config(args.config, args.overrides)
+    lora = lora_section(args, config.lora.model_dump())
+    if lora is None:
+        return config
+    return config_from_dict({**config.model_dump(), "lora": lora}, "tessellm serve's LoRA flags")
 
 
 
@@ -35,7 +104,6 @@ def log_server_events() -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from tessellm.core.engine.llm import LLM
-    from tessellm.core.errors import ConfigError
     from tessellm.extras import require
 
     uvicorn = require("uvicorn", "serve")  # every server library is checked before a model loads
@@ -45,11 +113,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     if args.max_request_bytes < 1024 or args.max_waiting < 1:
         raise ConfigError("--max-request-bytes must be at least 1024 and --max-waiting at least 1")
-    llm = LLM(args.config, overrides=args.overrides)
+    llm = LLM(serve_config(args))
     app = build_app(llm, model_name=args.served_model_name, api_key=args.api_key,
                     max_request_bytes=args.max_request_bytes, max_waiting=args.max_waiting)
-    print(f"tessellm: serving {args.served_model_name or llm.pipeline.config.model!r} on http://{args.host}:{args.port}/v1",
-          file=sys.stderr, flush=True)
+    adapters = f" and LoRA adapters {', '.join(llm.lora_adapters)}" if llm.lora_adapters else ""
+    print(f"tessellm: serving {args.served_model_name or llm.pipeline.config.model!r}{adapters} on "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     log_server_events()
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

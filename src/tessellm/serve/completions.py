@@ -30,7 +30,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
 async def complete(ctx: ServerContext, body: CompletionRequest, request: Request):
     """The whole answer, or its stream."""
-    check_model(ctx, body.model)
+    lora = check_model(ctx, body.model)
     if body.max_tokens == 0 and not body.echo:
         raise RequestError(400, "max_tokens: 0 generates nothing; it is allowed only with echo: true (to score the "
                                 "prompt)", param="max_tokens")
@@ -51,7 +51,8 @@ async def complete(ctx: ServerContext, body: CompletionRequest, request: Request
     if body.echo:  # a token-id prompt's text is decoded once the engine has admitted its ids
         echo = Echo(given, prompts, body.max_tokens == 0,
                     lambda ids: ctx.engine.with_tokenizer(ctx.llm.tokenizer.decode, ids))
-    admitted = await admit(ctx, request, new_request_id("cmpl"), prompts, params, body, prompt_param="prompt")
+    admitted = await admit(ctx, request, new_request_id("cmpl"), prompts, params, body, prompt_param="prompt",
+                           lora=lora)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return completion_stream(request, admitted, echo, include_usage)
@@ -70,16 +71,16 @@ def completion_body(admitted: Admitted, outputs: list[list[StepOutput]], echo: "
                         "logprobs": completion_logprobs(ctx, deltas, 0, echoed),
                         "finish_reason": next((d.finish_reason for d in reversed(deltas) if d.finish_reason), None)})
     return {"id": admitted.request_id, "object": "text_completion", "created": int(time.time()),
-            "model": ctx.model_name, "choices": choices,
+            "model": admitted.model, "choices": choices,
             "usage": usage([outs[-1] for outs in outputs], bool(echo and echo.score_only))}
 
 
 def completion_stream(request: Request, admitted: Admitted, echo: "Echo | None", include_usage: bool) -> EngineStream:
     """The streamed answer: ``text_completion`` chunks."""
-    ctx, created = admitted.ctx, int(time.time())
+    created = int(time.time())
 
     def chunk(choices: list[dict], **extra: Any) -> dict:
-        return {"id": admitted.request_id, "object": "text_completion", "created": created, "model": ctx.model_name,
+        return {"id": admitted.request_id, "object": "text_completion", "created": created, "model": admitted.model,
                 "choices": choices, **extra}
 
     def final_usage(lasts: list[StepOutput]) -> dict:

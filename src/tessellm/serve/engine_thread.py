@@ -1,10 +1,11 @@
 """One engine loop for many concurrent clients: the engine steps on a background thread;
 coroutines submit requests and receive each step's new tokens and text as they are produced.
 
-Every touch of the engine happens on its thread: coroutines only put commands (add, abort)
-on a queue and read per-request asyncio queues that the thread fills with
-``loop.call_soon_threadsafe``. So requests from all connections are batched by the
-configured scheduler, and a client that goes away aborts its request, which frees its blocks.
+Every touch of the engine happens on its thread: coroutines only put commands (add, abort,
+or a call such as loading a LoRA adapter) on a queue and read per-request asyncio queues
+that the thread fills with ``loop.call_soon_threadsafe``. So requests from all connections
+are batched by the configured scheduler, and a client that goes away aborts its request,
+which frees its blocks.
 
 The engine thread hands out token ids only (its work per step is proportional to the new
 tokens); each request's coroutine turns them into text as it reads them (``RequestText``:
@@ -181,6 +182,16 @@ class EngineThread:
         self._commands.put(("abort", request_id, self.engine.stats.steps))
         self._wake.set()
 
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(self.engine, *args)`` run on the engine thread between two steps (a change of
+        the engine's state, such as loading a LoRA adapter); its result, or its exception.
+        ``fn`` runs to its end even if the caller is cancelled while waiting."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._commands.put(("call", fn, args, loop, future))
+        self._wake.set()
+        return await future
+
     # ------------------------------------------------------------------ engine thread
 
     def _run(self) -> None:
@@ -233,6 +244,8 @@ class EngineThread:
             changed = True
             if command[0] == "add":
                 self._add(*command[1:])
+            elif command[0] == "call":
+                self._call(*command[1:])
             else:
                 _, request_id, asked_at = command
                 if self._streams.pop(request_id, None) is not None:  # not yet ended: its end is this abort
@@ -253,6 +266,14 @@ class EngineThread:
         self._streams[request_id] = stream
         if self.metrics is not None:
             self.metrics.request_admitted(len(prompt_ids))
+
+    def _call(self, fn: Callable[..., Any], args: tuple, loop: asyncio.AbstractEventLoop,
+              future: asyncio.Future) -> None:
+        try:
+            result, error = fn(self.engine, *args), None
+        except Exception as exc:  # handed to the caller, whose answer reports it
+            result, error = None, exc
+        loop.call_soon_threadsafe(_settle, future, result, error)
 
     def _fail_running(self, exc: Exception) -> None:
         """Fail and abort the requests that were running when the step raised (the step's
@@ -345,3 +366,13 @@ class EngineThread:
 
     def _decode(self, ids: list[int]) -> str:
         return self.with_tokenizer(self.llm.tokenizer.decode, ids, skip_special_tokens=True)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    """Hand a call's outcome to its caller (the event loop's thread), unless it stopped waiting."""
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -48,6 +48,7 @@ class ServerMetrics:
         self._gauges()
         self._request_counters()
         self._latencies()
+        self._lora_gauges(pipeline.engine.lora)
         self.on_step(pipeline.engine)  # true from start-up, not 0 until the first step
 
     def _gauges(self) -> None:
@@ -104,6 +105,21 @@ class ServerMetrics:
                              "Per finished engine request: from its submission to its last sample's finish",
                              buckets=E2E_BUCKETS, registry=r)
 
+    def _lora_gauges(self, lora: Any) -> None:
+        """Only on a pipeline that serves LoRA adapters: counts, never a series per adapter
+        (adapters loaded at run time would grow the label set without bound)."""
+        self.lora_adapters = self.lora_resident = self.lora_pinned = self.lora_loads = None
+        if lora is None:
+            return
+        r = self.registry
+        self.lora_adapters = Gauge("tessellm_lora_adapters", "LoRA adapters registered (requests may name them)",
+                                   registry=r)
+        self.lora_resident = Gauge("tessellm_lora_adapters_resident", "LoRA adapters in the device's slots",
+                                   registry=r)
+        self.lora_pinned = Gauge("tessellm_lora_slots_pinned", "LoRA slots held by unfinished requests", registry=r)
+        self.lora_loads = Counter("tessellm_lora_slot_loads", "LoRA adapters copied into a device slot", registry=r)
+        self._lora_loads_seen = lora.loads
+
     # ------------------------------------------------------------------ engine requests
 
     def request_rejected(self, reason: str) -> None:
@@ -141,6 +157,15 @@ class ServerMetrics:
         self.blocks_free.set(free)
         self.blocks_used.set(self.cache.num_blocks - free)
         self._refresh_prefix_cache(time.monotonic())
+        if self.lora_adapters is not None:
+            self._refresh_lora(engine.lora)
+
+    def _refresh_lora(self, lora: Any) -> None:
+        self.lora_adapters.set(len(lora.adapters))
+        self.lora_resident.set(len(lora.resident()))
+        self.lora_pinned.set(lora.num_pinned())
+        self.lora_loads.inc(max(lora.loads - self._lora_loads_seen, 0))
+        self._lora_loads_seen = lora.loads
 
     def _refresh_prefix_cache(self, now: float) -> None:
         stats = self.cache.prefix_cache_stats()

@@ -302,6 +302,8 @@ class Turn:
     calling: ToolCalling | None
     prompt: list[int]
     params: SamplingParams
+    lora: str | None = None
+    """The LoRA adapter it runs under (``model`` names it), None for the base model."""
 
     def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                  failure: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -413,7 +415,8 @@ def add_routes(app: FastAPI, ctx: ServerContext, capacity: int = 1000) -> None:
     async def create_response(body: ResponsesRequest, request: Request):
         turn = prepare(ctx, store, body)
         try:
-            admitted = await admit(ctx, request, turn.id, [turn.prompt], turn.params, body, prompt_param="input")
+            admitted = await admit(ctx, request, turn.id, [turn.prompt], turn.params, body, prompt_param="input",
+                                   lora=turn.lora)
         except RequestError as exc:
             if exc.param is None and "grammar" in str(exc):  # a schema the grammar backend cannot compile
                 param = "tools" if turn.calling and turn.calling.grammar() else "text.format"
@@ -451,7 +454,7 @@ def prepare(ctx: ServerContext, store: ResponseStore, body: ResponsesRequest) ->
     """The request as a turn to run: its conversation (an earlier stored one continued),
     its prompt rendered with the chat template, its sampling; RequestError naming the
     field if it cannot run."""
-    check_model(ctx, body.model)
+    lora = check_model(ctx, body.model)
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         stored = store.get(body.previous_response_id)
@@ -470,8 +473,8 @@ def prepare(ctx: ServerContext, store: ResponseStore, body: ResponsesRequest) ->
         constraint = calling.grammar()
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
     prompt = render_prompt(ctx, system + messages, calling)
-    return Turn("resp_" + uuid.uuid4().hex, int(time.time()), body, ctx.model_name, messages, calling, prompt,
-                sampling(ctx, body, constraint))
+    return Turn("resp_" + uuid.uuid4().hex, int(time.time()), body, lora or ctx.model_name, messages, calling,
+                prompt, sampling(ctx, body, constraint), lora)
 
 
 def sampling(ctx: ServerContext, body: ResponsesRequest, constraint: GrammarSpec | None) -> SamplingParams:

@@ -1,6 +1,7 @@
-"""What completions and chat share before the engine sees a request: the model check, the
-``SamplingParams`` a request body asks for, and which request field an engine's refusal is
-about, so that every 400 names the field as the API spells it (``param``)."""
+"""What completions and chat share before the engine sees a request: the model check (the
+base model or a LoRA adapter), the ``SamplingParams`` a request body asks for, and which
+request field an engine's refusal is about, so that every 400 names the field as the API
+spells it (``param``)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,10 @@ from tessellm.serve.context import ServerContext
 from tessellm.serve.http_errors import RequestError, clean_message
 
 
-def check_model(ctx: ServerContext, requested: str | None) -> None:
-    """RequestError unless ``requested`` is the model this server serves (None: the default)."""
-    if requested is not None and requested != ctx.model_name:
-        raise RequestError(400, f"model {requested!r} is not served here; this server serves {ctx.model_name!r}",
-                           param="model", code="model_not_found")
+def check_model(ctx: ServerContext, requested: str | None) -> str | None:
+    """The LoRA adapter ``requested`` names, None for the base model (its name, or None: the
+    default); a 404 ``model_not_found`` RequestError for a model this server does not serve."""
+    return ctx.models.lora_of(requested)
 
 
 def sampling_params(ctx: ServerContext, body: Any, *, max_tokens: int | None, logprobs: int | None,

@@ -20,7 +20,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
-from tessellm.core.errors import InvalidRequestError, RequestRejectedError
+from tessellm.core.errors import InvalidRequestError, LoraAdapterError, RequestRejectedError
 from tessellm.core.interfaces.sequence import SamplingParams
 from tessellm.serve.context import ServerContext
 from tessellm.serve.engine_thread import RequestFailed, SampleDelta, ServerBusy, StepOutput
@@ -117,7 +117,8 @@ class EngineStream(StreamingResponse):
 @dataclass
 class Admitted:
     """A response's engine requests, admitted: one per prompt (``ids``, ``streams``), each
-    with its first output; ``params.n`` samples each."""
+    with its first output; ``params.n`` samples each; ``lora``: the LoRA adapter they run
+    under (None: the base model)."""
 
     ctx: ServerContext
     request_id: str
@@ -125,6 +126,12 @@ class Admitted:
     streams: list[EngineStreamT]
     first: list[StepOutput]
     params: SamplingParams
+    lora: str | None = None
+
+    @property
+    def model(self) -> str:
+        """The model the answer names: the adapter, or the base model."""
+        return self.lora or self.ctx.model_name
 
     async def rest(self, request: Request) -> list[list[StepOutput]]:
         """Every prompt's outputs to its end, the first included (ClientGone if the client
@@ -148,14 +155,15 @@ class Admitted:
 
 
 async def admit(ctx: ServerContext, request: Request, request_id: str, prompts: list[list[int]],
-                params: SamplingParams, body: Any, prompt_param: str) -> Admitted:
-    """One engine request per prompt, all admitted at once, and their first outputs.
-    Refusals are RequestErrors naming the field (``prompt_param`` for the prompt): 400, 429
-    when the waiting queue is full, 500 when the engine fails; ClientGone if the client
-    leaves first. Nothing is left running after any of them."""
+                params: SamplingParams, body: Any, prompt_param: str, lora: str | None = None) -> Admitted:
+    """One engine request per prompt, all admitted at once (under the LoRA adapter ``lora``,
+    None for the base model), and their first outputs. Refusals are RequestErrors naming the
+    field (``prompt_param`` for the prompt): 400, 404 when the adapter was unloaded since the
+    model was checked, 429 when the waiting queue is full, 500 when the engine fails;
+    ClientGone if the client leaves first. Nothing is left running after any of them."""
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     salt = getattr(body, "cache_salt", None)
-    streams = [ctx.engine.generate(rid, p, params, cache_salt=salt) for rid, p in zip(ids, prompts)]
+    streams = [ctx.engine.generate(rid, p, params, cache_salt=salt, lora=lora) for rid, p in zip(ids, prompts)]
     try:
         first = await until_disconnect(request, _first_outputs(streams), request_id)
     except ClientGone:
@@ -167,10 +175,13 @@ async def admit(ctx: ServerContext, request: Request, request_id: str, prompts: 
     except InvalidRequestError as exc:  # RequestRejectedError too: it can never run
         await close_streams(streams)
         raise RequestError(400, str(exc), param=admission_param(str(exc), body, prompt_param)) from None
+    except LoraAdapterError as exc:
+        await close_streams(streams)
+        raise RequestError(404, str(exc), param="model", code="model_not_found") from None
     except RequestFailed as exc:
         await close_streams(streams)
         raise RequestError(500, str(exc), kind="server_error") from None
-    return Admitted(ctx, request_id, ids, streams, first, params)
+    return Admitted(ctx, request_id, ids, streams, first, params, lora)
 
 
 async def _first_outputs(streams: list[EngineStreamT]) -> list[StepOutput]:

@@ -18,7 +18,8 @@ from tessellm.testing.conformance.base import ConformanceSuite, property_setting
 
 _SUITES = {"AttentionConformance": "attention", "CacheConformance": "cache", "SchedulerConformance": "scheduler",
            "DecodingConformance": "decoding", "QuantConformance": "quant", "GrammarConformance": "grammar",
-           "ModelConformance": "model", "LogitsConformance": "logits"}
+           "ModelConformance": "model", "LogitsConformance": "logits",
+           "LoraConformance": "lora"}
 
 __all__ = ["ConformanceSuite", "property_settings", *_SUITES]
 

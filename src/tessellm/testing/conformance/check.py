@@ -24,7 +24,8 @@ from typing import Any
 
 SUITES = {"attention": "AttentionConformance", "cache": "CacheConformance", "scheduler": "SchedulerConformance",
           "decoding": "DecodingConformance", "quant": "QuantConformance", "grammar": "GrammarConformance",
-          "model": "ModelConformance", "logits": "LogitsConformance"}
+          "model": "ModelConformance", "logits": "LogitsConformance",
+          "lora": "LoraConformance"}
 """The conformance class of each kind, in tessellm.testing.conformance."""
 
 
