@@ -227,9 +227,7 @@ class Engine:
         self._finished.pop(request_id, None)
         for seq in state.seqs:
             if not seq.is_finished:
-                self._finish(seq, FinishReason.ABORT)
-        if self._lora_waiting:
-            self._lora_waiting = [s for s in self._lora_waiting if s.request_id != request_id]
+                self._finish(seq, FinishReason.ABORT)  # a sequence waiting for a LoRA slot leaves that queue
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.unfinished()) or bool(self._lora_waiting)

@@ -3,6 +3,7 @@ built and wired to the engine, kernels warmed up and decode graphs captured."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import threading
@@ -33,7 +34,7 @@ from tessellm.core.model.loader import build_model, load_hf_config, load_state_d
 from tessellm.core.model.lora import AdapterReader, LoraState, wrap_targets
 from tessellm.core.model.runner import ModelRunner
 from tessellm.core.parallel.group import TensorParallel, init_tensor_parallel
-from tessellm.core.parallel.shard import load_shard, local_spec, plan_shard, slice_rule
+from tessellm.core.parallel.shard import load_shard, local_spec, plan_shard, tensor_rule
 from tessellm.core.parallel.sync import RankSync, follow
 from tessellm.core.registry import PluginRegistry, get_registry
 from tessellm.core.resolve import ResolvedPipeline, model_dir_for, precheck, resolve, resolve_device
@@ -134,10 +135,8 @@ class Pipeline:
             raise ConfigError(f"lora.target_modules {list(targets)}: no decoder-layer projection of this "
                               f"{self.spec.model_type} model has such a name")
         rule = None
-        if self.shard is not None:
-            def rule(name: str) -> Any:
-                own = self.architecture.shard_rule(name, self.spec, self.shard)
-                return None if own == "whole" else own if own is not None else slice_rule(name, self.spec, self.shard)
+        if self.shard is not None:  # adapters are sliced as the layers they adapt
+            rule = functools.partial(tensor_rule, spec=self.spec, shard=self.shard, architecture=self.architecture)
         reader = AdapterReader(layers, cfg.max_rank, targets, self.architecture.checkpoint_name, rule)
         adapters = LoraAdapters(layers, reader, cfg.max_loras)
         for name, path in cfg.adapters.items():

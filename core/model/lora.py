@@ -221,7 +221,7 @@ class AdapterReader:
         if rank > self.max_rank:
             raise LoraAdapterError(f"LoRA adapter {name!r}: {module} has rank {rank}, above lora.max_rank "
                                    f"{self.max_rank}; raise lora.max_rank (--max-lora-rank) to serve it")
-        scale = _scaling(config, module, rank)
+        scale = _scaling(name, config, module, rank)
         lora_a, lora_b = lora_a.float(), lora_b.float() * scale
         if self.slice_rule is not None:
             lora_a, lora_b = _shard(lora_a, lora_b, self.slice_rule(f"{ours.rsplit('.', 1)[0]}.{layer.parts[part][0]}"
@@ -315,18 +315,28 @@ def _split_key(name: str, key: str) -> tuple[str, str]:
 
 def _pattern_value(patterns: dict[str, Any], module: str) -> Any:
     """PEFT's rank_pattern / alpha_pattern: the value of the first key naming ``module`` (a
-    suffix on a dot boundary, or a regex matching it whole)."""
+    suffix on a dot boundary, or a regex matching it whole; a key that is no regex matches as
+    a name only)."""
     for key, value in (patterns or {}).items():
-        if module == key or module.endswith("." + key) or re.fullmatch(key, module) or \
-                re.fullmatch(rf"(.*\.)?{key}", module):
+        if module == key or module.endswith("." + key):
             return value
+        try:
+            if re.fullmatch(key, module) or re.fullmatch(rf"(.*\.)?{key}", module):
+                return value
+        except re.error:
+            continue
     return None
 
 
-def _scaling(config: dict[str, Any], module: str, rank: int) -> float:
-    alpha = _pattern_value(config.get("alpha_pattern") or {}, module)
+def _scaling(name: str, config: dict[str, Any], module: str, rank: int) -> float:
+    patterns = config.get("alpha_pattern") or {}
+    if not isinstance(patterns, dict):
+        raise LoraAdapterError(f"LoRA adapter {name!r}: alpha_pattern must be a mapping, not {patterns!r}")
+    alpha = _pattern_value(patterns, module)
     if alpha is None:
         alpha = config.get("lora_alpha", 8)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise LoraAdapterError(f"LoRA adapter {name!r}: lora_alpha for {module} is {alpha!r}, not a number")
     return float(alpha) / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
 

@@ -144,6 +144,15 @@ def slice_rule(name: str, spec: ModelSpec, shard: Shard) -> tuple[int, int, int]
     return (1, lo, hi) if kind == "weight" else ZERO
 
 
+def tensor_rule(name: str, spec: ModelSpec, shard: Shard, architecture: Any = None) -> Any:
+    """How rank ``shard.rank`` reads parameter ``name`` (the module's name): the model
+    plugin's rule where it has one ("whole": replicated), else core's ``slice_rule``."""
+    own = architecture.shard_rule(name, spec, shard) if architecture is not None else None
+    if own == "whole":
+        return None
+    return own if own is not None else slice_rule(name, spec, shard)
+
+
 def load_shard(folder: Path, spec: ModelSpec, shard: Shard, architecture: Any = None) -> dict[str, torch.Tensor]:
     """This rank's tensors from the folder's safetensors files, under the checkpoint's own
     names, reading only its slices (safetensors reads a slice without the rest of the
@@ -157,11 +166,7 @@ def load_shard(folder: Path, spec: ModelSpec, shard: Shard, architecture: Any = 
         return mapped or name
 
     def rule(name: str) -> tuple[int, int, int] | list | str | None:
-        """The model plugin's rule for the tensor, else core's."""
-        own = architecture.shard_rule(module_name(name), spec, shard) if architecture is not None else None
-        if own == "whole":
-            return None
-        return own if own is not None else slice_rule(module_name(name), spec, shard)
+        return tensor_rule(module_name(name), spec, shard, architecture)
 
     def read(f: Any, name: str) -> torch.Tensor:
         return _sliced(lambda: f.get_tensor(name), f.get_slice(name), rule(name), shard.rank)

@@ -121,6 +121,23 @@ def test_more_adapters_than_slots_wait_and_take_turns(llama):
     assert lora.loads >= 3 and lora.num_pinned() == 0 and len(lora.resident()) == 1
 
 
+def test_a_request_waiting_for_a_slot_can_be_aborted(llama):
+    base, adapters, expected = llama
+    llm = LLM(config(base, adapters, lora={"max_loras": 1}, **PAGED))
+    engine = llm.engine
+    engine.add_request("held", PROMPTS[0], llm_params(), lora="all8")
+    engine.add_request("waits", PROMPTS[1], llm_params(), lora="qv4")  # the one slot is held
+    engine.step()
+    assert [s.request_id for s in engine.scheduler.unfinished()] == ["held"]
+    engine.abort("waits")
+    done = {}
+    while engine.has_unfinished():
+        for state in engine.step():
+            done[state.request_id] = state
+    assert list(done) == ["held"] and done["held"].seqs[0].output_token_ids == expected["all8"][0]
+    assert engine.lora.num_pinned() == 0 and engine.lora.resident() == ["all8"]
+
+
 @pytest.mark.parametrize("proposer", [{"proposer": "ngram"}, {"proposer": "layer-skip", "draft_layers": [0]}])
 def test_speculative_decoding_under_adapters(llama, proposer):
     """Drafts verified under each request's adapter (a layer-skip draft runs it too) give
@@ -268,6 +285,8 @@ def test_adapter_of_another_base_model(tmp_path, lora_engine):
     ({"use_dora": True}, "DoRA"),
     ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
     ({"bias": "all"}, "bias 'all'"),
+    ({"lora_alpha": "big"}, "lora_alpha for .*q_proj is 'big', not a number"),
+    ({"alpha_pattern": {"q_proj[": 4}, "lora_alpha": "x"}, "lora_alpha for .* is 'x'"),  # no regex: a name only
 ])
 def test_adapter_configs_refused(tmp_path, llama, lora_engine, change, message):
     base, _, _ = llama
