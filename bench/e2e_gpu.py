@@ -128,6 +128,10 @@ def median_ms(seconds: list[float]) -> float | None:
     return round(sorted(seconds)[len(seconds) // 2] * 1e3, 2) if seconds else None
 
 
+SLOW_STEP_S = 0.02
+"""A step slower than this has the collector's frozen object count recorded with it."""
+
+
 class StepTimeline:
     """Wall time of every engine step, split into decode steps replayed from a CUDA graph and
     the rest (prefill, mixed and eager steps), so a run's time can be placed: the first steps
@@ -148,9 +152,12 @@ class StepTimeline:
             gc_before, overlapped, waited = clock.seconds, stats.overlapped_steps, stats.device_wait_seconds
             start = time.perf_counter()
             out = step()
+            took = time.perf_counter() - start
             replayed = runner.graphs is not None and runner.graphs.replays > before
-            self.records.append((time.perf_counter() - start, replayed, clock.seconds - gc_before, len(out),
-                                 gc.get_freeze_count()))
+            # gc.get_freeze_count walks the whole frozen generation (tens of ms at ~500k
+            # objects): read it only after a slow step, where a stall is worth placing
+            frozen = gc.get_freeze_count() if took > SLOW_STEP_S else None
+            self.records.append((took, replayed, clock.seconds - gc_before, len(out), frozen))
             self.overlap.append((stats.overlapped_steps > overlapped, stats.device_wait_seconds - waited))
             return out
 
@@ -252,6 +259,9 @@ def main(argv: list[str] | None = None) -> int:
                        alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries") if cuda else None,
                        # every Triton variant this process built, start-up included (kernel_builds: in the run)
                        kernels_built=dict(build_log.by_kernel))
+        if "elapsed_s" in metrics:  # the run's wall time outside engine steps (the loop's own): near zero
+            timed = metrics["step_time"]["graph_s"] + metrics["step_time"]["other_s"]
+            metrics["step_time"]["outside_steps_s"] = round(metrics["elapsed_s"] - timed, 3)
         print("tessellm (steps, graphs):", json.dumps(metrics), file=sys.stderr, flush=True)
         del llm, graphs
         gc.collect()  # the pipeline's parts refer to each other: free its KV cache before transformers loads

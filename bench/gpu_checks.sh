@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, for a device machine with no package registry:
 #   bench/gpu_checks.sh STAGE...   (stages: env tests sweep kernels e2e e2e-sync e2e-512 e2e-512-sync e2e-eager
-#   e2e-before profile profile-async e2e-smoke moe window quest-pages lora-kernels; e2e runs the defaults, async scheduling included; the -sync
+#   e2e-before profile profile-async e2e-smoke moe window quest-pages lora-kernels kernels-decode int8 quest mla
+#   structured e2e-int8; e2e runs the defaults, async scheduling included; the -sync
 #   stages turn it off; e2e-before runs an earlier commit's wheel and e2e_gpu.py from .whl/old/ on the same
 #   workload, for an A/B of two commits in one lease)
 # Expects the wheels tessellm needs beyond the image (pydantic and its parts, and tessellm's
-# own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`) in .whl/. Logs and JSON
+# own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`) in .whl/, the SmolLM2
+# tokenizer's files in .whl/tok/ (the tests' tiny models and `structured` read them) and its
+# config.json in .whl/smol/ (`structured` builds random weights of that shape). Logs and JSON
 # land in $OUT (or bench/results/gpu/ when OUT is unset); each stage runs under its own time
 # limit so one failure does not lose the others.
 set -u
@@ -23,12 +26,20 @@ for stage in "$@"; do
   echo "=== $stage $(date -u +%H:%M:%S)"
   case $stage in
     env) { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv;
+           grep -m1 "model name" /proc/cpuinfo; nproc;
            python3 -c "import torch, triton, transformers, tessellm; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"; } 2>&1 | tee "$OUT/env.txt" ;;
     tests) [ -d .whl/tok ] && export TESSELLM_TEST_TOKENIZER_DIR=$PWD/.whl/tok  # tiny models' tokenizer
-           limit python3 -m pytest -q -p no:cacheprovider tests/plugins/attention/flash tests/core/model/test_cuda_graphs.py \
-             tests/core/model/test_fused_ops.py tests/core/engine/test_warm_up.py tests/core/engine/test_overlap.py \
-             tests/core/engine/test_outputs.py tests/plugins/lora/test_triton_lora.py \
-             tests/conformance/test_lora_conformance.py ${TESTS_EXTRA:-} 2>&1 | tail -40 | tee "$OUT/tests.log" ;;
+           workers=""; python3 -c "import xdist" 2>/dev/null && workers="-n ${TEST_WORKERS:-8}"  # compiles in parallel
+           quest=tests/plugins/attention/quest/test_quest.py
+           limit python3 -m pytest -q -p no:cacheprovider $workers tests/plugins/attention/flash \
+             tests/core/model/test_cuda_graphs.py tests/core/model/test_fused_ops.py tests/core/engine/test_warm_up.py \
+             tests/core/engine/test_overlap.py tests/core/engine/test_outputs.py tests/plugins/lora/test_triton_lora.py \
+             tests/conformance/test_lora_conformance.py tests/plugins/attention/mla/test_decode_kernel.py \
+             $quest::test_the_triton_decode_reads_the_chosen_blocks_as_the_torch_path_does \
+             $quest::test_the_triton_scoring_and_selection_choose_what_torch_chooses \
+             $quest::test_flash_as_the_dense_backend_gives_the_sdpa_backends_output \
+             tests/plugins/quant/test_int8_weight.py::test_the_triton_kernel_matches_the_reference \
+             --tb=short -rfE ${TESTS_EXTRA:-} > "$OUT/tests.log" 2>&1; tail -60 "$OUT/tests.log" ;;
     sweep) limit python3 bench/kernels.py --sweep --out "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1; tail -60 "$OUT/sweep.log" ;;
     kernels) limit python3 bench/kernels.py --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1; tail -5 "$OUT/kernels.log" ;;
     e2e) f=$(fresh e2e); limit python3 bench/e2e_gpu.py --out "$f.json" ${E2E_ARGS:-} > "$f.log" 2>&1; tail -40 "$f.log" ;;
@@ -61,6 +72,26 @@ for stage in "$@"; do
                    --json "$OUT/quest_page$p.json" > "$OUT/quest_page$p.log" 2>&1; tail -3 "$OUT/quest_page$p.log"; done ;;
     lora-kernels) limit python3 bench/lora_kernels.py --out "$OUT/lora_kernels.json" > "$OUT/lora_kernels.log" 2>&1
                   tail -80 "$OUT/lora_kernels.log" ;;
+    kernels-decode) limit python3 bench/kernels.py --only decode --out "$OUT/kernels_decode.json" \
+                      > "$OUT/kernels_decode.log" 2>&1; tail -40 "$OUT/kernels_decode.log" ;;
+    int8) limit python3 bench/int8_linear.py --device cuda --batches 1,16,64,256,1024 --json > "$OUT/int8_linear.json" \
+            2> "$OUT/int8_linear.log"; tail -c 3000 "$OUT/int8_linear.json"; tail -5 "$OUT/int8_linear.log" ;;
+    quest) limit python3 bench/quest.py --contexts 16384 32768 --budgets 2048 --json "$OUT/quest.json" \
+             > "$OUT/quest.log" 2>&1; tail -30 "$OUT/quest.log" ;;
+    mla) limit python3 bench/mla.py --part attention --json "$OUT/mla.json" > "$OUT/mla.log" 2>&1; tail -30 "$OUT/mla.log" ;;
+    e2e-int8) for q in int8-weight w8a8; do limit python3 bench/e2e_gpu.py --out "$OUT/e2e_$q.json" --skip-hf \
+                --set quant.name=$q > "$OUT/e2e_$q.log" 2>&1; tail -8 "$OUT/e2e_$q.log"; done ;;
+    structured) [ -f .whl/smol/config.json ] || { echo "structured needs .whl/smol/config.json and .whl/tok/"; continue; }
+                python3 - <<'PY' || { echo "building the random SmolLM2 failed"; continue; }
+import shutil, torch, transformers
+config = transformers.AutoConfig.from_pretrained(".whl/smol")
+torch.manual_seed(0)
+transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained("/tmp/smol")
+for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    shutil.copy(f".whl/tok/{f}", "/tmp/smol")
+PY
+                limit python3 bench/structured_outputs.py --model /tmp/smol --set device=cuda \
+                  --json "$OUT/structured.json" > "$OUT/structured.log" 2>&1; tail -30 "$OUT/structured.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

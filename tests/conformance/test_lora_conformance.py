@@ -29,10 +29,11 @@ class TestTorchFloat64AndFloat16(LoraConformance):
 
 
 class TestTriton(LoraConformance):
-    """Interpreted on a CPU (TRITON_INTERPRET=1, tests/conftest.py): widths below and above
-    one tile of 32, sequences longer than one row tile, a few cases a property."""
+    """Compiled on a GPU, interpreted on a CPU (TRITON_INTERPRET=1, tests/conftest.py): widths
+    below and above one tile of 32, sequences longer than one row tile, a few cases a property."""
 
     plugin = "triton"
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     features = (8, 40, 72)
     slot_ranks = (16, 32)
     max_examples = 4

@@ -52,8 +52,9 @@ def _score_kernel(Q, Rows, Tables, NumBlocks, KMin, KMax, Scores,
         s = (tl.dot(tl.maximum(q, 0.0), tl.trans(hi), input_precision="ieee")
              - tl.dot(tl.maximum(-q, 0.0), tl.trans(lo), input_precision="ieee"))
     else:  # 16-bit operands: exact products, float32 sums
-        zero = tl.zeros_like(q)
-        s = tl.dot(tl.maximum(q, zero), tl.trans(hi)) - tl.dot(tl.maximum(-q, zero), tl.trans(lo))
+        zero = tl.zeros_like(q)  # some Triton versions widen a 16-bit maximum to float32: cast back
+        pos, neg = tl.maximum(q, zero).to(hi.dtype), tl.maximum(-q, zero).to(lo.dtype)
+        s = tl.dot(pos, tl.trans(hi)) - tl.dot(neg, tl.trans(lo))
     score = tl.max(tl.where(g_ok[:, None], s, float("-inf")), 0)  # [BLOCK_N]
     forced = (cols == 0) | (cols == num_blocks - 1)
     score = tl.where(forced, float("inf"), score)

@@ -16,7 +16,8 @@ import triton.language as tl
 
 @triton.jit
 def _int8_weight_kernel(X, Q, Scale, Y, M, N, K, stride_xm, stride_qn, stride_ym, stride_sn,
-                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        FP32_DOT: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -34,7 +35,10 @@ def _int8_weight_kernel(X, Q, Scale, Y, M, N, K, stride_xm, stride_qn, stride_ym
         if GROUP > 0:  # BLOCK_K divides GROUP: one scale per output channel in this slice
             s = tl.load(Scale + rn * stride_sn + k0 // GROUP, mask=n_ok, other=0.0)
             w = (w.to(tl.float32) * s[None, :]).to(x.dtype)
-        acc += tl.dot(x, w)
+        if FP32_DOT:  # float32 activations: float32 products, as torch's matmul (not TF32)
+            acc += tl.dot(x, w, input_precision="ieee")
+        else:
+            acc += tl.dot(x, w)
     if GROUP == 0:
         acc *= tl.load(Scale + rn, mask=n_ok, other=0.0)[None, :]
     tl.store(Y + rm[:, None] * stride_ym + rn[None, :], acc.to(Y.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -55,5 +59,6 @@ def triton_int8_weight_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Ten
     block_n = 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int8_weight_kernel[grid](x, q, scale, y, m, n, k, x.stride(0), q.stride(0), y.stride(0),
-                              scale.stride(0), GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+                              scale.stride(0), GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                              FP32_DOT=x.dtype == torch.float32)
     return y

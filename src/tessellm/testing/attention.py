@@ -245,6 +245,19 @@ def batch_to(batch: BatchMetadata, device: torch.device | str) -> BatchMetadata:
                                          if isinstance(getattr(batch, f.name), torch.Tensor)})
 
 
+def case_to(case: PackedCase, device: torch.device | str) -> PackedCase:
+    """The case with the kernel's inputs on ``device``: queries, new keys and values, the
+    batch's tensors and every tensor the storage holds (moved in place; ``k_full``/``v_full``,
+    which the float64 reference reads, stay where they are)."""
+    import dataclasses
+
+    for name, value in vars(case.storage).items():
+        if isinstance(value, torch.Tensor):
+            setattr(case.storage, name, value.to(device))
+    return dataclasses.replace(case, q=case.q.to(device), k_new=case.k_new.to(device), v_new=case.v_new.to(device),
+                               batch=batch_to(case.batch, device))
+
+
 def int8_case(case: PackedCase, key_bounds: bool = False) -> PackedCase:
     """The same batch over the `paged` cache's int8 storage (with key bounds if asked): the
     cached context stored quantized, the scales of unwritten slots NaN (a kernel that reads

@@ -214,10 +214,11 @@ def test_refusals_say_why(monkeypatch):
                for r in TritonLora.unsupported_reasons(_ctx("cuda", False, block_n=48)))
 
 
-def test_a_pipeline_on_cpu_takes_torch_under_auto_and_triton_when_named(tmp_path):
+@pytest.mark.parametrize("cuda_graphs", [True, False] if CUDA else [True])
+def test_a_pipeline_on_cpu_takes_torch_under_auto_and_triton_when_named(tmp_path, cuda_graphs):
     """A tiny Llama with an adapter: ``lora.name: auto`` resolves to torch on the CPU;
     ``lora.name: triton`` (interpreted there) gives torch's greedy tokens, mixed with base
-    rows."""
+    rows. On a GPU, with decode steps replayed from CUDA graphs and without."""
     pytest.importorskip("peft")
     from tessellm import LLM
     from tessellm.testing.lora import build_tiny_lora
@@ -228,7 +229,7 @@ def test_a_pipeline_on_cpu_takes_torch_under_auto_and_triton_when_named(tmp_path
 
     def llm(name):
         return LLM({"model": str(base), "device": DEVICE.type, "dtype": "float32", "max_model_len": 64,
-                    "lora": {"name": name, "adapters": {"qv": str(adapter)}}})
+                    "cuda_graphs": cuda_graphs, "lora": {"name": name, "adapters": {"qv": str(adapter)}}})
 
     prompts, params = [[1, 5, 9, 33, 7], [1, 44, 12]], {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
     reference = llm("torch" if CUDA else "auto")

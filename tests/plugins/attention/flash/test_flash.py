@@ -39,14 +39,7 @@ TOLERANCE = {torch.float32: 2e-5}
 
 def on_device(case: ref.PackedCase) -> ref.PackedCase:
     """The case with the kernel's inputs on DEVICE (the reference stays on the CPU)."""
-    if DEVICE.type == "cpu":
-        return case
-    storage = case.storage
-    for name in ("k", "v", "k_scale", "v_scale"):
-        if hasattr(storage, name):
-            setattr(storage, name, getattr(storage, name).to(DEVICE))
-    return dataclasses.replace(case, q=case.q.to(DEVICE), k_new=case.k_new.to(DEVICE), v_new=case.v_new.to(DEVICE),
-                               batch=ref.batch_to(case.batch, DEVICE), storage=storage)
+    return case if DEVICE.type == "cpu" else ref.case_to(case, DEVICE)
 
 
 @st.composite

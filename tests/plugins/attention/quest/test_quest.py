@@ -25,6 +25,8 @@ from tessellm.plugins.attention.sdpa import SdpaAttention, SdpaOptions
 from tessellm.testing import attention as ref
 
 BOUNDS = frozenset({"key_bounds"})
+# The Triton paths' tests run their kernels here: compiled on a GPU, interpreted on a CPU.
+DEVICE = torch.device("cuda" if CUDA_AVAILABLE else "cpu")
 
 
 @settings(max_examples=30)
@@ -66,10 +68,11 @@ def test_selection_keeps_forced_blocks_then_the_best(num_blocks, num_chosen, see
 
 
 def quest(budget: int, head_dim: int = 16, dense_layers: int = 0, max_query_len: int = 16, kernel: str = "torch",
-          dtype: torch.dtype = torch.float32, dense_backend: str = "sdpa") -> QuestAttention:
+          dtype: torch.dtype = torch.float32, dense_backend: str = "sdpa",
+          device: torch.device = torch.device("cpu")) -> QuestAttention:
     return QuestAttention(QuestOptions(token_budget=budget, dense_layers=dense_layers, max_query_len=max_query_len,
                                        kernel=kernel, dense_backend=dense_backend),
-                          ref.model_stub(head_dim), torch.device("cpu"), dtype)
+                          ref.model_stub(head_dim), device, dtype)
 
 
 def bounded_case(kv_lens, q_lens, heads=(4, 2), head_dim=16, block_size=4, seed=0, dtype=torch.float32, page=None):
@@ -179,8 +182,11 @@ def test_the_triton_decode_reads_the_chosen_blocks_as_the_torch_path_does(kv_len
         case = bounded_case(kv_lens, [1] * len(kv_lens), heads=heads, seed=seed, dtype=dtype)
         if storage == "int8":
             case = ref.int8_case(case, key_bounds=True)
-        backend = quest(budget, kernel=kernel, dtype=dtype)
-        outs.append(backend.forward(4, case.q, case.k_new, case.v_new, case.storage, backend.plan(case.batch, None)))
+        device = DEVICE if kernel == "triton" else torch.device("cpu")
+        case = ref.case_to(case, device)
+        backend = quest(budget, kernel=kernel, dtype=dtype, device=device)
+        outs.append(backend.forward(4, case.q, case.k_new, case.v_new, case.storage,
+                                    backend.plan(case.batch, None)).cpu())
     tol = 2e-5 if dtype == torch.float32 else 2e-2
     assert torch.isfinite(outs[1]).all()
     assert (outs[0].float() - outs[1].float()).abs().max() <= tol
@@ -195,8 +201,8 @@ def test_the_triton_scoring_and_selection_choose_what_torch_chooses(kv_lens, hea
     position order, and give each head's token count."""
     from tessellm.plugins.attention.quest.kernels import select_decode_blocks
 
-    case = bounded_case(kv_lens, [1] * len(kv_lens), heads=heads, seed=seed)
-    backend = quest(budget, kernel="triton")
+    case = ref.case_to(bounded_case(kv_lens, [1] * len(kv_lens), heads=heads, seed=seed), DEVICE)
+    backend = quest(budget, kernel="triton", device=DEVICE)
     backend.forward(4, case.q, case.k_new, case.v_new, case.storage, backend.plan(case.batch, None))  # stores
     group = backend.plan(case.batch, None).sparse.groups[0]
     if not hasattr(group, "num_chosen"):
@@ -227,11 +233,12 @@ def test_flash_as_the_dense_backend_gives_the_sdpa_backends_output(kv_lens, budg
     layer = data.draw(st.sampled_from([0, 3]))
     outs = []
     for dense_backend, kernel in (("sdpa", "torch"), ("flash", "triton")):
-        case = bounded_case(kv_lens, q_lens, seed=seed)
-        backend = quest(budget, dense_layers=2, kernel=kernel, dense_backend=dense_backend)
+        device = DEVICE if kernel == "triton" else torch.device("cpu")
+        case = ref.case_to(bounded_case(kv_lens, q_lens, seed=seed), device)
+        backend = quest(budget, dense_layers=2, kernel=kernel, dense_backend=dense_backend, device=device)
         outs.append(backend.forward(layer, case.q, case.k_new, case.v_new, case.storage,
-                                    backend.plan(case.batch, None)))
-        ref.assert_stored(case)
+                                    backend.plan(case.batch, None)).cpu())
+        ref.assert_stored(ref.case_to(case, "cpu"))
     assert (outs[0] - outs[1]).abs().max() <= 2e-5
 
 
