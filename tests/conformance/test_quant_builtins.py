@@ -1,6 +1,8 @@
 """The quant conformance suite on every built-in quantizer: none; int8-weight per channel (its
 compiled decode kernel) and in groups with lm_head (its tiled path); w8a8 with lm_head, and
-with SmoothQuant calibrated on text like the suite's prompts."""
+with SmoothQuant calibrated on text like the suite's prompts; int4-weight at groups 64 (torch's
+int4 kernel), 32 with lm_head (the tiled path) and 128 (a group wider than the tiny model's
+layers)."""
 
 from __future__ import annotations
 
@@ -39,3 +41,17 @@ class TestW8A8(QuantConformance):
 class TestW8A8SmoothQuant(QuantConformance):
     plugin = "w8a8"
     options = {"smoothquant_alpha": 0.5, "calibration_text": str(CALIBRATION_TEXT), "calibration_tokens": 512}
+
+
+class TestInt4Weight(QuantConformance):
+    plugin = "int4-weight"
+
+
+class TestInt4WeightGroup32Tiled(QuantConformance):
+    plugin = "int4-weight"
+    options = {"group_size": 32, "cpu_kernel": "tiled", "quantize_lm_head": True}
+
+
+class TestInt4WeightGroup128(QuantConformance):
+    plugin = "int4-weight"
+    options = {"group_size": 128}

@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from tessellm import LLM
-from tessellm.eval.perplexity import perplexity
-from tessellm.eval.texts import BUNDLED, load_text
+from tessellm.eval.texts import BUNDLED
+from tessellm.testing.quality import smollm2_perplexities as smollm2_perplexities_of
 
 BOUNDS = {"int8-weight": ({"quant": {"name": "int8-weight"}}, 0.01),
           "w8a8-smoothquant": ({"quant": {"name": "w8a8", "options": {"smoothquant_alpha": 0.5}}}, 0.03),
@@ -19,13 +18,7 @@ BOUNDS = {"int8-weight": ({"quant": {"name": "int8-weight"}}, 0.01),
 @pytest.fixture(scope="module")
 def smollm2_perplexities(smollm2_dir):
     """{variant: {text: perplexity}} for float32 and each quantized variant."""
-    results = {}
-    for variant, parts in [("float32", {})] + [(v, c) for v, (c, _) in BOUNDS.items()]:
-        llm = LLM({"model": "smollm2-135m", "device": "cpu", "dtype": "float32", **parts})
-        results[variant] = {name: perplexity(llm, load_text(name)[1], window=512, stride=256, max_tokens=1024).perplexity
-                            for name in BUNDLED}
-        del llm
-    return results
+    return smollm2_perplexities_of({"float32": {}, **{v: c for v, (c, _) in BOUNDS.items()}})
 
 
 @pytest.mark.parametrize("variant", sorted(BOUNDS))

@@ -1,0 +1,80 @@
+"""Quant `int4-weight`: group-wise asymmetric int4 weights, activations in the model dtype.
+
+Every ``nn.Linear`` of the decoder layers becomes an ``Int4WeightLinear`` at the same name,
+quantized once at load (quantize.py): groups of ``group_size`` input channels, each with a
+scale and an offset. Embeddings stay in the model dtype, and so does ``lm_head`` unless
+``quantize_lm_head`` is set. Decode is memory-bound: half a byte a weight is the speed-up.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from torch import nn
+
+import tessellm
+from tessellm.core.errors import ConfigError
+from tessellm.core.interfaces.quantizer import Quantizer
+from tessellm.core.plugin import PluginOptions
+from tessellm.plugins.quant.int4.linear import Int4WeightLinear
+from tessellm.plugins.quant.int8.quantize import replace_linears
+
+
+class Int4WeightOptions(PluginOptions):
+    """Options of `int4-weight`."""
+
+    group_size: Literal[32, 64, 128, 256] = 64
+    """Input channels sharing one scale and offset; a layer whose in_features it does not
+    divide gets a shorter last group."""
+    quantize_lm_head: bool = False
+    """Also quantize lm_head (the largest matrix of a small model; its error reaches every
+    logit directly)."""
+    cpu_kernel: Literal["auto", "int4pack", "tiled"] = "auto"
+    """On the CPU, for few rows: ``int4pack`` torch's int4 kernel (bfloat16 activations inside;
+    every quantized layer must fit it), ``tiled`` dequantize-then-BLAS, ``auto`` int4pack
+    where a layer fits it, tiled elsewhere."""
+    small_batch_rows: int = Field(8, ge=0, le=256)
+    """Token rows up to which the CPU runs torch's int4 kernel; above, the tiled path."""
+
+
+class Int4WeightQuantizer(Quantizer):
+    """int4 weight-only quantization of the decoder layers' linears (and optionally lm_head)."""
+
+    name = "int4-weight"
+    api_version = "1.10"
+    description = "group-wise asymmetric int4 weights, activations in the model dtype; dequantized inside the matmul"
+    Options = Int4WeightOptions
+    auto_priority = None  # quantization changes results: only when named
+    max_relative_error = 0.75
+
+    @classmethod
+    def error_bound(cls, options: PluginOptions) -> float:
+        # Random weights are int4's worst case (no structure, 16 levels over each group's
+        # range: ~8-10% rms error a weight), and the tiny conformance model's logits come out
+        # 20-41% off, more with lm_head quantized too. Real checkpoints lose far less: the
+        # perplexity bound on SmolLM2 (tests/plugins/test_int4_quality.py) is the quality test.
+        bound = {32: 0.4, 64: 0.45, 128: 0.5}.get(options.group_size, 0.55)
+        return bound + (0.2 if options.quantize_lm_head else 0.0)
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        options = self.options
+        on_cpu = self.device.type == "cpu"
+
+        def make(full: str, linear: nn.Linear) -> nn.Module:
+            if linear.in_features % 2:
+                raise ConfigError(f"quant 'int4-weight': {full} has an odd in_features ({linear.in_features}); "
+                                  f"int4 packs two values a byte")
+            unfit = Int4WeightLinear.int4pack_unfit(linear, options.group_size)
+            if on_cpu and options.cpu_kernel == "int4pack" and unfit:
+                raise ConfigError(f"quant.options.cpu_kernel 'int4pack': torch's CPU int4 kernel cannot run "
+                                  f"{full} ({unfit}); use cpu_kernel auto or tiled")
+            return Int4WeightLinear.from_linear(linear, options.group_size, small_batch_rows=options.small_batch_rows,
+                                                int4pack=on_cpu and options.cpu_kernel != "tiled" and not unfit)
+
+        return replace_linears(model, make, options.quantize_lm_head, self.name)
+
+
+@tessellm.hookimpl
+def register_quant(register):
+    register(Int4WeightQuantizer)
