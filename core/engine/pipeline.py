@@ -13,7 +13,7 @@ from typing import Any, Sequence as Layers
 
 import torch
 
-from tessellm.core.config import PipelineConfig, apply_overrides, config_from_dict, load_config
+from tessellm.core.config import PipelineConfig, PluginSection, apply_overrides, config_from_dict, load_config
 from tessellm.core.engine.batch_builder import build_batch
 from tessellm.core.engine.engine import Engine
 from tessellm.core.engine.grammar import GrammarSession
@@ -33,6 +33,7 @@ from tessellm.core.model.kernel_builds import build_log
 from tessellm.core.model.loader import build_model, load_hf_config, load_state_dict, load_tokenizer, quantized
 from tessellm.core.model.lora import AdapterReader, LoraState, wrap_targets
 from tessellm.core.model.runner import ModelRunner
+from tessellm.core.model.spec import quantization_config, quantized_checkpoint_readers
 from tessellm.core.parallel.group import TensorParallel, init_tensor_parallel
 from tessellm.core.parallel.shard import load_shard, local_spec, plan_shard, tensor_rule
 from tessellm.core.parallel.sync import RankSync, follow
@@ -65,6 +66,9 @@ class Pipeline:
         arch = config.architecture
         self.architecture = self.registry.architecture_for(hf_config, arch.name, arch.options)
         self.spec = self.architecture.load_spec(hf_config)
+        self.prequantized = quantization_config(hf_config)
+        if self.prequantized is not None:
+            config = self.config = self._quant_for_checkpoint(config, self.prequantized)
         # every part is built from this rank's share of the model (the whole of it on one rank)
         self.shard = plan_shard(self.spec, self.tp.size, self.tp.rank) if self.tp else None
         spec = self.local_spec = local_spec(self.spec, self.shard) if self.shard else self.spec
@@ -73,10 +77,11 @@ class Pipeline:
         self.tokenizer = load_tokenizer(self.model_dir)
         self.tokenizer_lock = threading.Lock()  # fast tokenizers refuse two threads at once (a server's)
         quantizer = c["quant"].cls(c["quant"].options, r.device, r.dtype)
-        calibrates = type(quantizer).calibrate is not Quantizer.calibrate  # then apply waits for the runner
+        calibrates = type(quantizer).calibrate is not Quantizer.calibrate and self.prequantized is None
         state = (load_shard(self.model_dir, self.spec, self.shard, self.architecture) if self.shard
                  else load_state_dict(self.model_dir))
-        self.model = build_model(spec, state, r.device, r.dtype, None if calibrates else quantizer, self.architecture)
+        self.model = build_model(spec, state, r.device, r.dtype, None if calibrates else quantizer, self.architecture,
+                                 prequantized=self.prequantized)
         del state
         if self.tp:
             self.model.set_tensor_parallel(self.tp)
@@ -164,6 +169,22 @@ class Pipeline:
     def grammar(self) -> Any:
         """The grammar backend (built now if no structured request has built it yet), or None."""
         return self.engine.grammar.backend
+
+    def _quant_for_checkpoint(self, config: PipelineConfig, quant: dict[str, Any]) -> PipelineConfig:
+        """The config with the quant plugin that loads this pre-quantized checkpoint: under
+        ``auto`` the first that reads it; a named one must read it."""
+        readers, reasons = quantized_checkpoint_readers(quant)  # none: load_spec refused it already
+        method = quant.get("quant_method", "?")
+        if config.quant.name == "auto":
+            config = config.model_copy(update={"quant": PluginSection(name=readers[0], options=config.quant.options)})
+        elif config.quant.name not in readers:
+            why = next((r for r in reasons if r.startswith(f"{config.quant.name}: ")), f"{config.quant.name}: not installed")
+            raise ConfigError(f"quant.name {config.quant.name!r} cannot load this {method!r} checkpoint ({why}); "
+                              f"quant plugins that can: {', '.join(readers)} (or quant.name auto)")
+        if config.parallel.tensor > 1:
+            raise ConfigError(f"parallel.tensor {config.parallel.tensor}: tensor parallelism over a pre-quantized "
+                              f"({method!r}) checkpoint is not supported yet; run it on one rank")
+        return config
 
     def _join_ranks(self, config: PipelineConfig) -> PipelineConfig:
         """Join the tensor-parallel group; on CUDA each rank computes on its local GPU."""

@@ -70,3 +70,21 @@ class Quantizer(Plugin):
     def apply(self, model: nn.Module) -> nn.Module:
         """Return the model to run (identity by default)."""
         return model
+
+    @classmethod
+    def checkpoint_support(cls, quantization_config: dict[str, Any]) -> str | None:
+        """Whether this quantizer loads a pre-quantized checkpoint, whose config.json declares
+        ``quantization_config`` (plugin API 1.11): None when it does, else why not. A
+        checkpoint no installed quantizer reads is refused at load with every reason; with
+        ``quant.name: auto`` the first quantizer that reads it is chosen."""
+        return "it reads no pre-quantized checkpoint"
+
+    def load_quantized(self, model: nn.Module, state: dict[str, torch.Tensor],
+                       quantization_config: dict[str, Any]) -> None:
+        """Build, in place, the modules of ``model`` that the checkpoint stores quantized
+        (plugin API 1.11; called only where ``checkpoint_support`` returned None). ``model``
+        is on the meta device, before any weight is loaded; ``state`` holds the checkpoint's
+        tensors under the model's parameter names. Replace each such module by one built from
+        its tensors and remove the tensors used from ``state``: the rest then load as usual,
+        and ``apply`` is not called."""
+        raise NotImplementedError(f"quant plugin {self.name!r} declares checkpoint support but has no load_quantized")

@@ -43,6 +43,11 @@ def _stacked(**linears: nn.Linear) -> nn.Linear:
     return out.requires_grad_(False)
 
 
+def _all_float_linears(*modules: nn.Module) -> bool:
+    """Whether every module is a plain ``nn.Linear`` (what ``_stacked`` can stack)."""
+    return all(type(m) is nn.Linear for m in modules)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -114,6 +119,8 @@ class Attention(nn.Module):
 
     def fuse_projections(self) -> None:
         """Replace q/k/v_proj by one ``qkv_proj`` (their weights stacked): one GEMM, not three."""
+        if not _all_float_linears(self.q_proj, self.k_proj, self.v_proj):
+            return  # a pre-quantized checkpoint's projections stay apart
         self.qkv_proj = _stacked(q_proj=self.q_proj, k_proj=self.k_proj, v_proj=self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
@@ -179,6 +186,8 @@ class MLP(nn.Module):
 
     def fuse_projections(self) -> None:
         """Replace gate/up_proj by one ``gate_up_proj`` (their weights stacked)."""
+        if not _all_float_linears(self.gate_proj, self.up_proj):
+            return
         self.gate_up_proj = _stacked(gate_proj=self.gate_proj, up_proj=self.up_proj)
         del self.gate_proj, self.up_proj
 

@@ -162,10 +162,13 @@ def checkpoint_state(architecture: ModelArchitecture, state: dict[str, torch.Ten
 
 
 def build_model(spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
-                quantizer: Quantizer | None = None, architecture: ModelArchitecture | None = None) -> nn.Module:
+                quantizer: Quantizer | None = None, architecture: ModelArchitecture | None = None,
+                prequantized: dict[str, Any] | None = None) -> nn.Module:
     """Instantiate ``architecture``'s module (default: the model plugin serving the spec's
     model_type) without allocating, adopt the checkpoint's tensors, switch to its fast paths
-    and apply ``quantizer``."""
+    and apply ``quantizer``. With ``prequantized`` (the checkpoint's quantization_config),
+    ``quantizer`` builds the quantized modules from their stored tensors first
+    (``load_quantized``) and is not applied after."""
     if architecture is None:
         from tessellm.core.registry import get_registry
 
@@ -176,7 +179,9 @@ def build_model(spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.d
         raise PluginCallError(f"model plugin {architecture.name!r} (module {type(architecture).__module__}): build "
                               f"returned {type(model).__name__}, not a torch.nn.Module")
     state = checkpoint_state(architecture, state)
-    expected = set(model.state_dict())
+    if prequantized is not None:
+        quantizer.load_quantized(model, state, prequantized)  # its modules are built on the quantizer's device
+    expected = {name for name, t in model.state_dict(keep_vars=True).items() if t.is_meta}
     if spec.tie_word_embeddings:
         expected.discard("lm_head.weight")
         state = {k: v for k, v in state.items() if k != "lm_head.weight"}
@@ -198,7 +203,7 @@ def build_model(spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.d
     model.eval().requires_grad_(False)
     architecture.after_load(model, device, dtype)
     _no_meta_left(model, architecture)
-    return quantized(model, quantizer) if quantizer is not None else model
+    return quantized(model, quantizer) if quantizer is not None and prequantized is None else model
 
 
 def quantized(model: nn.Module, quantizer: Quantizer) -> nn.Module:

@@ -329,13 +329,39 @@ def decoder_spec(config: Any, **fields: Any) -> ModelSpec:
     return ModelSpec(**values)
 
 
-def refuse_quantized(config: Any, supported: str = "unquantized (bfloat16/float16/float32) weights") -> None:
-    """A ModelLoadError for a checkpoint whose config declares a quantization method."""
+def quantization_config(config: Any) -> dict[str, Any] | None:
+    """The checkpoint's ``quantization_config`` as a dict (None: float weights)."""
     quant = getattr(config, "quantization_config", None)
-    if quant:
-        method = quant.get("quant_method", "?") if isinstance(quant, dict) else getattr(quant, "quant_method", "?")
-        raise ModelLoadError(f"{config.model_type} checkpoint quantized with {method!r} is not supported; "
-                             f"supported: {supported}")
+    if not quant:
+        return None
+    return dict(quant) if isinstance(quant, dict) else quant.to_dict()
+
+
+def quantized_checkpoint_readers(quant: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(names of the installed quant plugins that load a checkpoint with ``quant``, each
+    other plugin's reason as "name: reason")."""
+    from tessellm.core.registry import get_registry
+
+    registry = get_registry()
+    readers, reasons = [], []
+    for name in registry.names("quant"):
+        reason = registry.get("quant", name).cls.checkpoint_support(quant)
+        (readers.append(name) if reason is None else reasons.append(f"{name}: {reason}"))
+    return readers, reasons
+
+
+def refuse_quantized(config: Any, supported: str = "unquantized (bfloat16/float16/float32) weights") -> None:
+    """A ModelLoadError for a checkpoint whose config declares a quantization method that no
+    installed quant plugin loads (``Quantizer.checkpoint_support``), with each one's reason."""
+    quant = quantization_config(config)
+    if quant is None:
+        return
+    readers, reasons = quantized_checkpoint_readers(quant)
+    if not readers:
+        why = "".join(f"; {r}" for r in reasons if "reads no pre-quantized" not in r)
+        raise ModelLoadError(f"{config.model_type} checkpoint quantized with {quant.get('quant_method', '?')!r} "
+                             f"is not supported{why}; supported: {supported}, or a pre-quantized format a quant "
+                             f"plugin reads (tessellm plugins)")
 
 
 ACTIVATION_NAMES = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_pytorch_tanh"}

@@ -41,7 +41,7 @@ class DeepseekArchitecture(ModelArchitecture):
     """DeepSeek-V2/V3 (MLA + MoE); fp8 checkpoints are refused with the reason."""
 
     name = "deepseek"
-    api_version = "1.10"
+    api_version = "1.11"
     model_types = ("deepseek_v2", "deepseek_v3")
 
     def spec(self, hf_config: Any) -> ModelSpec:

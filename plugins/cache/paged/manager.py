@@ -123,7 +123,7 @@ class PagedCache(CacheManager):
     """
 
     name = "paged"
-    api_version = "1.10"
+    api_version = "1.11"
     description = "fixed-size blocks with reference counts, copy-on-write forks and prefix caching"
     Options = PagedOptions
     auto_priority = 50

@@ -8,8 +8,9 @@ scale and an offset. Embeddings stay in the model dtype, and so does ``lm_head``
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
+import torch
 from pydantic import Field
 from torch import nn
 
@@ -17,7 +18,10 @@ import tessellm
 from tessellm.core.errors import ConfigError
 from tessellm.core.interfaces.quantizer import Quantizer
 from tessellm.core.plugin import PluginOptions
+from tessellm.plugins.quant.int4.checkpoints import compressed_tensors_support, read_compressed_tensors
+from tessellm.plugins.quant.int4.cpu import int4pack_unfit
 from tessellm.plugins.quant.int4.linear import Int4WeightLinear
+from tessellm.plugins.quant.int4.quantize import Int4Weight
 from tessellm.plugins.quant.int8.quantize import replace_linears
 
 
@@ -42,7 +46,7 @@ class Int4WeightQuantizer(Quantizer):
     """int4 weight-only quantization of the decoder layers' linears (and optionally lm_head)."""
 
     name = "int4-weight"
-    api_version = "1.10"
+    api_version = "1.11"
     description = "group-wise asymmetric int4 weights, activations in the model dtype; dequantized inside the matmul"
     Options = Int4WeightOptions
     auto_priority = None  # quantization changes results: only when named
@@ -73,6 +77,28 @@ class Int4WeightQuantizer(Quantizer):
                                                 int4pack=on_cpu and options.cpu_kernel != "tiled" and not unfit)
 
         return replace_linears(model, make, options.quantize_lm_head, self.name)
+
+    @classmethod
+    def checkpoint_support(cls, quantization_config: dict[str, Any]) -> str | None:
+        return compressed_tensors_support(quantization_config)
+
+    def load_quantized(self, model: nn.Module, state: dict[str, torch.Tensor],
+                       quantization_config: dict[str, Any]) -> None:
+        """Every linear whose ``weight_packed`` the checkpoint holds becomes an
+        ``Int4WeightLinear`` with the checkpoint's groups (``group_size`` is not used)."""
+        options = self.options
+        for name, linear in list(model.named_modules()):
+            if type(linear) is not nn.Linear or f"{name}.weight_packed" not in state:
+                continue
+            weight = read_compressed_tensors(state, name, linear.out_features, linear.in_features)
+            weight = Int4Weight(*(t.to(self.device) for t in (weight.packed, weight.scale, weight.offset)),
+                                weight.group_size)
+            bias = state.pop(f"{name}.bias", None)
+            bias = None if bias is None else bias.to(self.device, self.dtype)
+            fits = self.device.type == "cpu" and options.cpu_kernel != "tiled" and \
+                int4pack_unfit(linear.out_features, linear.in_features, weight.group_size) is None
+            model.set_submodule(name, Int4WeightLinear(weight, linear.out_features, bias, use_int4pack=fits,
+                                                       small_batch_rows=options.small_batch_rows))
 
 
 @tessellm.hookimpl

@@ -1,0 +1,115 @@
+"""Pre-quantized checkpoints: a compressed-tensors pack-quantized W4A16 folder (written by
+compressed-tensors' own quantize and packing code, tessellm.testing.prequantized) loads into
+`int4-weight` as it is, chosen automatically, and gives the logits and greedy tokens of
+transformers reading the same folder; formats nobody reads, and a quantizer named that does
+not read the folder, are refused with the reason."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tessellm import LLM
+from tessellm.core.errors import ConfigError, ModelLoadError
+from tessellm.plugins.quant.int4.checkpoints import compressed_tensors_support, unpack_int32_nibbles
+from tessellm.plugins.quant.int4.linear import Int4WeightLinear
+
+pytest.importorskip("compressed_tensors")
+
+PROMPT = [1, 5, 9, 33, 7, 100, 200, 17, 4]
+
+
+@pytest.fixture(scope="module")
+def w4a16(tmp_path_factory):
+    """Factory: (symmetric, group_size) -> a W4A16 folder of one tiny random Llama (built once each)."""
+    from tessellm.testing.models import build_tiny
+    from tessellm.testing.prequantized import build_compressed_tensors_w4a16
+
+    root = tmp_path_factory.mktemp("w4a16")
+    base = build_tiny("llama", root / "base")
+    built = {}
+
+    def make(symmetric: bool, group_size: int):
+        key = (symmetric, group_size)
+        if key not in built:
+            built[key] = build_compressed_tensors_w4a16(base, root / f"ct-{symmetric}-{group_size}",
+                                                        group_size=group_size, symmetric=symmetric)
+        return built[key]
+
+    return make
+
+
+def transformers_reading(folder):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    return AutoModelForCausalLM.from_pretrained(folder, quantization_config=CompressedTensorsConfig(dequantize=True),
+                                                dtype=torch.float32)
+
+
+@pytest.mark.parametrize("symmetric,group_size", [(True, 32), (False, 32), (False, 64)])
+def test_w4a16_gives_the_logits_and_tokens_transformers_reads(w4a16, symmetric, group_size):
+    folder = w4a16(symmetric, group_size)
+    hf = transformers_reading(folder)
+    with torch.no_grad():
+        expected = hf(torch.tensor([PROMPT])).logits[0].double()
+    hf_tokens = hf.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False)[0, len(PROMPT):].tolist()
+    llm = LLM({"model": str(folder), "device": "cpu", "dtype": "float32", "quant": {"options": {"cpu_kernel": "tiled"}}})
+    assert llm.pipeline.resolved.summary()["quant"]["name"] == "int4-weight"  # auto: the plugin that reads it
+    layer = llm.pipeline.model.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, Int4WeightLinear) and layer.self_attn.q_proj.group_size == group_size
+    assert type(llm.pipeline.model.lm_head) is torch.nn.Linear  # ignored by the checkpoint: float
+    ours = llm.engine.score(PROMPT).double()
+    assert (ours - expected).abs().max() <= 1e-4 * expected.abs().max()
+    params = {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True}
+    assert llm.generate([PROMPT], params)[0].token_ids == hf_tokens
+    # the default CPU path runs torch's int4 kernel for few rows, in bfloat16: near, not exact
+    auto = LLM({"model": str(folder), "device": "cpu", "dtype": "float32"})
+    assert auto.pipeline.model.model.layers[0].self_attn.q_proj.int4pack_weight is not None
+    step = auto.engine.score(PROMPT[:1]).double()[0]
+    assert (step - expected[0]).abs().max() <= 0.02 * expected[0].abs().max()
+
+
+def test_unpacking_reads_the_lowest_nibble_first():
+    words = torch.tensor([[0x76543210, 0x0000000F]], dtype=torch.int32)
+    assert unpack_int32_nibbles(words, 9).tolist() == [[0, 1, 2, 3, 4, 5, 6, 7, 15]]
+    negative = torch.tensor([[-1]], dtype=torch.int32)  # every bit set: eight 15s
+    assert unpack_int32_nibbles(negative, 8).tolist() == [[15] * 8]
+
+
+def _config(fmt="pack-quantized", bits=4, strategy="group", activations=None, **extra):
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": activations,
+                                          "weights": {"num_bits": bits, "type": "int", "strategy": strategy,
+                                                      "group_size": 32, **extra}}}}
+
+
+def test_support_names_what_it_does_not_read():
+    assert compressed_tensors_support(_config()) is None
+    assert compressed_tensors_support(_config(strategy="channel")) is None
+    assert "int4-weight reads pack-quantized" in compressed_tensors_support(_config(fmt="float-quantized"))
+    assert "8-bit int" in compressed_tensors_support(_config(bits=8))
+    assert "actorder 'group'" in compressed_tensors_support(_config(actorder="group"))
+    assert "activations too" in compressed_tensors_support(_config(activations={"num_bits": 8}))
+    assert "compressed-tensors" in compressed_tensors_support({"quant_method": "bitsandbytes"})
+
+
+def test_a_format_no_plugin_reads_is_refused_at_load(w4a16, tmp_path):
+    import shutil
+
+    folder = shutil.copytree(w4a16(True, 32), tmp_path / "fp8")
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = _config(fmt="float-quantized")
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"quantized with 'compressed-tensors' is not supported; int4-weight: "
+                                             r"config group 'group_0' has format 'float-quantized'"):
+        LLM({"model": str(folder), "device": "cpu", "dtype": "float32"})
+
+
+def test_a_named_quantizer_that_does_not_read_the_checkpoint_is_refused(w4a16):
+    with pytest.raises(ConfigError, match=r"quant.name 'int8-weight' cannot load this 'compressed-tensors' "
+                                          r"checkpoint \(int8-weight: it reads no pre-quantized checkpoint\); "
+                                          r"quant plugins that can: int4-weight"):
+        LLM({"model": str(w4a16(True, 32)), "device": "cpu", "dtype": "float32", "quant": {"name": "int8-weight"}})
