@@ -8,6 +8,16 @@ strategy); ``weight_shape`` [N, K]; and, asymmetric, ``weight_zero_point`` int32
 [ceil(N / 8), G], packed the same way along N. The weight is (q - zero) * scale with q and
 zero signed (both offsets of 8 cancel), so ``offset = -(zero + 8) * scale`` on the stored
 nibbles, and ``-8 * scale`` without zero points.
+
+GPTQ (AutoGPTQ / GPTQModel, ``checkpoint_format`` gptq or gptq_v2): ``qweight`` int32
+[K / 8, N] packed along K, ``qzeros`` int32 [G, N / 8] packed along N, ``scales`` [G, N],
+``g_idx`` [K] each input channel's group. The weight is (q - zero) * scale; the gptq (v1)
+format stores zero - 1. With act-order (``desc_act``) the groups are not contiguous in K: the
+input channels are permuted so that they are, and the layer permutes its input the same way.
+
+AWQ (AutoAWQ GEMM): ``qweight`` int32 [K, N / 8] packed along N, nibble c of a word holding
+column ``AWQ_ORDER[c]`` of its eight, ``qzeros`` [G, N / 8] the same way, ``scales`` [G, N];
+(q - zero) * scale.
 """
 
 from __future__ import annotations
@@ -17,6 +27,9 @@ from typing import Any
 import torch
 
 from tessellm.plugins.quant.int4.quantize import Int4Weight, pack_nibbles
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+"""The column of its word's eight each AWQ nibble holds, lowest nibble first."""
 
 
 def unpack_int32_nibbles(words: torch.Tensor, count: int) -> torch.Tensor:
@@ -73,3 +86,80 @@ def read_compressed_tensors(state: dict[str, torch.Tensor], prefix: str, out_fea
     stored_zero = 8.0 if zero is None else unpack_int32_nibbles(zero.T.contiguous(), out_features).T.float()
     q = unpack_int32_nibbles(packed, in_features)
     return Int4Weight(pack_nibbles(q), scale.contiguous(), (-stored_zero * scale).contiguous(), in_features // groups)
+
+
+def checkpoint_support(quant: dict[str, Any]) -> str | None:
+    """None when int4-weight reads a checkpoint with ``quant``, else why not."""
+    method = quant.get("quant_method")
+    if method == "compressed-tensors":
+        return compressed_tensors_support(quant)
+    if method == "gptq":
+        fmt = quant.get("checkpoint_format", "gptq")
+        if quant.get("bits") != 4:
+            return f"{quant.get('bits')}-bit GPTQ (int4-weight reads 4-bit)"
+        return None if fmt in ("gptq", "gptq_v2") else f"GPTQ checkpoint_format {fmt!r} (it reads gptq, gptq_v2)"
+    if method == "awq":
+        version = str(quant.get("version", "gemm")).lower()
+        bits = quant.get("bits", quant.get("w_bit"))
+        if bits != 4 or version != "gemm" or not quant.get("zero_point", True):
+            return f"AWQ {bits}-bit, version {version!r}, zero_point {quant.get('zero_point', True)} (it reads 4-bit GEMM " \
+                   f"with zero points)"
+        return None
+    return f"quant_method {method!r} is not one it reads (compressed-tensors, gptq, awq)"
+
+
+def _groups_contiguous(weight: Int4Weight, q: torch.Tensor, g_idx: torch.Tensor | None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(q [N, K] with each group's input channels side by side, the input permutation that
+    achieved it or None when they already were)."""
+    k = q.shape[1]
+    if g_idx is None or torch.equal(g_idx.long(), torch.arange(k) // weight.group_size):
+        return q, None
+    perm = torch.argsort(g_idx.long(), stable=True)
+    if not torch.equal(g_idx.long()[perm], torch.arange(k) // weight.group_size):
+        raise ValueError(f"g_idx gives groups of unequal sizes (expected {weight.group_size} channels each)")
+    return q[:, perm], perm
+
+
+def read_gptq(state: dict[str, torch.Tensor], prefix: str, out_features: int, in_features: int, v1: bool
+              ) -> tuple[Int4Weight, torch.Tensor | None]:
+    """(the int4 weight of GPTQ linear ``prefix``, the input permutation of act-order or None);
+    its tensors are removed from ``state``."""
+    q = unpack_int32_nibbles(state.pop(f"{prefix}.qweight").T.contiguous(), in_features)  # [N, K]
+    zero = unpack_int32_nibbles(state.pop(f"{prefix}.qzeros"), out_features).T.float()  # [N, G]
+    scale = state.pop(f"{prefix}.scales").float().T.contiguous()
+    g_idx = state.pop(f"{prefix}.g_idx", None)
+    zero = zero + 1 if v1 else zero
+    weight = Int4Weight(q, scale, (-zero * scale).contiguous(), in_features // scale.shape[1])
+    q, perm = _groups_contiguous(weight, q, g_idx)
+    return Int4Weight(pack_nibbles(q), weight.scale, weight.offset, weight.group_size), perm
+
+
+def _awq_columns(words: torch.Tensor, count: int) -> torch.Tensor:
+    """[R, count / 8] AWQ words -> [R, count] uint8 in column order."""
+    nibbles = unpack_int32_nibbles(words, count).view(words.shape[0], -1, 8)
+    columns = torch.empty_like(nibbles)
+    columns[:, :, list(AWQ_ORDER)] = nibbles
+    return columns.view(words.shape[0], count)
+
+
+def read_awq(state: dict[str, torch.Tensor], prefix: str, out_features: int, in_features: int) -> Int4Weight:
+    """The int4 weight of AWQ (GEMM) linear ``prefix``; its tensors are removed from ``state``."""
+    q = _awq_columns(state.pop(f"{prefix}.qweight"), out_features).T.contiguous()  # [N, K]
+    zero = _awq_columns(state.pop(f"{prefix}.qzeros"), out_features).T.float()  # [N, G]
+    scale = state.pop(f"{prefix}.scales").float().T.contiguous()
+    return Int4Weight(pack_nibbles(q), scale, (-zero * scale).contiguous(), in_features // scale.shape[1])
+
+
+def read_linear(state: dict[str, torch.Tensor], prefix: str, out_features: int, in_features: int,
+                quant: dict[str, Any]) -> tuple[Int4Weight, torch.Tensor | None] | None:
+    """(int4 weight, input permutation or None) of linear ``prefix`` where the checkpoint
+    stores it quantized (its tensors removed from ``state``); None where it does not."""
+    method = quant.get("quant_method")
+    if method == "compressed-tensors" and f"{prefix}.weight_packed" in state:
+        return read_compressed_tensors(state, prefix, out_features, in_features), None
+    if method == "gptq" and f"{prefix}.qweight" in state:
+        return read_gptq(state, prefix, out_features, in_features, quant.get("checkpoint_format", "gptq") == "gptq")
+    if method == "awq" and f"{prefix}.qweight" in state:
+        return read_awq(state, prefix, out_features, in_features), None
+    return None

@@ -14,10 +14,11 @@ class Int4WeightLinear(nn.Module):
     kept. On CUDA a Triton kernel dequantizes inside its K loop (triton_matmul.py). On the
     CPU, up to ``small_batch_rows`` rows run torch's int4 kernel where the layer fits it (and
     ``use_int4pack``); more rows, and layers it cannot take, dequantize a tile of output
-    channels at a time before the BLAS (cpu.py)."""
+    channels at a time before the BLAS (cpu.py). ``input_perm`` (act-order checkpoints)
+    reorders the input's channels to the weight's."""
 
     def __init__(self, weight: Int4Weight, out_features: int, bias: torch.Tensor | None, *,
-                 use_int4pack: bool, small_batch_rows: int):
+                 use_int4pack: bool, small_batch_rows: int, input_perm: torch.Tensor | None = None):
         super().__init__()
         self.in_features, self.out_features = weight.in_features, out_features
         self.group_size = weight.group_size
@@ -26,6 +27,8 @@ class Int4WeightLinear(nn.Module):
         self.register_buffer("weight_scale", weight.scale)
         self.register_buffer("weight_offset", weight.offset)
         self.register_buffer("bias", bias)
+        # act-order checkpoints: the weight's input channels permuted so groups are contiguous
+        self.register_buffer("input_perm", input_perm)
         pack = to_int4pack(weight) if use_int4pack else None
         self.register_buffer("int4pack_weight", None if pack is None else pack.weight)
         self.register_buffer("int4pack_scales", None if pack is None else pack.scales_and_zeros)
@@ -61,7 +64,8 @@ class Int4WeightLinear(nn.Module):
         return tiled_matmul(rows, self.int4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.matmul(x.reshape(-1, self.in_features))
+        rows = x.reshape(-1, self.in_features)
+        out = self.matmul(rows if self.input_perm is None else rows.index_select(1, self.input_perm))
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.view(*x.shape[:-1], self.out_features)

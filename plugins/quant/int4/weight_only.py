@@ -18,7 +18,7 @@ import tessellm
 from tessellm.core.errors import ConfigError
 from tessellm.core.interfaces.quantizer import Quantizer
 from tessellm.core.plugin import PluginOptions
-from tessellm.plugins.quant.int4.checkpoints import compressed_tensors_support, read_compressed_tensors
+from tessellm.plugins.quant.int4.checkpoints import checkpoint_support, read_linear
 from tessellm.plugins.quant.int4.cpu import int4pack_unfit
 from tessellm.plugins.quant.int4.linear import Int4WeightLinear
 from tessellm.plugins.quant.int4.quantize import Int4Weight
@@ -80,25 +80,30 @@ class Int4WeightQuantizer(Quantizer):
 
     @classmethod
     def checkpoint_support(cls, quantization_config: dict[str, Any]) -> str | None:
-        return compressed_tensors_support(quantization_config)
+        return checkpoint_support(quantization_config)
 
     def load_quantized(self, model: nn.Module, state: dict[str, torch.Tensor],
                        quantization_config: dict[str, Any]) -> None:
-        """Every linear whose ``weight_packed`` the checkpoint holds becomes an
-        ``Int4WeightLinear`` with the checkpoint's groups (``group_size`` is not used)."""
+        """Every linear the checkpoint stores as 4-bit (compressed-tensors, GPTQ, AWQ)
+        becomes an ``Int4WeightLinear`` with the checkpoint's groups (``group_size`` is not
+        used)."""
         options = self.options
         for name, linear in list(model.named_modules()):
-            if type(linear) is not nn.Linear or f"{name}.weight_packed" not in state:
+            if type(linear) is not nn.Linear:
                 continue
-            weight = read_compressed_tensors(state, name, linear.out_features, linear.in_features)
+            read = read_linear(state, name, linear.out_features, linear.in_features, quantization_config)
+            if read is None:
+                continue
+            weight, perm = read
             weight = Int4Weight(*(t.to(self.device) for t in (weight.packed, weight.scale, weight.offset)),
                                 weight.group_size)
             bias = state.pop(f"{name}.bias", None)
             bias = None if bias is None else bias.to(self.device, self.dtype)
             fits = self.device.type == "cpu" and options.cpu_kernel != "tiled" and \
                 int4pack_unfit(linear.out_features, linear.in_features, weight.group_size) is None
-            model.set_submodule(name, Int4WeightLinear(weight, linear.out_features, bias, use_int4pack=fits,
-                                                       small_batch_rows=options.small_batch_rows))
+            model.set_submodule(name, Int4WeightLinear(
+                weight, linear.out_features, bias, use_int4pack=fits, small_batch_rows=options.small_batch_rows,
+                input_perm=None if perm is None else perm.to(self.device)))
 
 
 @tessellm.hookimpl

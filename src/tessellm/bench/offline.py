@@ -59,6 +59,8 @@ class BenchResult:
     """The longest sequence the cache admits (its max_seq_tokens)."""
     prefix_hit_rate: float | None = None
     peak_kv_blocks: int | None = None
+    weight_bytes: int | None = None
+    """Bytes of the model's weights as held (quantized ones at their packed size, scales included)."""
     peak_running: int | None = None
     preemptions: int | None = None
     draft_tokens: int | None = None
@@ -90,6 +92,7 @@ class BenchResult:
             "kv_sequences_at_max_len": self.kv_sequences_at_max_len, "kv_longest_context": self.kv_longest_context,
             "prefix_hit_rate": None if self.prefix_hit_rate is None else round(self.prefix_hit_rate, 4),
             "peak_kv_blocks": self.peak_kv_blocks, "peak_running": self.peak_running,
+            "weight_bytes": self.weight_bytes,
             "preemptions": self.preemptions, "draft_tokens": self.draft_tokens,
             "acceptance_rate": None if self.acceptance_rate is None else round(self.acceptance_rate, 4),
             "tokens_per_forward": None if self.tokens_per_forward is None else round(self.tokens_per_forward, 4),
@@ -187,9 +190,17 @@ def run_offline(llm: Any, requests: list[BenchRequest], *, progress: bool = Fals
                        **_kv_capacity(cache, llm.pipeline.resolved.max_model_len),
                        prefix_hit_rate=(after.hit_tokens - hit0) / queried if queried else 0.0,
                        peak_kv_blocks=stats.peak_kv_blocks, peak_running=stats.peak_running,
+                       weight_bytes=weight_bytes(llm.pipeline.model),
                        preemptions=stats.preemptions, draft_tokens=stats.draft_tokens,
                        acceptance_rate=stats.acceptance_rate, tokens_per_forward=stats.tokens_per_forward,
                        kernel_builds=stats.kernel_builds, outputs=[done[r.request_id].seqs[0].output_token_ids for r in requests])
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of every distinct parameter and buffer of ``model`` (tied weights once)."""
+    seen = {t.data_ptr(): t.numel() * t.element_size()
+            for t in [*model.parameters(), *model.buffers()] if t is not None and t.device.type != "meta"}
+    return sum(seen.values())
 
 
 def _kv_capacity(cache: Any, max_len: int) -> dict[str, Any]:
@@ -256,7 +267,7 @@ def format_report(report: dict[str, Any]) -> str:
     rows: list[tuple[str, list[Any]]] = [
         (key, [m.get(key) for m in [report] + ([base] if base else [])])
         for key in ("num_requests", "total_prompt_tokens", "total_output_tokens", "elapsed_s", "output_tokens_per_s",
-                    "requests_per_s", "kv_waste", "kv_capacity_tokens", "kv_bytes_per_token",
+                    "requests_per_s", "weight_bytes", "kv_waste", "kv_capacity_tokens", "kv_bytes_per_token",
                     "mha_kv_bytes_per_token", "kv_bytes_per_token_at_max_len", "kv_sequences_at_max_len",
                     "kv_longest_context", "prefix_hit_rate", "peak_kv_blocks", "peak_running", "preemptions",
                     "draft_tokens", "acceptance_rate", "tokens_per_forward", "kernel_builds")]

@@ -161,3 +161,17 @@ def test_a_pipeline_runs_it_by_config(cpu_config, tiny_model, cpu_kernel):
     assert isinstance(llm.pipeline.model.model.layers[0].mlp.down_proj, Int4WeightLinear)
     out = llm.generate([[5, 6, 7, 8], [9, 10]], {"max_tokens": 4, "ignore_eos": True})
     assert [len(o.token_ids) for o in out] == [4, 4]
+
+
+def test_bench_counts_the_packed_weight_bytes():
+    """`tessellm bench`'s weight_bytes: an int4 linear holds half a byte a weight, plus its
+    scales and offsets (and torch's CPU layout beside it where that kernel runs)."""
+    from tessellm.bench.offline import weight_bytes
+
+    model = _model(out_features=(256, 256), in_features=256)
+    float_bytes = weight_bytes(model)
+    tiled = weight_bytes(_quantizer(group_size=64, cpu_kernel="tiled").apply(_model((256, 256), 256)))
+    linear_bytes = 4 * (256 * 256 * 2 + 256) + 8 * 256 * 4  # up (with bias), down in float32; lm_head
+    assert float_bytes == linear_bytes
+    # packed nibbles + scale and offset per group of 64 (float32) + the float bias and lm_head
+    assert tiled == 2 * (256 * 128 + 2 * 256 * 4 * 4) + 256 * 4 + 8 * 256 * 4

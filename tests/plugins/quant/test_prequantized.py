@@ -1,8 +1,11 @@
 """Pre-quantized checkpoints: a compressed-tensors pack-quantized W4A16 folder (written by
 compressed-tensors' own quantize and packing code, tessellm.testing.prequantized) loads into
 `int4-weight` as it is, chosen automatically, and gives the logits and greedy tokens of
-transformers reading the same folder; formats nobody reads, and a quantizer named that does
-not read the folder, are refused with the reason."""
+transformers reading the same folder. GPTQ (v1 and v2, symmetric and not, act-order) and AWQ
+GEMM folders, packed as those formats document, give the logits of the float model of the
+weights they stand for (a round trip: no reader of those formats installs on a CPU-only
+machine). Formats nobody reads, and a quantizer named that does not read the folder, are
+refused with the reason."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import torch
 
 from tessellm import LLM
 from tessellm.core.errors import ConfigError, ModelLoadError
-from tessellm.plugins.quant.int4.checkpoints import compressed_tensors_support, unpack_int32_nibbles
+from tessellm.plugins.quant.int4.checkpoints import checkpoint_support, compressed_tensors_support, unpack_int32_nibbles
 from tessellm.plugins.quant.int4.linear import Int4WeightLinear
 
 pytest.importorskip("compressed_tensors")
@@ -70,6 +73,35 @@ def test_w4a16_gives_the_logits_and_tokens_transformers_reads(w4a16, symmetric, 
     assert auto.pipeline.model.model.layers[0].self_attn.q_proj.int4pack_weight is not None
     step = auto.engine.score(PROMPT[:1]).double()[0]
     assert (step - expected[0]).abs().max() <= 0.02 * expected[0].abs().max()
+
+
+GPTQ_AWQ = {"gptq-v1-asym": dict(method="gptq"), "gptq-v2-sym": dict(method="gptq", symmetric=True, v1=False),
+            "gptq-act-order": dict(method="gptq", act_order=True, group_size=16),
+            "awq-gemm": dict(method="awq", group_size=16)}
+
+
+@pytest.mark.parametrize("variant", sorted(GPTQ_AWQ))
+def test_gptq_and_awq_give_the_logits_of_the_weights_they_stand_for(variant, tmp_path, tiny_model):
+    from tessellm.testing.prequantized import build_gptq_or_awq
+
+    folder = build_gptq_or_awq(tiny_model("llama", vocab_size=512), tmp_path / "q", tmp_path / "ref",
+                               **GPTQ_AWQ[variant])
+    llm = LLM({"model": str(folder), "device": "cpu", "dtype": "float32", "quant": {"options": {"cpu_kernel": "tiled"}}})
+    layer = llm.pipeline.model.model.layers[0].mlp.down_proj
+    assert isinstance(layer, Int4WeightLinear) and (layer.input_perm is not None) == ("act-order" in variant)
+    expected = LLM({"model": str(tmp_path / "ref"), "device": "cpu", "dtype": "float32"}).engine.score(PROMPT).double()
+    ours = llm.engine.score(PROMPT).double()
+    assert (ours - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+def test_gptq_and_awq_support_names_what_it_does_not_read():
+    assert checkpoint_support({"quant_method": "gptq", "bits": 4, "checkpoint_format": "gptq_v2"}) is None
+    assert "8-bit GPTQ" in checkpoint_support({"quant_method": "gptq", "bits": 8})
+    assert "checkpoint_format 'marlin'" in checkpoint_support({"quant_method": "gptq", "bits": 4,
+                                                               "checkpoint_format": "marlin"})
+    assert checkpoint_support({"quant_method": "awq", "bits": 4, "version": "GEMM", "zero_point": True}) is None
+    assert "version 'gemv'" in checkpoint_support({"quant_method": "awq", "bits": 4, "version": "gemv"})
+    assert "(compressed-tensors, gptq, awq)" in checkpoint_support({"quant_method": "fp8"})
 
 
 def test_unpacking_reads_the_lowest_nibble_first():
