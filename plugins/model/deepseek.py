@@ -38,7 +38,7 @@ class DeepseekForCausalLM(DecoderForCausalLM):
 
 
 class DeepseekArchitecture(ModelArchitecture):
-    """DeepSeek-V2/V3 (MLA + MoE); fp8 checkpoints are refused with the reason."""
+    """DeepSeek-V2/V3 (MLA + MoE); block-FP8 checkpoints (DeepSeek-V3's own) load through quant fp8."""
 
     name = "deepseek"
     api_version = "1.11"

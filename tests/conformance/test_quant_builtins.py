@@ -55,3 +55,12 @@ class TestInt4WeightGroup32Tiled(QuantConformance):
 class TestInt4WeightGroup128(QuantConformance):
     plugin = "int4-weight"
     options = {"group_size": 128}
+
+
+class TestFp8Channel(QuantConformance):
+    plugin = "fp8"
+
+
+class TestFp8Block(QuantConformance):
+    plugin = "fp8"
+    options = {"granularity": "block", "block_size": 32, "quantize_lm_head": True}

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from tessellm.plugins.quant.compressed_tensors_config import compressed_tensors_problem
 from tessellm.plugins.quant.int4.quantize import Int4Weight, pack_nibbles
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -45,26 +46,16 @@ def compressed_tensors_support(quant: dict[str, Any]) -> str | None:
     method = quant.get("quant_method")
     if method != "compressed-tensors":
         return f"quant_method {method!r} is not one it reads (compressed-tensors)"
-    if quant.get("quantization_status", "compressed") != "compressed":
-        return f"quantization_status {quant.get('quantization_status')!r}: it reads compressed checkpoints"
-    groups = quant.get("config_groups") or {}
-    if not groups:
-        return "the compressed-tensors config has no config_groups"
-    for name, group in groups.items():
-        fmt = group.get("format") or quant.get("format")
-        weights = group.get("weights") or {}
-        if fmt != "pack-quantized":
-            return f"config group {name!r} has format {fmt!r} (int4-weight reads pack-quantized)"
-        if weights.get("num_bits") != 4 or weights.get("type") != "int":
-            return (f"config group {name!r} quantizes weights to {weights.get('num_bits')}-bit "
-                    f"{weights.get('type')} (int4-weight reads 4-bit int)")
-        if weights.get("strategy") not in ("group", "channel"):
-            return f"config group {name!r} has weight strategy {weights.get('strategy')!r} (it reads group, channel)"
-        if weights.get("actorder") == "group":
+
+    def weight_only(name: str, group: dict[str, Any]) -> str | None:
+        if (group.get("weights") or {}).get("actorder") == "group":
             return f"config group {name!r} has activation-ordered groups (actorder 'group'), not read yet"
         if group.get("input_activations") or group.get("output_activations"):
             return f"config group {name!r} quantizes activations too (int4-weight reads weight-only W4A16)"
-    return None
+        return None
+
+    return compressed_tensors_problem(quant, "int4-weight", "pack-quantized", 4, "int", ("group", "channel"),
+                                      weight_only)
 
 
 def read_compressed_tensors(state: dict[str, torch.Tensor], prefix: str, out_features: int,

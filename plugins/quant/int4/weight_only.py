@@ -15,7 +15,7 @@ from pydantic import Field
 from torch import nn
 
 import tessellm
-from tessellm.core.errors import ConfigError
+from tessellm.core.errors import ConfigError, ModelLoadError
 from tessellm.core.interfaces.quantizer import Quantizer
 from tessellm.core.plugin import PluginOptions
 from tessellm.plugins.quant.int4.checkpoints import checkpoint_support, read_linear
@@ -104,6 +104,10 @@ class Int4WeightQuantizer(Quantizer):
             model.set_submodule(name, Int4WeightLinear(
                 weight, linear.out_features, bias, use_int4pack=fits, small_batch_rows=options.small_batch_rows,
                 input_perm=None if perm is None else perm.to(self.device)))
+        left = [k for k in state if k.endswith((".weight_packed", ".qweight", ".qzeros"))]
+        if left:
+            raise ModelLoadError(f"quant 'int4-weight': the checkpoint holds packed 4-bit tensors of no linear it "
+                                 f"reads, e.g. {', '.join(left[:3])}")
 
 
 @tessellm.hookimpl

@@ -20,19 +20,38 @@ def _is_quantized_linear(name: str) -> bool:
     return name.endswith(".weight") and name.split(".")[-2] in LINEAR_SUFFIXES and ".layers." in name
 
 
-def build_compressed_tensors_w4a16(source: Path, target: Path, *, group_size: int = 32,
-                                   symmetric: bool = True) -> Path:
-    """``source`` (a float HF folder with one safetensors file) as a compressed-tensors
-    pack-quantized W4A16 folder in ``target``: every decoder-layer projection quantized to 4
-    bits in groups of ``group_size`` (symmetric, or asymmetric with packed zero points), the
-    embeddings, norms and lm_head left as they are."""
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+def _ranges(w: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """(minimum, maximum) of ``w`` [N, K] per the strategy of ``args`` (group, channel,
+    tensor or block), shaped as compressed-tensors' scales are."""
+    strategy = str(getattr(args.strategy, "value", args.strategy))
+    if strategy == "group":
+        grouped = w.view(w.shape[0], -1, args.group_size)
+        return grouped.amin(dim=-1), grouped.amax(dim=-1)
+    if strategy == "channel":
+        return w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+    if strategy == "tensor":
+        return w.amin().reshape(1), w.amax().reshape(1)
+    bn, bk = args.block_structure
+    blocks = w.view(w.shape[0] // bn, bn, w.shape[1] // bk, bk)
+    return blocks.amin(dim=(1, 3)), blocks.amax(dim=(1, 3))
+
+
+def build_compressed_tensors(source: Path, target: Path, weights: dict, fmt: str,
+                             input_activations: dict | None = None) -> Path:
+    """``source`` (a float HF folder) as a compressed-tensors folder of format ``fmt``
+    ("pack-quantized", "float-quantized", "int-quantized") in ``target``: every decoder-layer
+    projection's weight quantized per ``weights`` (QuantizationArgs fields) with min-max
+    ranges, by compressed-tensors' own qparams, quantize and compressor code; embeddings,
+    norms and lm_head as they are."""
+    from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from compressed_tensors.quantization.utils import calculate_qparams
     from safetensors.torch import load_file, save_file
 
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group", group_size=group_size)
-    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    args = QuantizationArgs(**weights)
+    activations = None if input_activations is None else QuantizationArgs(**input_activations)
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, input_activations=activations)
+    compressor = BaseCompressor.get_value_from_registry(fmt)
     target.mkdir(parents=True, exist_ok=True)
     for f in source.iterdir():
         if f.is_file() and f.suffix != ".safetensors":
@@ -45,22 +64,77 @@ def build_compressed_tensors_w4a16(source: Path, target: Path, *, group_size: in
         if not _is_quantized_linear(name):
             out[name] = tensor
             continue
-        prefix = name[: -len(".weight")]
-        w = tensor.float()
-        grouped = w.view(w.shape[0], -1, group_size)
-        scale, zero_point = calculate_qparams(grouped.amin(dim=-1), grouped.amax(dim=-1), args)
-        compressed = PackedQuantizationCompressor.compress(
-            {"weight": w, "weight_scale": scale.to(tensor.dtype), "weight_zero_point": zero_point}, scheme)
+        prefix, w = name[: -len(".weight")], tensor.float()
+        scale, zero_point = calculate_qparams(*_ranges(w, args), args)
+        compressed = compressor.compress({"weight": w, "weight_scale": scale.to(tensor.dtype),
+                                          "weight_zero_point": zero_point}, scheme)
         out.update({f"{prefix}.{key}": value.contiguous() for key, value in compressed.items()})
     save_file(out, target / "model.safetensors")
     config = json.loads((source / "config.json").read_text())
     config["quantization_config"] = {
-        "quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": args.model_dump(), "input_activations": None,
-                                      "output_activations": None, "format": "pack-quantized"}},
+        "quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": args.model_dump(),
+                                      "input_activations": None if activations is None else activations.model_dump(),
+                                      "output_activations": None, "format": fmt}},
         "ignore": ["lm_head"], "kv_cache_scheme": None}
     (target / "config.json").write_text(json.dumps(config, indent=2))
     return target
+
+
+def build_compressed_tensors_w4a16(source: Path, target: Path, *, group_size: int = 32,
+                                   symmetric: bool = True) -> Path:
+    """``source`` as a pack-quantized W4A16 folder: 4-bit weights in groups of ``group_size``
+    (symmetric, or asymmetric with packed zero points)."""
+    return build_compressed_tensors(source, target, dict(num_bits=4, type="int", symmetric=symmetric,
+                                                         strategy="group", group_size=group_size), "pack-quantized")
+
+
+def every_layer_matrix(name: str, tensor: torch.Tensor) -> bool:
+    """Every 2-D weight of the decoder layers but the MoE router's (DeepSeek-V3's FP8 choice)."""
+    return ".layers." in name and name.endswith(".weight") and tensor.dim() == 2 and not name.endswith("mlp.gate.weight")
+
+
+def build_fine_grained_fp8(source: Path, target: Path, reference: Path, *, block: tuple[int, int] = (32, 32),
+                           quantizes=lambda name, tensor: _is_quantized_linear(name)) -> Path:
+    """``source`` as a ``quant_method: fp8`` folder (transformers' fine-grained FP8, DeepSeek-V3's
+    layout: e4m3 ``weight`` and float32 ``weight_scale_inv`` per ``block``) in ``target``, and
+    in ``reference`` the float folder of exactly the weights it stands for. ``quantizes(name,
+    tensor)`` picks the weights stored in FP8 (default: the projections; DeepSeek-V3 style:
+    ``every_layer_matrix``)."""
+    from safetensors.torch import load_file
+
+    from tessellm.plugins.quant.fp8.linear import dequantize_fp8, quantize_fp8
+
+    state = {}
+    for file in sorted(source.glob("*.safetensors")):
+        state.update(load_file(file))
+    packed, dequantized = {}, {}
+    for name, tensor in state.items():
+        if not quantizes(name, tensor):
+            packed[name] = dequantized[name] = tensor
+            continue
+        weight, scale = quantize_fp8(tensor, "block", block)
+        packed[name], packed[f"{name}_scale_inv"] = weight, scale
+        dequantized[name] = dequantize_fp8(weight, scale, block).to(tensor.dtype)
+    quant = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block)}
+    _write_pair(source, target, reference, packed, dequantized, quant)
+    return target
+
+
+def _write_pair(source: Path, target: Path, reference: Path, packed: dict, dequantized: dict, quant: dict) -> None:
+    """Write ``packed`` with ``quant`` as its quantization_config into ``target`` and
+    ``dequantized`` as a float folder into ``reference``, each with ``source``'s other files."""
+    from safetensors.torch import save_file
+
+    config = json.loads((source / "config.json").read_text())
+    for folder, tensors in ((target, packed), (reference, dequantized)):
+        folder.mkdir(parents=True, exist_ok=True)
+        for f in source.iterdir():
+            if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
+                shutil.copy(f, folder / f.name)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, folder / "model.safetensors")
+    (target / "config.json").write_text(json.dumps({**config, "quantization_config": quant}, indent=2))
+    (reference / "config.json").write_text(json.dumps(config, indent=2))
 
 
 def pack_int32_nibbles(values: torch.Tensor) -> torch.Tensor:
@@ -94,7 +168,7 @@ def build_gptq_or_awq(source: Path, target: Path, reference: Path, *, method: st
     packed as those formats document, with min-max grids (no GPTQ error correction: the
     packing, not the rounding, is what a reader must get right); and in ``reference`` the
     float folder of exactly the weights the packed tensors stand for."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from tessellm.plugins.quant.int4.checkpoints import AWQ_ORDER
 
@@ -125,16 +199,8 @@ def build_gptq_or_awq(source: Path, target: Path, reference: Path, *, method: st
             packed.update({f"{prefix}.qweight": pack_int32_nibbles(q.T[:, columns].contiguous()),
                            f"{prefix}.qzeros": pack_int32_nibbles(zero.T[:, columns].contiguous()),
                            f"{prefix}.scales": scale.T.contiguous().half()})
-    config = json.loads((source / "config.json").read_text())
-    for folder, tensors in ((target, packed), (reference, dequantized)):
-        folder.mkdir(parents=True, exist_ok=True)
-        for f in source.iterdir():
-            if f.is_file() and f.suffix != ".safetensors" and f.name != "config.json":
-                shutil.copy(f, folder / f.name)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, folder / "model.safetensors")
     quant = ({"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": act_order, "sym": symmetric,
               "checkpoint_format": "gptq" if v1 else "gptq_v2"} if method == "gptq" else
              {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"})
-    (target / "config.json").write_text(json.dumps({**config, "quantization_config": quant}, indent=2))
-    (reference / "config.json").write_text(json.dumps(config, indent=2))
+    _write_pair(source, target, reference, packed, dequantized, quant)
     return target

@@ -173,9 +173,9 @@ def test_other_quantization_methods_and_unknown_layer_types_are_refused():
 
     shapes = {k: v for k, v in SHAPES["gpt_oss"].items() if k != "layer_types"}
     config = AutoConfig.for_model("gpt_oss", vocab_size=64, **shapes, layer_types=LAYER_TYPES,
-                                  quantization_config={"quant_method": "fp8"})
-    with pytest.raises(ModelLoadError, match="'fp8' is not supported; int4-weight: quant_method 'fp8' is not one "
-                                             "it reads .*; supported: unquantized"):
+                                  quantization_config={"quant_method": "bitsandbytes"})
+    with pytest.raises(ModelLoadError, match="'bitsandbytes' is not supported; fp8: quant_method 'bitsandbytes' is "
+                                             "not one it reads .*; supported: unquantized"):
         GptOssArchitecture().load_spec(config)
     config = AutoConfig.for_model("gpt_oss", vocab_size=64, **shapes,
                                   layer_types=["sliding_attention", "chunked_attention"] * 2)

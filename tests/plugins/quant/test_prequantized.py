@@ -131,12 +131,13 @@ def test_support_names_what_it_does_not_read():
 def test_a_format_no_plugin_reads_is_refused_at_load(w4a16, tmp_path):
     import shutil
 
-    folder = shutil.copytree(w4a16(True, 32), tmp_path / "fp8")
+    folder = shutil.copytree(w4a16(True, 32), tmp_path / "nvfp4")
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = _config(fmt="float-quantized")
+    config["quantization_config"] = _config(fmt="nvfp4-pack-quantized")
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ModelLoadError, match=r"quantized with 'compressed-tensors' is not supported; int4-weight: "
-                                             r"config group 'group_0' has format 'float-quantized'"):
+    with pytest.raises(ModelLoadError, match=r"quantized with 'compressed-tensors' is not supported; fp8: config group "
+                                             r"'group_0' has format 'nvfp4-pack-quantized' \(fp8 reads float-quantized\); "
+                                             r"int4-weight: config group 'group_0' has format 'nvfp4-pack-quantized'"):
         LLM({"model": str(folder), "device": "cpu", "dtype": "float32"})
 
 

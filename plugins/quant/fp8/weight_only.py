@@ -1,0 +1,96 @@
+"""Quant `fp8`: float8 e4m3 weights, activations in the model dtype.
+
+Quantized at load from a float checkpoint (scales per output channel by default, per tensor,
+or per block), or read as stored from an FP8 checkpoint (checkpoints.py): every decoder-layer
+``nn.Linear`` becomes an ``Fp8Linear`` that dequantizes inside the matmul. Half the bytes of
+bfloat16; the activations are not quantized (no FP8 tensor-core matmul yet).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+from torch import nn
+
+import tessellm
+from tessellm.core.errors import ModelLoadError
+from tessellm.core.interfaces.quantizer import Quantizer
+from tessellm.core.plugin import PluginOptions
+from tessellm.plugins.quant.fp8.checkpoints import checkpoint_support, read_fp8
+from tessellm.plugins.quant.fp8.linear import FP8, Fp8Linear, dequantize_fp8, quantize_fp8
+from tessellm.plugins.quant.int8.quantize import replace_linears
+
+
+class Fp8Options(PluginOptions):
+    """Options of `fp8` (when quantizing a float checkpoint; an FP8 checkpoint keeps its own)."""
+
+    granularity: Literal["channel", "tensor", "block"] = "channel"
+    """One scale per output channel, for the whole weight, or per ``block_size`` block."""
+    block_size: int = Field(128, ge=16, le=1024)
+    """Rows and columns of a block (granularity block)."""
+    quantize_lm_head: bool = False
+    """Also quantize lm_head."""
+
+
+class Fp8Quantizer(Quantizer):
+    """float8 e4m3 weights for the decoder layers' linears (and optionally lm_head)."""
+
+    name = "fp8"
+    api_version = "1.11"
+    description = "float8 e4m3 weights (tensor, channel or block scales), activations in the model dtype"
+    Options = Fp8Options
+    auto_priority = None  # quantization changes results: only when named, or read from a checkpoint
+    max_relative_error = 0.2
+
+    @classmethod
+    def error_bound(cls, options: PluginOptions) -> float:
+        # e4m3 keeps 3 mantissa bits (~2-3% rms error a weight); the tiny conformance model's
+        # logits come out 11-13% off, a little more with lm_head quantized too
+        return 0.15 + (0.05 if options.quantize_lm_head else 0.0)
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        options = self.options
+        block = (options.block_size, options.block_size)
+
+        def make(full: str, linear: nn.Linear) -> nn.Module:
+            weight, scale = quantize_fp8(linear.weight, options.granularity, block)
+            bias = None if linear.bias is None else linear.bias.detach().clone()
+            return Fp8Linear(weight, scale, bias, block if options.granularity == "block" else None)
+
+        return replace_linears(model, make, options.quantize_lm_head, self.name)
+
+    @classmethod
+    def checkpoint_support(cls, quantization_config: dict[str, Any]) -> str | None:
+        return checkpoint_support(quantization_config)
+
+    def load_quantized(self, model: nn.Module, state: dict[str, torch.Tensor],
+                       quantization_config: dict[str, Any]) -> None:
+        """Every linear whose weight the checkpoint stores in float8 becomes an ``Fp8Linear``;
+        a float8 weight of any other module (an MLA latent up-projection, which the attention
+        reads as a matrix) is dequantized to float in ``state`` and loads as usual."""
+        for name, module in list(model.named_modules()):
+            if type(module) is not nn.Linear and f"{name}.weight" in state:
+                read = read_fp8(state, name, quantization_config)
+                if read is not None:
+                    state[f"{name}.weight"] = dequantize_fp8(*read)
+        for name, linear in list(model.named_modules()):
+            if type(linear) is not nn.Linear:
+                continue
+            read = read_fp8(state, name, quantization_config)
+            if read is None:
+                continue
+            weight, scale, block = read
+            bias = state.pop(f"{name}.bias", None)
+            bias = None if bias is None else bias.to(self.device, self.dtype)
+            model.set_submodule(name, Fp8Linear(weight.to(self.device), scale.to(self.device), bias, block))
+        left = [k for k, v in state.items() if v.dtype == FP8]
+        if left:
+            raise ModelLoadError(f"quant 'fp8': the checkpoint holds float8 tensors of no linear or weight it reads, "
+                                 f"e.g. {', '.join(left[:3])}")
+
+
+@tessellm.hookimpl
+def register_quant(register):
+    register(Fp8Quantizer)

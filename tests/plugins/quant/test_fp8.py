@@ -1,0 +1,144 @@
+"""`fp8`: e4m3 weights with tensor, channel or block scales. The quantization error bound,
+``Fp8Linear`` against the float64 product of the dequantized weight (several tiles, blocks
+that do not divide the layer), a pipeline quantizing at load, and FP8 checkpoints read as they
+are: transformers' fine-grained FP8 (DeepSeek-V3's layout) and compressed-tensors
+float-quantized per tensor, channel and block, each giving the logits of transformers reading
+the same folder."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from tessellm import LLM
+from tessellm.plugins.quant.fp8.linear import FP8, Fp8Linear, dequantize_fp8, quantize_fp8
+
+PROMPT = [1, 5, 9, 33, 7, 100, 200, 17, 4]
+
+
+@given(st.integers(1, 300), st.integers(1, 200), st.sampled_from(["tensor", "channel", "block"]),
+       st.sampled_from([16, 32, 128]), st.integers(0, 2**16))
+def test_quantize_error_is_within_e4m3s_rounding(n, k, granularity, block, seed):
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    q, scale = quantize_fp8(w, granularity, (block, block))
+    assert q.dtype == FP8
+    blocks = (block, block) if granularity == "block" else None
+    deq = dequantize_fp8(q, scale, blocks)
+    step = dequantize_fp8(torch.ones_like(q), scale, blocks)  # each weight's scale
+    # 3 mantissa bits: half an ulp is 2^-4 of the value; subnormals step by 2^-9 of the scale
+    assert bool(((deq - w).abs() <= w.abs() * 2 ** -4 + step * 2 ** -9 + 1e-12).all())
+
+
+@pytest.mark.parametrize("granularity,block", [("tensor", None), ("channel", None), ("block", 128), ("block", 48)])
+def test_the_layer_matches_the_float64_product(granularity, block):
+    g = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(200, 600, bias=True)  # three tiles of output channels
+    q, scale = quantize_fp8(linear.weight, granularity, (block or 128, block or 128))
+    blocks = (block, block) if block else None
+    layer = Fp8Linear(q, scale, linear.bias.detach().clone(), blocks)
+    x = torch.randn(2, 5, 200, generator=g)
+    expected = x.double() @ dequantize_fp8(q, scale, blocks, torch.float64).T + linear.bias.double()
+    out = layer(x)
+    assert out.shape == (2, 5, 600)
+    assert (out.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+@pytest.mark.parametrize("granularity", ["channel", "block"])
+def test_a_pipeline_quantizes_at_load(cpu_config, tiny_model, granularity):
+    llm = LLM(cpu_config(tiny_model("llama"), quant={"name": "fp8", "options": {"granularity": granularity,
+                                                                                 "block_size": 32}}))
+    assert isinstance(llm.pipeline.model.model.layers[0].mlp.down_proj, Fp8Linear)
+    out = llm.generate([[5, 6, 7, 8]], {"max_tokens": 4, "ignore_eos": True})
+    assert len(out[0].token_ids) == 4
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    from tessellm.testing.models import build_tiny
+
+    return build_tiny("llama", tmp_path_factory.mktemp("fp8") / "base")
+
+
+def _scores(folder) -> torch.Tensor:
+    llm = LLM({"model": str(folder), "device": "cpu", "dtype": "float32"})
+    assert llm.pipeline.resolved.summary()["quant"]["name"] == "fp8"
+    assert isinstance(llm.pipeline.model.model.layers[1].self_attn.o_proj, Fp8Linear)
+    return llm.engine.score(PROMPT).double()
+
+
+def _transformers(folder, config) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, dtype=torch.float32)
+    with torch.no_grad():
+        return hf(torch.tensor([PROMPT])).logits[0].double()
+
+
+def test_fine_grained_fp8_gives_transformers_logits(base, tmp_path):
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    from tessellm.testing.prequantized import build_fine_grained_fp8
+
+    folder = build_fine_grained_fp8(base, tmp_path / "fp8", tmp_path / "ref", block=(32, 32))
+    ours = _scores(folder)
+    expected = _transformers(folder, FineGrainedFP8Config(dequantize=True, weight_block_size=(32, 32)))
+    assert (ours - expected).abs().max() <= 1e-4 * expected.abs().max()
+    reference = LLM({"model": str(tmp_path / "ref"), "device": "cpu", "dtype": "float32"}).engine.score(PROMPT)
+    assert (ours - reference.double()).abs().max() <= 1e-4 * expected.abs().max()
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "channel", "block"])
+def test_compressed_tensors_fp8_gives_transformers_logits(base, tmp_path, strategy):
+    pytest.importorskip("compressed_tensors")
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    from tessellm.testing.prequantized import build_compressed_tensors
+
+    weights = dict(num_bits=8, type="float", symmetric=True, strategy=strategy,
+                   **({"block_structure": [32, 32]} if strategy == "block" else {}))
+    dynamic = dict(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)  # FP8_DYNAMIC
+    folder = build_compressed_tensors(base, tmp_path / "ct", weights, "float-quantized", input_activations=dynamic)
+    ours = _scores(folder)
+    expected = _transformers(folder, CompressedTensorsConfig(dequantize=True))
+    assert (ours - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+def test_a_deepseek_v3_block_fp8_checkpoint_loads_as_transformers_reads_it(tmp_path):
+    """DeepSeek-V3's own layout: every layer matrix but the router in e4m3 with 16 x 16 block
+    scales here (128 x 128 there); the experts run as Fp8Linear, the MLA latent
+    up-projection (which attention reads as a matrix) is dequantized at load."""
+    from transformers.utils.quantization_config import FineGrainedFP8Config
+
+    from tessellm.testing.models import build_tiny_deepseek
+    from tessellm.testing.prequantized import build_fine_grained_fp8, every_layer_matrix
+
+    base = build_tiny_deepseek(tmp_path / "base", version=3)
+    folder = build_fine_grained_fp8(base, tmp_path / "fp8", tmp_path / "ref", block=(16, 16),
+                                    quantizes=every_layer_matrix)
+    llm = LLM({"model": str(folder), "device": "cpu", "dtype": "float32"})
+    experts = [m for n, m in llm.pipeline.model.named_modules() if n.endswith("experts.0.down_proj")]
+    assert experts and all(isinstance(m, Fp8Linear) for m in experts)
+    ours = llm.engine.score(PROMPT).double()
+    expected = _transformers(folder, FineGrainedFP8Config(dequantize=True, weight_block_size=(16, 16)))
+    assert (ours - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+def test_float8_tensors_of_a_module_it_cannot_read_are_refused(base, tmp_path):
+    """A float8 tensor left over (here: an extra one the model has no module for) fails the
+    load by name rather than loading unscaled."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from tessellm.core.errors import ModelLoadError
+    from tessellm.testing.prequantized import build_fine_grained_fp8
+
+    folder = build_fine_grained_fp8(base, tmp_path / "fp8", tmp_path / "ref", block=(32, 32))
+    state = load_file(folder / "model.safetensors")
+    state["model.layers.0.mystery.weight"] = torch.zeros(4, 4).to(FP8)
+    save_file(state, folder / "model.safetensors")
+    assert json.loads((folder / "config.json").read_text())["quantization_config"]["quant_method"] == "fp8"
+    with pytest.raises(ModelLoadError, match="float8 tensors of no linear or weight it reads, e.g. "
+                                             "model.layers.0.mystery.weight"):
+        LLM({"model": str(folder), "device": "cpu", "dtype": "float32"})
