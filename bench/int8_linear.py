@@ -11,13 +11,17 @@ a whole float copy then ``F.linear`` (what the plugin must not do per step). On 
 against the Triton kernel, the tiled path and `w8a8`'s path (``torch._int_mm`` above 16
 rows, the Triton kernel at or below).
 
+``--low-bit`` adds `int4-weight` at groups of 32 and 128 (the Triton kernel on CUDA; on the CPU
+torch's int4 kernel, bfloat16 inside, and the tiled path) and `fp8` per channel (dequantized
+tiles before the BLAS).
+
 Each timing runs ``--layers`` distinct copies of the weight one after another, as a forward
 runs its layers, so the weights stream from memory rather than sit in a cache (one SmolLM2
 layer fits in a CPU's L2/L3; thirty do not). Prints one row per shape and batch with each
 path's median time per layer and its speed-up over the float linear.
 
     python bench/int8_linear.py [--device cpu|cuda] [--model smollm2|llama-3.2-1b]
-        [--threads 1] [--batches 1,16,64] [--layers 30] [--json]
+        [--threads 1] [--batches 1,16,64] [--layers 30] [--low-bit] [--json]
 """
 
 from __future__ import annotations
@@ -77,6 +81,28 @@ def paths(device: torch.device) -> dict:
             "copy": lambda x, w, q, s: F.linear(x, (q.to(x.dtype) * s[:, None].to(x.dtype)))}
 
 
+def low_bit_layers(weight: torch.Tensor, device: torch.device) -> dict:
+    """name -> fn(x) of each low-bit form of ``weight`` timed on this device (--low-bit)."""
+    from tessellm.plugins.quant.fp8.linear import Fp8Linear, quantize_fp8
+    from tessellm.plugins.quant.int4 import cpu as int4_cpu
+    from tessellm.plugins.quant.int4.quantize import quantize_int4
+
+    fp8 = Fp8Linear(*quantize_fp8(weight, "channel"), None, None)
+    forms = {"fp8": fp8}
+    for group in (32, 128):
+        int4 = quantize_int4(weight, group)
+        if device.type == "cuda":
+            from tessellm.plugins.quant.int4.triton_matmul import triton_int4_weight_matmul
+
+            forms[f"int4_g{group}"] = lambda x, w=int4: triton_int4_weight_matmul(x, w.packed, w.scale, w.offset,
+                                                                                 w.group_size)
+        else:
+            pack = int4_cpu.to_int4pack(int4)
+            forms[f"int4_g{group}"] = lambda x, p=pack: int4_cpu.int4pack_matmul(x, p)
+            forms[f"int4_g{group}_tiled"] = lambda x, w=int4: int4_cpu.tiled_matmul(x, w)
+    return forms
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -86,6 +112,7 @@ def main() -> None:
     parser.add_argument("--batches", default="1,16,64", help="token rows per matmul (default 1,16,64)")
     parser.add_argument("--layers", type=int, default=None, help="distinct weight copies per timing (default 30 "
                         "on cpu, 8 on cuda)")
+    parser.add_argument("--low-bit", action="store_true", help="time int4-weight and fp8 too")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -102,6 +129,7 @@ def main() -> None:
         count = 1 if name == "lm_head" else layers
         weights = [(torch.randn(n, k, device=device) * 0.05).to(dtype) for _ in range(count)]
         quantized = [quantize_per_channel(w, group_size=None) for w in weights]
+        low_bit = [low_bit_layers(w, device) for w in weights] if args.low_bit else None
         for m in (int(b) for b in args.batches.split(",")):
             x = torch.randn(m, k, device=device, dtype=dtype)
 
@@ -109,6 +137,8 @@ def main() -> None:
                 return median_ms(lambda: [fn(x, weights[i], *quantized[i]) for i in range(count)], device) / count
 
             row = {"shape": name, "n": n, "k": k, "m": m, "float_ms": per_layer(lambda x, w, q, s: F.linear(x, w))}
+            for path in low_bit[0] if low_bit else ():
+                row[f"{path}_ms"] = median_ms(lambda: [low_bit[i][path](x) for i in range(count)], device) / count
             for path, fn in timed.items():
                 try:
                     row[f"{path}_ms"] = per_layer(fn)
@@ -123,10 +153,11 @@ def main() -> None:
         print(json.dumps({"meta": meta, "rows": rows}, indent=2))
         return
     print(f"# {meta}")
-    print(f"{'shape':>8} {'m':>3}  {'float':>8}" + "".join(f"  {p:>8} {'x':>5}" for p in timed))
+    names = [key[:-3] for key in rows[0] if key.endswith("_ms") and key != "float_ms"]
+    print(f"{'shape':>8} {'m':>3}  {'float':>8}" + "".join(f"  {p:>8} {'x':>5}" for p in names))
     for r in rows:
         cells = ""
-        for p in timed:
+        for p in names:
             value = r.get(f"{p}_ms")
             cells += f"  {'-':>8} {'-':>5}" if value is None else f"  {value:8.3f} {r['float_ms'] / value:5.2f}"
         print(f"{r['shape']:>8} {r['m']:>3}  {r['float_ms']:8.3f}{cells}")

@@ -70,10 +70,16 @@ def tiled_matmul(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     """x [M, K] @ the dequantized weight.T, ``TILE_ROWS`` output channels at a time, in x's dtype."""
     n, k = weight.packed.shape[0], weight.in_features
     out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    whole_groups = k % weight.group_size == 0
     for start in range(0, n, TILE_ROWS):
         rows = slice(start, min(start + TILE_ROWS, n))
         q = unpack_nibbles(weight.packed[rows]).to(x.dtype)
-        scale = group_columns(weight.scale[rows].to(x.dtype), weight.group_size, k)
-        offset = group_columns(weight.offset[rows].to(x.dtype), weight.group_size, k)
-        torch.mm(x, (q * scale + offset).T, out=out[:, rows])
+        if whole_groups:  # scale and offset broadcast over each group: no [R, K] copies of them
+            grouped = q.view(q.shape[0], -1, weight.group_size)
+            tile = torch.addcmul(weight.offset[rows].to(x.dtype)[..., None], grouped,
+                                 weight.scale[rows].to(x.dtype)[..., None]).view(q.shape[0], k)
+        else:
+            scale = group_columns(weight.scale[rows].to(x.dtype), weight.group_size, k)
+            tile = torch.addcmul(group_columns(weight.offset[rows].to(x.dtype), weight.group_size, k), q, scale)
+        torch.mm(x, tile.T, out=out[:, rows])
     return out

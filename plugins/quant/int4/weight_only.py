@@ -38,7 +38,7 @@ class Int4WeightOptions(PluginOptions):
     """On the CPU, for few rows: ``int4pack`` torch's int4 kernel (bfloat16 activations inside;
     every quantized layer must fit it), ``tiled`` dequantize-then-BLAS, ``auto`` int4pack
     where a layer fits it, tiled elsewhere."""
-    small_batch_rows: int = Field(8, ge=0, le=256)
+    small_batch_rows: int = Field(128, ge=0, le=1024)
     """Token rows up to which the CPU runs torch's int4 kernel; above, the tiled path."""
 
 
