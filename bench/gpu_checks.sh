@@ -39,6 +39,7 @@ for stage in "$@"; do
              $quest::test_the_triton_scoring_and_selection_choose_what_torch_chooses \
              $quest::test_flash_as_the_dense_backend_gives_the_sdpa_backends_output \
              tests/plugins/quant/test_int8_weight.py::test_the_triton_kernel_matches_the_reference \
+             tests/plugins/quant/test_int4_weight.py::test_the_triton_kernel_matches_the_reference tests/plugins/quant/test_fp8.py \
              --tb=short -rfE ${TESTS_EXTRA:-} > "$OUT/tests.log" 2>&1; tail -60 "$OUT/tests.log" ;;
     sweep) limit python3 bench/kernels.py --sweep --out "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1; tail -60 "$OUT/sweep.log" ;;
     kernels) limit python3 bench/kernels.py --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1; tail -5 "$OUT/kernels.log" ;;
@@ -74,12 +75,12 @@ for stage in "$@"; do
                   tail -80 "$OUT/lora_kernels.log" ;;
     kernels-decode) limit python3 bench/kernels.py --only decode --out "$OUT/kernels_decode.json" \
                       > "$OUT/kernels_decode.log" 2>&1; tail -40 "$OUT/kernels_decode.log" ;;
-    int8) limit python3 bench/int8_linear.py --device cuda --batches 1,16,64,256,1024 --json > "$OUT/int8_linear.json" \
+    int8) limit python3 bench/int8_linear.py --device cuda --low-bit --batches 1,16,64,256,1024 --json > "$OUT/int8_linear.json" \
             2> "$OUT/int8_linear.log"; tail -c 3000 "$OUT/int8_linear.json"; tail -5 "$OUT/int8_linear.log" ;;
     quest) limit python3 bench/quest.py --contexts 16384 32768 --budgets 2048 --json "$OUT/quest.json" \
              > "$OUT/quest.log" 2>&1; tail -30 "$OUT/quest.log" ;;
     mla) limit python3 bench/mla.py --part attention --json "$OUT/mla.json" > "$OUT/mla.log" 2>&1; tail -30 "$OUT/mla.log" ;;
-    e2e-int8) for q in int8-weight w8a8; do limit python3 bench/e2e_gpu.py --out "$OUT/e2e_$q.json" --skip-hf \
+    e2e-int8) for q in int8-weight w8a8 int4-weight fp8; do limit python3 bench/e2e_gpu.py --out "$OUT/e2e_$q.json" --skip-hf \
                 --set quant.name=$q > "$OUT/e2e_$q.log" 2>&1; tail -8 "$OUT/e2e_$q.log"; done ;;
     structured) [ -f .whl/smol/config.json ] || { echo "structured needs .whl/smol/config.json and .whl/tok/"; continue; }
                 python3 - <<'PY' || { echo "building the random SmolLM2 failed"; continue; }
