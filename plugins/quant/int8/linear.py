@@ -18,12 +18,25 @@ class Int8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear, group_size: int | None = None, weight: torch.Tensor | None = None):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.group_size = group_size
         q, scale = quantize_per_channel(linear.weight if weight is None else weight, group_size)
-        self.register_buffer("weight_int8", q.to(linear.weight.device))
-        self.register_buffer("scale", scale.to(linear.weight.device))
-        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self._hold(q.to(linear.weight.device), scale.to(linear.weight.device),
+                   None if linear.bias is None else linear.bias.detach().clone())
+
+    def _hold(self, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = q.shape
+        self.group_size = None if scale.dim() == 1 else self.in_features // scale.shape[1]
+        self.register_buffer("weight_int8", q)
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", bias)
+
+    @classmethod
+    def from_quantized(cls, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):
+        """The layer over int8 weights ``q`` [N, K] and their scales ([N], or [N, groups])
+        as a checkpoint stores them (no float weight involved)."""
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        module._hold(q, scale, bias)
+        return module
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [N, in_features] @ the dequantized weight.T, in rows' dtype: each subclass's

@@ -23,16 +23,17 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from pydantic import Field, field_validator
 from torch import nn
 
 import tessellm
-from tessellm.core.errors import ConfigError
+from tessellm.core.errors import ConfigError, ModelLoadError
 from tessellm.core.interfaces.quantizer import CalibrationContext, Quantizer
 from tessellm.core.plugin import PluginOptions
+from tessellm.plugins.quant.compressed_tensors_config import compressed_tensors_problem
 from tessellm.plugins.quant.int8.linear import Int8Linear
 from tessellm.plugins.quant.int8.quantize import replace_linears
 from tessellm.plugins.quant.int8.smooth import (DEFAULT_CALIBRATION_TEXT, calibration_chunks, experts_one_at_a_time,
@@ -74,11 +75,21 @@ class W8A8Linear(Int8Linear):
         weight = None if smooth is None else linear.weight * smooth.to(linear.weight)[None, :]
         super().__init__(linear, None, weight)
         self.register_buffer("inv_smooth", None if smooth is None else (1.0 / smooth).to(linear.weight))
+        self._check_int_mm_shape()
+
+    @classmethod
+    def from_quantized(cls, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> "W8A8Linear":
+        module = super().from_quantized(q, scale, bias)
+        module.register_buffer("inv_smooth", None)
+        module._check_int_mm_shape()
+        return module
+
+    def _check_int_mm_shape(self) -> None:
         self.int_mm_shape = self.in_features % 8 == 0 and self.out_features % 8 == 0
         if not self.int_mm_shape and self.weight_int8.device.type == "cuda":
             logger.warning("w8a8: a %dx%d linear is not a multiple of 8 as torch._int_mm on CUDA needs; "
-                           "it runs int8 weights x %s activations (the Triton kernel)",
-                           self.out_features, self.in_features, linear.weight.dtype)
+                           "it runs int8 weights x float activations (the Triton kernel)",
+                           self.out_features, self.in_features)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self.inv_smooth is not None:
@@ -161,6 +172,44 @@ class W8A8Quantizer(Quantizer):
             return W8A8Linear(linear, None if seen is None else smoothing_scales(seen, linear.weight, alpha))
 
         return replace_linears(model, make, self.options.quantize_lm_head, self.name)
+
+    @classmethod
+    def checkpoint_support(cls, quantization_config: dict[str, Any]) -> str | None:
+        """compressed-tensors ``int-quantized`` W8A8: int8 weights per channel, symmetric, and
+        activations quantized per token at run time (what this plugin computes)."""
+        method = quantization_config.get("quant_method")
+        if method != "compressed-tensors":
+            return f"quant_method {method!r} is not one it reads (compressed-tensors)"
+
+        def dynamic_tokens(name: str, group: dict[str, Any]) -> str | None:
+            weights, acts = group.get("weights") or {}, group.get("input_activations") or {}
+            if not weights.get("symmetric", True):
+                return f"config group {name!r} has asymmetric weights (w8a8 reads symmetric)"
+            if not acts or acts.get("num_bits") != 8 or acts.get("type") != "int" or acts.get("strategy") != "token" \
+                    or not acts.get("dynamic") or not acts.get("symmetric", True):
+                return (f"config group {name!r} has input activations {acts or None} (w8a8 reads 8-bit int, "
+                        f"symmetric, per token, dynamic)")
+            return None
+
+        return compressed_tensors_problem(quantization_config, "w8a8", "int-quantized", 8, "int", ("channel",),
+                                          dynamic_tokens)
+
+    def load_quantized(self, model: nn.Module, state: dict[str, torch.Tensor],
+                       quantization_config: dict[str, Any]) -> None:
+        """Every linear whose weight the checkpoint stores as int8 becomes a ``W8A8Linear``
+        with the checkpoint's weights and scales."""
+        for name, linear in list(model.named_modules()):
+            weight = state.get(f"{name}.weight")
+            if type(linear) is not nn.Linear or weight is None or weight.dtype != torch.int8:
+                continue
+            q, scale = state.pop(f"{name}.weight").to(self.device), state.pop(f"{name}.weight_scale")
+            bias = state.pop(f"{name}.bias", None)
+            model.set_submodule(name, W8A8Linear.from_quantized(
+                q, scale.float().reshape(-1).to(self.device), None if bias is None else bias.to(self.device, self.dtype)))
+        left = [k for k, v in state.items() if v.dtype == torch.int8]
+        if left:
+            raise ModelLoadError(f"quant 'w8a8': the checkpoint holds int8 tensors of no linear it reads, "
+                                 f"e.g. {', '.join(left[:3])}")
 
 
 @tessellm.hookimpl

@@ -146,3 +146,44 @@ def test_a_named_quantizer_that_does_not_read_the_checkpoint_is_refused(w4a16):
                                           r"checkpoint \(int8-weight: it reads no pre-quantized checkpoint\); "
                                           r"quant plugins that can: int4-weight"):
         LLM({"model": str(w4a16(True, 32)), "device": "cpu", "dtype": "float32", "quant": {"name": "int8-weight"}})
+
+
+def test_compressed_tensors_w8a8_loads_into_w8a8(w4a16, tmp_path):
+    """int-quantized W8A8 (int8 weights per channel, activations per token at run time): the
+    checkpoint's own int8 weights and scales, and the greedy tokens of transformers reading
+    the folder; the logits differ by activation quantization alone (transformers'
+    dequantizing reader runs float activations), a few percent of their range here."""
+    from tessellm.plugins.quant.int8.w8a8 import W8A8Linear
+    from tessellm.testing.prequantized import build_compressed_tensors
+
+    base = w4a16(True, 32).parent / "base"
+    folder = build_compressed_tensors(base, tmp_path / "w8a8", dict(num_bits=8, type="int", symmetric=True,
+                                                                   strategy="channel"), "int-quantized",
+                                      input_activations=dict(num_bits=8, type="int", symmetric=True, strategy="token",
+                                                             dynamic=True))
+    llm = LLM({"model": str(folder), "device": "cpu", "dtype": "float32"})
+    assert llm.pipeline.resolved.summary()["quant"]["name"] == "w8a8"
+    layer = llm.pipeline.model.model.layers[0].mlp.down_proj
+    assert isinstance(layer, W8A8Linear) and layer.weight_int8.dtype == torch.int8
+    hf = transformers_reading(folder)
+    with torch.no_grad():
+        expected = hf(torch.tensor([PROMPT])).logits[0].double()
+    ours = llm.engine.score(PROMPT).double()
+    assert (ours - expected).abs().max() <= 0.05 * expected.abs().max()
+    hf_tokens = hf.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False)[0, len(PROMPT):].tolist()
+    assert llm.generate([PROMPT], {"max_tokens": 8, "temperature": 0.0, "ignore_eos": True})[0].token_ids == hf_tokens
+
+
+def test_w8a8_names_the_activation_schemes_it_does_not_read():
+    from tessellm.plugins.quant.int8.w8a8 import W8A8Quantizer
+
+    def config(**acts):
+        return {"quant_method": "compressed-tensors", "format": "int-quantized",
+                "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int", "strategy": "channel",
+                                                    "symmetric": True},
+                                        "input_activations": acts or None}}}
+
+    assert W8A8Quantizer.checkpoint_support(config(num_bits=8, type="int", strategy="token", dynamic=True)) is None
+    assert "per token, dynamic" in W8A8Quantizer.checkpoint_support(config(num_bits=8, type="int", strategy="tensor",
+                                                                           dynamic=False))
+    assert "per token, dynamic" in W8A8Quantizer.checkpoint_support(config())  # weight-only int8: not w8a8's
