@@ -187,3 +187,32 @@ def test_w8a8_names_the_activation_schemes_it_does_not_read():
     assert "per token, dynamic" in W8A8Quantizer.checkpoint_support(config(num_bits=8, type="int", strategy="tensor",
                                                                            dynamic=False))
     assert "per token, dynamic" in W8A8Quantizer.checkpoint_support(config())  # weight-only int8: not w8a8's
+
+
+def test_tessellm_generate_runs_a_prequantized_folder(w4a16, capsys):
+    """`tessellm generate --set model=FOLDER` on a W4A16 folder: transformers' greedy tokens."""
+    from transformers import AutoTokenizer
+
+    from tessellm.cli import main
+
+    folder = w4a16(False, 32)
+    status = main(["generate", "--set", "device=cpu", "--set", "dtype=float32", "--set", f"model={folder}",
+                   "--set", "quant.options.cpu_kernel=tiled", "--max-tokens", "6", "--temperature", "0", "--json",
+                   "t5 t6 t7 t8"])
+    assert status == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    ids = AutoTokenizer.from_pretrained(folder)("t5 t6 t7 t8")["input_ids"]
+    hf = transformers_reading(folder)
+    expected = hf.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
+    assert record["token_ids"][:len(expected)] == expected[:len(record["token_ids"])] and record["token_ids"]
+
+
+def test_speculative_decoding_over_a_prequantized_model_keeps_its_greedy_tokens(w4a16):
+    """Layer-skip drafts from the int4 model itself: exact verification gives plain greedy's tokens."""
+    folder = str(w4a16(True, 32))
+    params = {"max_tokens": 10, "temperature": 0.0, "ignore_eos": True}
+    plain = LLM({"model": folder, "device": "cpu", "dtype": "float32"}).generate([PROMPT], params)[0].token_ids
+    spec = LLM({"model": folder, "device": "cpu", "dtype": "float32",
+                "decoding": {"name": "speculative", "options": {"proposer": "layer-skip", "k": 3}}})
+    out = spec.generate([PROMPT], params)[0]
+    assert out.token_ids == plain
