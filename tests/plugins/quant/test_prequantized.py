@@ -216,3 +216,16 @@ def test_speculative_decoding_over_a_prequantized_model_keeps_its_greedy_tokens(
                 "decoding": {"name": "speculative", "options": {"proposer": "layer-skip", "k": 3}}})
     out = spec.generate([PROMPT], params)[0]
     assert out.token_ids == plain
+
+
+def test_stacking_projections_leaves_prequantized_ones_apart(w4a16):
+    """On a GPU the model stacks q/k/v and gate/up into one GEMM each (after loading): layers a
+    checkpoint stores quantized are no plain nn.Linear and stay apart, and the output holds."""
+    llm = LLM({"model": str(w4a16(True, 32)), "device": "cpu", "dtype": "float32",
+               "quant": {"options": {"cpu_kernel": "tiled"}}})
+    before = llm.engine.score(PROMPT)
+    llm.pipeline.model.fuse_projections()
+    layer = llm.pipeline.model.model.layers[0]
+    assert layer.self_attn.qkv_proj is None and isinstance(layer.self_attn.q_proj, Int4WeightLinear)
+    assert layer.mlp.gate_up_proj is None
+    assert torch.equal(llm.engine.score(PROMPT), before)
