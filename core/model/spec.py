@@ -346,7 +346,10 @@ def quantized_checkpoint_readers(quant: dict[str, Any]) -> tuple[list[str], list
     readers, reasons = [], []
     for name in registry.names("quant"):
         reason = registry.get("quant", name).cls.checkpoint_support(quant)
-        (readers.append(name) if reason is None else reasons.append(f"{name}: {reason}"))
+        if reason is None:
+            readers.append(name)
+        else:
+            reasons.append(f"{name}: {reason}")
     return readers, reasons
 
 

@@ -229,3 +229,24 @@ def test_stacking_projections_leaves_prequantized_ones_apart(w4a16):
     assert layer.self_attn.qkv_proj is None and isinstance(layer.self_attn.q_proj, Int4WeightLinear)
     assert layer.mlp.gate_up_proj is None
     assert torch.equal(llm.engine.score(PROMPT), before)
+
+
+def test_lora_adapters_run_over_a_prequantized_model(tmp_path, tiny_model):
+    """A PEFT adapter served over an AWQ checkpoint (the layers it targets are int4): the
+    logits of the same adapter over the float model of the weights the checkpoint stands for."""
+    from tessellm.testing.lora import build_tiny_lora
+    from tessellm.testing.prequantized import build_gptq_or_awq
+
+    base = tiny_model("llama", vocab_size=512)
+    folder = build_gptq_or_awq(base, tmp_path / "q", tmp_path / "ref", method="awq", group_size=16)
+    adapter = build_tiny_lora(base, tmp_path / "qv", rank=4, seed=1, target_modules=("q_proj", "v_proj"))
+
+    def scores(model_folder):
+        llm = LLM({"model": str(model_folder), "device": "cpu", "dtype": "float32",
+                   "quant": {"options": {"cpu_kernel": "tiled"}} if model_folder == folder else {},
+                   "lora": {"adapters": {"qv": str(adapter)}}})
+        params = {"max_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+        return [o.token_ids for o in llm.generate([PROMPT, PROMPT], params, lora=["qv", None])]
+
+    ours, expected = scores(folder), scores(tmp_path / "ref")
+    assert ours == expected
