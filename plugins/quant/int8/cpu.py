@@ -1,9 +1,11 @@
-"""int8 weight-only matmul on the CPU, two paths chosen by the number of rows M:
+"""int8 weight-only matmul on the CPU, paths chosen by the number of rows M:
 
 - few rows (decode): ``torch.compile`` (inductor) turns a multiply-and-sum into one loop
   nest that reads each int8 weight once, converts it in registers and accumulates, with no
   float copy of the weight. Decode is memory-bound, so reading 1 byte a weight instead of 4
   is the win. Compiled once per layout, with M dynamic.
+  Alternatively torch's own ``_weight_int8pack_mm`` (per-channel scales only). Which of the
+  two is faster depends on the CPU (AVX-512 or AVX2 only): ``fastest`` measures them at load.
 - many rows (prefill): the weight is dequantized one tile of ``TILE_ROWS`` output channels
   at a time into a small float buffer that stays in cache, and multiplied by the BLAS: the
   conversion is paid once per tile for all M rows, and no full float copy ever exists.
@@ -12,6 +14,9 @@
 from __future__ import annotations
 
 import functools
+import statistics
+import time
+from typing import Callable
 
 import torch
 
@@ -63,3 +68,23 @@ def int8_weight_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, *,
     False runs the same expression eagerly (a test reference; it materialises [M, N, K])."""
     fn = _compiled(scale.dim() == 2) if compiled else (_grouped if scale.dim() == 2 else _per_channel)
     return fn(x, q, scale)
+
+
+def int8pack_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ (q * scale).T through torch's ``_weight_int8pack_mm`` (per-channel scales)."""
+    return torch._weight_int8pack_mm(x, q, scale.to(x.dtype))
+
+
+def fastest(candidates: dict[str, Callable[[], torch.Tensor]], reps: int = 9) -> str:
+    """The name of the candidate with the lowest median time over ``reps`` calls, after two
+    untimed calls (a compiled kernel builds in the first)."""
+    def median_s(fn: Callable[[], torch.Tensor]) -> float:
+        fn(), fn()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    return min(candidates, key=lambda name: median_s(candidates[name]))

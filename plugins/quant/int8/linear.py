@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tessellm.plugins.quant.int8.cpu import int8_weight_matmul, tiled_matmul
+from tessellm.plugins.quant.int8.cpu import int8_weight_matmul, int8pack_matmul, tiled_matmul
 from tessellm.plugins.quant.int8.quantize import quantize_per_channel
 
 
@@ -56,25 +56,39 @@ class Int8WeightLinear(Int8Linear):
     The weight is quantized once, at construction (symmetric, per output channel or per group
     of ``group_size`` input channels), and the float weight is not kept. On CUDA a Triton
     kernel dequantizes weight tiles inside its K loop (triton_matmul.py). On the CPU, up to
-    ``small_batch_rows`` rows run the compiled dequantize-in-the-reduction kernel (unless
-    ``compile`` is off); more rows, and other devices, dequantize a tile of output channels at
-    a time before the matmul (cpu.py).
+    ``small_batch_rows`` rows run ``small_kernel``: the compiled dequantize-in-the-reduction
+    kernel (unless ``compile`` is off), torch's int8pack kernel or the tiles (the quantizer
+    picks it); more rows, and other devices, dequantize a tile of output channels at a time
+    before the matmul (cpu.py).
     """
+
+    SMALL_KERNELS = ("compiled", "int8pack", "tiled")
+    """The CPU's few-rows paths: the compiled reduction, torch's int8pack kernel, tiles + BLAS."""
 
     def __init__(self, linear: nn.Linear, group_size: int | None, small_batch_rows: int, compile: bool):
         super().__init__(linear, group_size)
         self.small_batch_rows = small_batch_rows
         self.compile = compile
+        self.small_kernel = "compiled" if compile else "tiled"
+
+    def small_rows(self, kernel: str, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` through the few-rows path ``kernel`` (one of ``SMALL_KERNELS``)."""
+        if kernel == "compiled":
+            return int8_weight_matmul(rows, self.weight_int8, self.scale)
+        if kernel == "int8pack":
+            return int8pack_matmul(rows, self.weight_int8, self.scale)
+        return tiled_matmul(rows, self.weight_int8, self.scale)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if rows.device.type == "cuda":
             from tessellm.plugins.quant.int8.triton_matmul import triton_int8_weight_matmul
 
             return triton_int8_weight_matmul(rows, self.weight_int8, self.scale)
-        if rows.device.type == "cpu" and self.compile and rows.shape[0] <= self.small_batch_rows:
-            return int8_weight_matmul(rows, self.weight_int8, self.scale)
+        if rows.device.type == "cpu" and rows.shape[0] <= self.small_batch_rows:
+            return self.small_rows(self.small_kernel, rows)
         return tiled_matmul(rows, self.weight_int8, self.scale)
 
     def extra_repr(self) -> str:
         group = "per channel" if self.group_size is None else f"group_size={self.group_size}"
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 {group}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 {group}, " \
+               f"few rows: {self.small_kernel}"

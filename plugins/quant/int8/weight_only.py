@@ -9,8 +9,10 @@ two or four is the speed-up (bench/int8_linear.py, docs/benchmarks.md).
 
 from __future__ import annotations
 
+import logging
 from typing import Literal, Optional
 
+import torch
 from pydantic import Field
 from torch import nn
 
@@ -18,8 +20,12 @@ import tessellm
 from tessellm.core.errors import ConfigError
 from tessellm.core.interfaces.quantizer import Quantizer
 from tessellm.core.plugin import PluginOptions
+from tessellm.plugins.quant.int8.cpu import fastest
 from tessellm.plugins.quant.int8.linear import Int8WeightLinear
 from tessellm.plugins.quant.int8.quantize import replace_linears
+
+
+logger = logging.getLogger(__name__)
 
 
 class Int8WeightOptions(PluginOptions):
@@ -37,6 +43,11 @@ class Int8WeightOptions(PluginOptions):
     compile: bool = True
     """Use torch.compile for the CPU small-batch kernel (needs a C++ compiler); off: the tiled
     path for every batch."""
+    cpu_kernel: Literal["auto", "compiled", "int8pack", "tiled"] = "auto"
+    """The CPU's path for up to ``small_batch_rows`` rows: ``auto`` times the candidates on the
+    largest layer at load and keeps the fastest on this CPU (the compiled reduction wins on
+    one machine and loses on another); ``int8pack`` (torch's kernel) needs per-channel scales.
+    ``compile`` off means ``tiled``."""
 
 
 class Int8WeightQuantizer(Quantizer):
@@ -51,6 +62,9 @@ class Int8WeightQuantizer(Quantizer):
 
     def apply(self, model: nn.Module) -> nn.Module:
         options = self.options
+        if options.cpu_kernel == "int8pack" and options.group_size is not None:
+            raise ConfigError(f"quant.options.cpu_kernel 'int8pack' takes per-channel scales only; "
+                              f"group_size {options.group_size} needs cpu_kernel auto, compiled or tiled")
 
         def make(full: str, linear: nn.Linear) -> nn.Module:
             if options.group_size is not None and linear.in_features % options.group_size:
@@ -58,7 +72,23 @@ class Int8WeightQuantizer(Quantizer):
                                   f"{full}'s in_features {linear.in_features}; choose a divisor or null")
             return Int8WeightLinear(linear, options.group_size, options.small_batch_rows, options.compile)
 
-        return replace_linears(model, make, options.quantize_lm_head, self.name)
+        model = replace_linears(model, make, options.quantize_lm_head, self.name)
+        layers = [m for m in model.modules() if isinstance(m, Int8WeightLinear)]
+        if self.device.type == "cpu" and options.compile and layers:
+            kernel = options.cpu_kernel if options.cpu_kernel != "auto" else self._fastest_small_kernel(layers)
+            for layer in layers:
+                layer.small_kernel = kernel
+        return model
+
+    def _fastest_small_kernel(self, layers: list[Int8WeightLinear]) -> str:
+        """Time each few-rows path on the largest layer at one row; the fastest, logged."""
+        largest = max(layers, key=lambda m: m.weight_int8.numel())
+        names = [k for k in Int8WeightLinear.SMALL_KERNELS if k != "int8pack" or self.options.group_size is None]
+        x = torch.randn(1, largest.in_features, dtype=self.dtype)
+        with torch.inference_mode():
+            kernel = fastest({name: (lambda name=name: largest.small_rows(name, x)) for name in names})
+        logger.info("int8-weight: %s is the fastest few-rows path on this CPU (of %s)", kernel, ", ".join(names))
+        return kernel
 
 
 @tessellm.hookimpl

@@ -145,3 +145,48 @@ def test_the_triton_kernel_matches_the_reference(case, rows):
     out = triton_int8_weight_matmul(x.to(device), q.to(device), scale.to(device)).cpu()
     assert out.shape == (rows, w.shape[0])
     assert bool(((out.double() - reference_matmul(x, q, scale)).abs() <= matmul_bound(x, q, scale) * 10).all())
+
+
+@given(case=weights(group_sizes=(None,)), rows=st.integers(1, 9))
+@settings(max_examples=10)
+def test_torch_int8pack_matches_the_reference(case, rows):
+    w, _, seed = case
+    q, scale = quantize_per_channel(w)
+    x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(seed + 1))
+    out = cpu.int8pack_matmul(x, q, scale)
+    assert bool(((out.double() - reference_matmul(x, q, scale)).abs() <= matmul_bound(x, q, scale) * 4).all())
+
+
+class Tiny3(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 32), nn.Linear(32, 96)
+
+
+def test_auto_keeps_the_few_rows_path_that_measured_fastest(monkeypatch):
+    """``cpu_kernel: auto`` times the candidates once, at load, and every layer takes the
+    winner; a named kernel is taken as named; int8pack with groups is refused; no compile:
+    the tiled path."""
+    from tessellm.plugins.quant.int8 import weight_only
+
+    seen = []
+    monkeypatch.setattr(weight_only, "fastest", lambda candidates: seen.append(sorted(candidates)) or "int8pack")
+    model = quantizer().apply(Tiny3())
+    assert seen == [["compiled", "int8pack", "tiled"]]
+    assert model.a.small_kernel == model.b.small_kernel == "int8pack"
+    assert quantizer(cpu_kernel="tiled").apply(Tiny3()).b.small_kernel == "tiled"
+    assert quantizer(compile=False).apply(Tiny3()).a.small_kernel == "tiled"
+    seen.clear()
+    quantizer(group_size=32).apply(Tiny3())
+    assert seen == [["compiled", "tiled"]]  # int8pack takes per-channel scales only
+    with pytest.raises(ConfigError, match="'int8pack' takes per-channel scales only"):
+        quantizer(group_size=32, cpu_kernel="int8pack").apply(Tiny3())
+
+
+def test_auto_measures_for_real_and_the_layer_runs_the_winner():
+    model = quantizer().apply(Tiny3())
+    assert model.b.small_kernel in Int8WeightLinear.SMALL_KERNELS
+    x = torch.randn(2, 64)
+    with torch.inference_mode():
+        out = model.b(model.a(x))
+    assert out.shape == (2, 96) and torch.isfinite(out).all()
