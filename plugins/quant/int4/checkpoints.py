@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from tessellm.core.errors import ModelLoadError
 from tessellm.plugins.quant.compressed_tensors_config import compressed_tensors_problem
 from tessellm.plugins.quant.int4.quantize import Int4Weight, pack_nibbles
 
@@ -65,7 +66,7 @@ def read_compressed_tensors(state: dict[str, torch.Tensor], prefix: str, out_fea
     packed = state.pop(f"{prefix}.weight_packed")
     shape = state.pop(f"{prefix}.weight_shape", None)
     if shape is not None and tuple(int(v) for v in shape.tolist()) != (out_features, in_features):
-        raise ValueError(f"{prefix}: weight_shape {shape.tolist()} is not the model's "
+        raise ModelLoadError(f"{prefix}: weight_shape {shape.tolist()} is not the model's "
                          f"[{out_features}, {in_features}]")
     scale = state.pop(f"{prefix}.weight_scale").float()
     if scale.dim() == 1:
@@ -73,7 +74,7 @@ def read_compressed_tensors(state: dict[str, torch.Tensor], prefix: str, out_fea
     zero = state.pop(f"{prefix}.weight_zero_point", None)
     groups = scale.shape[1]
     if in_features % groups:
-        raise ValueError(f"{prefix}: {groups} scale groups do not divide in_features {in_features}")
+        raise ModelLoadError(f"{prefix}: {groups} scale groups do not divide in_features {in_features}")
     stored_zero = 8.0 if zero is None else unpack_int32_nibbles(zero.T.contiguous(), out_features).T.float()
     q = unpack_int32_nibbles(packed, in_features)
     return Int4Weight(pack_nibbles(q), scale.contiguous(), (-stored_zero * scale).contiguous(), in_features // groups)
@@ -99,7 +100,7 @@ def checkpoint_support(quant: dict[str, Any]) -> str | None:
     return f"quant_method {method!r} is not one it reads (compressed-tensors, gptq, awq)"
 
 
-def _groups_contiguous(weight: Int4Weight, q: torch.Tensor, g_idx: torch.Tensor | None
+def _groups_contiguous(prefix: str, weight: Int4Weight, q: torch.Tensor, g_idx: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(q [N, K] with each group's input channels side by side, the input permutation that
     achieved it or None when they already were)."""
@@ -108,7 +109,8 @@ def _groups_contiguous(weight: Int4Weight, q: torch.Tensor, g_idx: torch.Tensor 
         return q, None
     perm = torch.argsort(g_idx.long(), stable=True)
     if not torch.equal(g_idx.long()[perm], torch.arange(k) // weight.group_size):
-        raise ValueError(f"g_idx gives groups of unequal sizes (expected {weight.group_size} channels each)")
+        raise ModelLoadError(f"{prefix}: g_idx gives groups of unequal sizes (expected {weight.group_size} "
+                             f"channels each)")
     return q[:, perm], perm
 
 
@@ -122,7 +124,7 @@ def read_gptq(state: dict[str, torch.Tensor], prefix: str, out_features: int, in
     g_idx = state.pop(f"{prefix}.g_idx", None)
     zero = zero + 1 if v1 else zero
     weight = Int4Weight(q, scale, (-zero * scale).contiguous(), in_features // scale.shape[1])
-    q, perm = _groups_contiguous(weight, q, g_idx)
+    q, perm = _groups_contiguous(prefix, weight, q, g_idx)
     return Int4Weight(pack_nibbles(q), weight.scale, weight.offset, weight.group_size), perm
 
 

@@ -250,3 +250,17 @@ def test_lora_adapters_run_over_a_prequantized_model(tmp_path, tiny_model):
 
     ours, expected = scores(folder), scores(tmp_path / "ref")
     assert ours == expected
+
+
+def test_a_packed_tensor_that_does_not_fit_the_model_is_a_load_error(w4a16, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    folder = shutil.copytree(w4a16(True, 32), tmp_path / "bad")
+    state = load_file(folder / "model.safetensors")
+    state["model.layers.0.mlp.down_proj.weight_shape"] = torch.tensor([64, 96])
+    save_file(state, folder / "model.safetensors")
+    with pytest.raises(ModelLoadError, match=r"model.layers.0.mlp.down_proj: weight_shape \[64, 96\] is not the "
+                                             r"model's \[64, 128\]"):
+        LLM({"model": str(folder), "device": "cpu", "dtype": "float32"})
