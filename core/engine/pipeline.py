@@ -78,7 +78,8 @@ class Pipeline:
         self.tokenizer_lock = threading.Lock()  # fast tokenizers refuse two threads at once (a server's)
         quantizer = c["quant"].cls(c["quant"].options, r.device, r.dtype)
         calibrates = type(quantizer).calibrate is not Quantizer.calibrate and self.prequantized is None
-        state = (load_shard(self.model_dir, self.spec, self.shard, self.architecture) if self.shard
+        quantized = None if self.prequantized is None else (type(quantizer), self.prequantized)
+        state = (load_shard(self.model_dir, self.spec, self.shard, self.architecture, quantized) if self.shard
                  else load_state_dict(self.model_dir))
         self.model = build_model(spec, state, r.device, r.dtype, None if calibrates else quantizer, self.architecture,
                                  prequantized=self.prequantized)
@@ -181,9 +182,6 @@ class Pipeline:
             why = next((r for r in reasons if r.startswith(f"{config.quant.name}: ")), f"{config.quant.name}: not installed")
             raise ConfigError(f"quant.name {config.quant.name!r} cannot load this {method!r} checkpoint ({why}); "
                               f"quant plugins that can: {', '.join(readers)} (or quant.name auto)")
-        if config.parallel.tensor > 1:
-            raise ConfigError(f"parallel.tensor {config.parallel.tensor}: tensor parallelism over a pre-quantized "
-                              f"({method!r}) checkpoint is not supported yet; run it on one rank")
         return config
 
     def _join_ranks(self, config: PipelineConfig) -> PipelineConfig:

@@ -88,3 +88,13 @@ class Quantizer(Plugin):
         its tensors and remove the tensors used from ``state``: the rest then load as usual,
         and ``apply`` is not called."""
         raise NotImplementedError(f"quant plugin {self.name!r} declares checkpoint support but has no load_quantized")
+
+    @classmethod
+    def checkpoint_shard_rule(cls, suffix: str, weight_rule: Any, quantization_config: dict[str, Any]) -> Any:
+        """How a tensor-parallel rank reads the pre-quantized checkpoint tensor ``<linear>.<suffix>``
+        (plugin API 1.11): ``weight_rule`` is the rule the linear's float ``weight`` [out, in]
+        would have (``(dim, lo, hi)``, a list of dim-0 slices, or None: whole); return this
+        tensor's rule in the same forms, or ``NotImplemented`` for a suffix that is not this
+        quantizer's (the usual rules apply). Raise ModelLoadError for a split its layout
+        cannot take (a boundary inside a packed word or a group). Default: NotImplemented."""
+        return NotImplemented

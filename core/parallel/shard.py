@@ -153,12 +153,15 @@ def tensor_rule(name: str, spec: ModelSpec, shard: Shard, architecture: Any = No
     return own if own is not None else slice_rule(name, spec, shard)
 
 
-def load_shard(folder: Path, spec: ModelSpec, shard: Shard, architecture: Any = None) -> dict[str, torch.Tensor]:
+def load_shard(folder: Path, spec: ModelSpec, shard: Shard, architecture: Any = None,
+               quantized: tuple[Any, dict[str, Any]] | None = None) -> dict[str, torch.Tensor]:
     """This rank's tensors from the folder's safetensors files, under the checkpoint's own
     names, reading only its slices (safetensors reads a slice without the rest of the
     tensor). ``architecture``, the model plugin, maps checkpoint names to the module's,
     which the slicing rules are written for; experts stacked as 3-D tensors are read whole,
-    split per expert and sliced then."""
+    split per expert and sliced then. ``quantized`` (the quant plugin class and the
+    checkpoint's quantization_config) rules the tensors of a pre-quantized checkpoint's
+    linears (``Quantizer.checkpoint_shard_rule``)."""
     from tessellm.core.model.moe import unstack_experts
 
     def module_name(name: str) -> str:
@@ -166,7 +169,15 @@ def load_shard(folder: Path, spec: ModelSpec, shard: Shard, architecture: Any = 
         return mapped or name
 
     def rule(name: str) -> tuple[int, int, int] | list | str | None:
-        return tensor_rule(module_name(name), spec, shard, architecture)
+        mapped = module_name(name)
+        if quantized is not None and "." in mapped:
+            prefix, suffix = mapped.rsplit(".", 1)
+            if suffix not in ("weight", "bias"):
+                weight_rule = tensor_rule(f"{prefix}.weight", spec, shard, architecture)
+                own = quantized[0].checkpoint_shard_rule(suffix, weight_rule, quantized[1])
+                if own is not NotImplemented:
+                    return own
+        return tensor_rule(mapped, spec, shard, architecture)
 
     def read(f: Any, name: str) -> torch.Tensor:
         return _sliced(lambda: f.get_tensor(name), f.get_slice(name), rule(name), shard.rank)

@@ -225,6 +225,48 @@ def test_two_ranks_generate_one_ranks_tokens(layout, request, capsys):
     assert run.stdout.count("\n") == len(PROMPTS)  # rank 0 alone prints
 
 
+PREQUANTIZED = {  # checkpoint builder arguments, and the quant options of the run
+    "compressed-tensors-w4a16-asym": ("w4a16", {"symmetric": False, "group_size": 32}, {"cpu_kernel": "tiled"}),
+    "gptq-v1": ("gptq_or_awq", {"method": "gptq", "group_size": 32}, {"cpu_kernel": "tiled"}),
+    "awq-gemm": ("gptq_or_awq", {"method": "awq", "group_size": 32}, {"cpu_kernel": "tiled"}),
+    "fp8-block": ("fp8", {"block": (16, 16)}, {}),
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(PREQUANTIZED))
+def test_two_ranks_read_their_share_of_a_prequantized_checkpoint(fmt, tmp_path, capsys):
+    """Each rank reads only its slices of the packed tensors, scales and zero points (columns
+    of q/k/v and gate/up, rows of o and down): one rank's tokens."""
+    from tessellm.testing import prequantized
+
+    base = build_tiny_llama(tmp_path / "base", num_hidden_layers=2)
+    kind, build_args, options = PREQUANTIZED[fmt]
+    if kind == "w4a16":
+        folder = prequantized.build_compressed_tensors_w4a16(base, tmp_path / "q", **build_args)
+    elif kind == "fp8":
+        folder = prequantized.build_fine_grained_fp8(base, tmp_path / "q", tmp_path / "ref", **build_args)
+    else:
+        folder = prequantized.build_gptq_or_awq(base, tmp_path / "q", tmp_path / "ref", **build_args)
+    config = write_config(tmp_path / "pipeline.json", folder, quant={"options": options})
+    expected = one_rank(config, capsys)
+    run = torchrun(2, *generate_args(config, "--set", "parallel.tensor=2"))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert token_ids(run.stdout) == expected
+
+
+def test_act_order_cannot_split_a_row_parallel_layer(tmp_path):
+    from tessellm.core.errors import ModelLoadError
+    from tessellm.plugins.quant.int4.checkpoints import shard_rule
+
+    quant = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}
+    assert shard_rule("g_idx", (0, 0, 32), quant) is None  # a share of the outputs reads all of g_idx
+    assert shard_rule("qweight", (1, 32, 64), quant) == (0, 4, 8)
+    with pytest.raises(ModelLoadError, match="act-order"):
+        shard_rule("g_idx", (1, 32, 64), quant)
+    with pytest.raises(ModelLoadError, match="split an entry of 32 channels"):
+        shard_rule("scales", (1, 16, 48), {**quant, "desc_act": False})
+
+
 def test_two_ranks_apply_logits_processors_as_one_rank(gqa_config, capsys):
     """Penalties and bans keep per-sequence state on every rank; rank 0's tokens feed them
     all, so two ranks give one rank's tokens (which the processors changed)."""

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from tessellm.core.errors import ModelLoadError
 from tessellm.plugins.quant.compressed_tensors_config import compressed_tensors_problem
 from tessellm.plugins.quant.fp8.linear import FP8
 
@@ -70,3 +71,37 @@ def read_fp8(state: dict[str, torch.Tensor], prefix: str, quant: dict[str, Any]
     elif block is None:
         scale = scale.reshape(-1, 1)
     return weight, scale.float(), block
+
+
+def _strategy(quant: dict[str, Any]) -> str:
+    """"block", "channel" or "tensor": how the checkpoint scales its FP8 weights."""
+    if quant.get("quant_method") == "fp8":
+        return "block" if quant.get("weight_block_size") is not None else "tensor"
+    weights = next(iter((quant.get("config_groups") or {}).values()), {}).get("weights") or {}
+    return str(weights.get("strategy"))
+
+
+def shard_rule(suffix: str, weight_rule: Any, quant: dict[str, Any]) -> Any:
+    """The tensor-parallel rule of an FP8 scale ``<linear>.<suffix>`` from its linear's float
+    rule (the e4m3 weight itself takes the float rule)."""
+    if suffix == "input_scale":
+        return None
+    if suffix not in ("weight_scale", "weight_scale_inv"):
+        return NotImplemented
+    strategy = _strategy(quant)
+    if weight_rule is None or strategy == "tensor":
+        return None
+    if strategy == "channel":
+        if isinstance(weight_rule, list):
+            return weight_rule
+        return weight_rule if weight_rule[0] == 0 else None
+    block = _block_of(quant)
+    rules = weight_rule if isinstance(weight_rule, list) else [weight_rule]
+    scaled = []
+    for dim, lo, hi in rules:
+        by = block[dim]
+        if lo % by or hi % by:
+            raise ModelLoadError(f"{suffix}: a tensor-parallel rank's channels {lo}..{hi} split a {block[0]}x{block[1]} "
+                                 f"scale block; choose a parallel.tensor that splits at multiples of {by}")
+        scaled.append((dim, lo // by, hi // by))
+    return scaled if isinstance(weight_rule, list) else scaled[0]

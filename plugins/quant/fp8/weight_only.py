@@ -18,7 +18,7 @@ import tessellm
 from tessellm.core.errors import ModelLoadError
 from tessellm.core.interfaces.quantizer import Quantizer
 from tessellm.core.plugin import PluginOptions
-from tessellm.plugins.quant.fp8.checkpoints import checkpoint_support, read_fp8
+from tessellm.plugins.quant.fp8.checkpoints import checkpoint_support, read_fp8, shard_rule
 from tessellm.plugins.quant.fp8.linear import FP8, Fp8Linear, dequantize_fp8, quantize_fp8
 from tessellm.plugins.quant.int8.quantize import replace_linears
 
@@ -64,6 +64,10 @@ class Fp8Quantizer(Quantizer):
     @classmethod
     def checkpoint_support(cls, quantization_config: dict[str, Any]) -> str | None:
         return checkpoint_support(quantization_config)
+
+    @classmethod
+    def checkpoint_shard_rule(cls, suffix: str, weight_rule: Any, quantization_config: dict[str, Any]) -> Any:
+        return shard_rule(suffix, weight_rule, quantization_config)
 
     def load_quantized(self, model: nn.Module, state: dict[str, torch.Tensor],
                        quantization_config: dict[str, Any]) -> None:

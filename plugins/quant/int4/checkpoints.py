@@ -64,10 +64,10 @@ def read_compressed_tensors(state: dict[str, torch.Tensor], prefix: str, out_fea
     """The int4 weight of linear ``prefix`` from its compressed-tensors tensors, which are
     removed from ``state``."""
     packed = state.pop(f"{prefix}.weight_packed")
-    shape = state.pop(f"{prefix}.weight_shape", None)
-    if shape is not None and tuple(int(v) for v in shape.tolist()) != (out_features, in_features):
-        raise ModelLoadError(f"{prefix}: weight_shape {shape.tolist()} is not the model's "
-                         f"[{out_features}, {in_features}]")
+    state.pop(f"{prefix}.weight_shape", None)  # the whole layer's; a tensor-parallel rank holds a share
+    if tuple(packed.shape) != (out_features, -(-in_features // 8)):
+        raise ModelLoadError(f"{prefix}: weight_packed is {list(packed.shape)}, not the [{out_features}, "
+                             f"{-(-in_features // 8)}] the model's [{out_features}, {in_features}] layer packs to")
     scale = state.pop(f"{prefix}.weight_scale").float()
     if scale.dim() == 1:
         scale = scale[:, None]
@@ -122,6 +122,8 @@ def read_gptq(state: dict[str, torch.Tensor], prefix: str, out_features: int, in
     zero = unpack_int32_nibbles(state.pop(f"{prefix}.qzeros"), out_features).T.float()  # [N, G]
     scale = state.pop(f"{prefix}.scales").float().T.contiguous()
     g_idx = state.pop(f"{prefix}.g_idx", None)
+    if g_idx is not None:  # a tensor-parallel rank's share of the input channels starts at its first group
+        g_idx = g_idx - g_idx.min()
     zero = zero + 1 if v1 else zero
     weight = Int4Weight(q, scale, (-zero * scale).contiguous(), in_features // scale.shape[1])
     q, perm = _groups_contiguous(prefix, weight, q, g_idx)
@@ -156,3 +158,58 @@ def read_linear(state: dict[str, torch.Tensor], prefix: str, out_features: int, 
     if method == "awq" and f"{prefix}.qweight" in state:
         return read_awq(state, prefix, out_features, in_features), None
     return None
+
+
+PACKED_ALONG = {  # format -> tensor -> (the dim holding output channels, entries' width there, along input)
+    "compressed-tensors": {"weight_packed": (0, 1, 8), "weight_scale": (0, 1, "group"),
+                           "weight_zero_point": (0, 8, "group"), "weight_shape": None},
+    "gptq": {"qweight": (1, 1, 8), "qzeros": (1, 8, "group"), "scales": (1, 1, "group"), "g_idx": (None, 1, 1)},
+    "awq": {"qweight": (1, 8, 1), "qzeros": (1, 8, "group"), "scales": (1, 1, "group")},
+}
+"""Where each stored tensor keeps a linear's output channels (the other dim holds the input
+ones; None: only input channels), and how many channels one of its entries covers along the
+output and along the input (8: a packed word; "group": a group's scale or zero point)."""
+
+
+def _group_size(quant: dict[str, Any]) -> int | None:
+    """The checkpoint's group size along the input (None: one group for the whole input)."""
+    if quant.get("quant_method") == "compressed-tensors":
+        weights = next(iter((quant.get("config_groups") or {}).values()), {}).get("weights") or {}
+        return weights.get("group_size") if weights.get("strategy") == "group" else None
+    size = quant.get("group_size", quant.get("q_group_size"))
+    return None if size in (None, -1) else int(size)
+
+
+def _scaled(suffix: str, dim: int, lo: int, hi: int, by: int) -> tuple[int, int, int]:
+    if lo % by or hi % by:
+        raise ModelLoadError(f"{suffix}: a tensor-parallel rank's channels {lo}..{hi} split an entry of {by} "
+                             f"channels; choose a parallel.tensor that splits at multiples of {by}")
+    return dim, lo // by, hi // by
+
+
+def shard_rule(suffix: str, weight_rule: Any, quant: dict[str, Any]) -> Any:
+    """The tensor-parallel rule of a pre-quantized tensor ``<linear>.<suffix>`` from its
+    linear's float rule (``Quantizer.checkpoint_shard_rule``)."""
+    layout = PACKED_ALONG.get(quant.get("quant_method"), {})
+    if suffix not in layout:
+        return NotImplemented
+    entry = layout[suffix]
+    if entry is None or weight_rule is None:
+        return None
+    out_dim, out_by, in_by = entry
+    if isinstance(weight_rule, list):  # fused projections: slices of output rows
+        if out_dim != 0:
+            raise ModelLoadError(f"{suffix}: a fused projection's output slices cannot be read from the "
+                                 f"{quant.get('quant_method')!r} layout (output channels along dim 1)")
+        return [_scaled(suffix, 0, lo, hi, out_by) for _, lo, hi in weight_rule]
+    dim, lo, hi = weight_rule
+    if dim == 0:  # a share of the output channels
+        return None if out_dim is None else _scaled(suffix, out_dim, lo, hi, out_by)
+    if suffix == "g_idx" and quant.get("desc_act"):
+        raise ModelLoadError("GPTQ act-order (desc_act) groups span the whole input: a row-parallel layer cannot "
+                             "be split across tensor-parallel ranks")
+    by = _group_size(quant) if in_by == "group" else in_by
+    if by is None:  # one group for the whole input: every rank reads it whole
+        return None
+    in_dim = 0 if out_dim is None else 1 - out_dim
+    return _scaled(suffix, in_dim, lo, hi, by)

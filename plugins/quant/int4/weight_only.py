@@ -18,7 +18,7 @@ import tessellm
 from tessellm.core.errors import ConfigError, ModelLoadError
 from tessellm.core.interfaces.quantizer import Quantizer
 from tessellm.core.plugin import PluginOptions
-from tessellm.plugins.quant.int4.checkpoints import checkpoint_support, read_linear
+from tessellm.plugins.quant.int4.checkpoints import checkpoint_support, read_linear, shard_rule
 from tessellm.plugins.quant.int4.cpu import int4pack_unfit
 from tessellm.plugins.quant.int4.linear import Int4WeightLinear
 from tessellm.plugins.quant.int4.quantize import Int4Weight
@@ -81,6 +81,10 @@ class Int4WeightQuantizer(Quantizer):
     @classmethod
     def checkpoint_support(cls, quantization_config: dict[str, Any]) -> str | None:
         return checkpoint_support(quantization_config)
+
+    @classmethod
+    def checkpoint_shard_rule(cls, suffix: str, weight_rule: Any, quantization_config: dict[str, Any]) -> Any:
+        return shard_rule(suffix, weight_rule, quantization_config)
 
     def load_quantized(self, model: nn.Module, state: dict[str, torch.Tensor],
                        quantization_config: dict[str, Any]) -> None:

@@ -194,6 +194,16 @@ class W8A8Quantizer(Quantizer):
         return compressed_tensors_problem(quantization_config, "w8a8", "int-quantized", 8, "int", ("channel",),
                                           dynamic_tokens)
 
+    @classmethod
+    def checkpoint_shard_rule(cls, suffix: str, weight_rule: Any, quantization_config: dict[str, Any]) -> Any:
+        """The per-channel ``weight_scale`` [out, 1] follows the weight's output rows; a share
+        of the input channels reads it whole."""
+        if suffix != "weight_scale":
+            return NotImplemented
+        if weight_rule is None or isinstance(weight_rule, list):
+            return weight_rule
+        return weight_rule if weight_rule[0] == 0 else None
+
     def load_quantized(self, model: nn.Module, state: dict[str, torch.Tensor],
                        quantization_config: dict[str, Any]) -> None:
         """Every linear whose weight the checkpoint stores as int8 becomes a ``W8A8Linear``

@@ -259,8 +259,9 @@ def test_a_packed_tensor_that_does_not_fit_the_model_is_a_load_error(w4a16, tmp_
 
     folder = shutil.copytree(w4a16(True, 32), tmp_path / "bad")
     state = load_file(folder / "model.safetensors")
-    state["model.layers.0.mlp.down_proj.weight_shape"] = torch.tensor([64, 96])
+    name = "model.layers.0.mlp.down_proj.weight_packed"
+    state[name] = state[name][:, :12].contiguous()  # 96 input channels' worth, where the model has 128
     save_file(state, folder / "model.safetensors")
-    with pytest.raises(ModelLoadError, match=r"model.layers.0.mlp.down_proj: weight_shape \[64, 96\] is not the "
-                                             r"model's \[64, 128\]"):
+    with pytest.raises(ModelLoadError, match=r"model.layers.0.mlp.down_proj: weight_packed is \[64, 12\], not the "
+                                             r"\[64, 16\] the model's \[64, 128\] layer packs to"):
         LLM({"model": str(folder), "device": "cpu", "dtype": "float32"})
