@@ -50,7 +50,9 @@ def main() -> None:
     from tessellm.eval.perplexity import perplexity
     from tessellm.eval.texts import BUNDLED, load_text
 
-    print(f"# {datetime.now(timezone.utc).isoformat(timespec='seconds')} {platform.processor() or platform.machine()}, "
+    from tessellm.bench.offline import cpu_name
+
+    print(f"# {datetime.now(timezone.utc).isoformat(timespec='seconds')} {cpu_name() or platform.machine()}, "
           f"{args.threads} threads, torch {torch.__version__}")
     base = None
     for name, parts in variants():
