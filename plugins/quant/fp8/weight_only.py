@@ -15,12 +15,12 @@ from pydantic import Field
 from torch import nn
 
 import tessellm
-from tessellm.core.errors import ModelLoadError
 from tessellm.core.interfaces.quantizer import Quantizer
 from tessellm.core.plugin import PluginOptions
 from tessellm.plugins.quant.fp8.checkpoints import checkpoint_support, read_fp8, shard_rule
 from tessellm.plugins.quant.fp8.linear import FP8, Fp8Linear, dequantize_fp8, quantize_fp8
 from tessellm.plugins.quant.int8.quantize import replace_linears
+from tessellm.plugins.quant.stored_linears import refuse_unread, replace_stored_linears
 
 
 class Fp8Options(PluginOptions):
@@ -79,20 +79,18 @@ class Fp8Quantizer(Quantizer):
                 read = read_fp8(state, name, quantization_config)
                 if read is not None:
                     state[f"{name}.weight"] = dequantize_fp8(*read)
-        for name, linear in list(model.named_modules()):
-            if type(linear) is not nn.Linear:
-                continue
+
+        def build(name: str, linear: nn.Linear) -> nn.Module | None:
             read = read_fp8(state, name, quantization_config)
             if read is None:
-                continue
+                return None
             weight, scale, block = read
             bias = state.pop(f"{name}.bias", None)
-            bias = None if bias is None else bias.to(self.device, self.dtype)
-            model.set_submodule(name, Fp8Linear(weight.to(self.device), scale.to(self.device), bias, block))
-        left = [k for k, v in state.items() if v.dtype == FP8]
-        if left:
-            raise ModelLoadError(f"quant 'fp8': the checkpoint holds float8 tensors of no linear or weight it reads, "
-                                 f"e.g. {', '.join(left[:3])}")
+            return Fp8Linear(weight.to(self.device), scale.to(self.device),
+                             None if bias is None else bias.to(self.device, self.dtype), block)
+
+        replace_stored_linears(model, build)
+        refuse_unread(state, self.name, "float8 tensors", lambda _, tensor: tensor.dtype == FP8)
 
 
 @tessellm.hookimpl

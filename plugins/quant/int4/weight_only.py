@@ -15,7 +15,7 @@ from pydantic import Field
 from torch import nn
 
 import tessellm
-from tessellm.core.errors import ConfigError, ModelLoadError
+from tessellm.core.errors import ConfigError
 from tessellm.core.interfaces.quantizer import Quantizer
 from tessellm.core.plugin import PluginOptions
 from tessellm.plugins.quant.int4.checkpoints import checkpoint_support, read_linear, shard_rule
@@ -23,6 +23,7 @@ from tessellm.plugins.quant.int4.cpu import int4pack_unfit
 from tessellm.plugins.quant.int4.linear import Int4WeightLinear
 from tessellm.plugins.quant.int4.quantize import Int4Weight
 from tessellm.plugins.quant.int8.quantize import replace_linears
+from tessellm.plugins.quant.stored_linears import refuse_unread, replace_stored_linears
 
 
 class Int4WeightOptions(PluginOptions):
@@ -92,26 +93,24 @@ class Int4WeightQuantizer(Quantizer):
         becomes an ``Int4WeightLinear`` with the checkpoint's groups (``group_size`` is not
         used)."""
         options = self.options
-        for name, linear in list(model.named_modules()):
-            if type(linear) is not nn.Linear:
-                continue
+
+        def build(name: str, linear: nn.Linear) -> nn.Module | None:
             read = read_linear(state, name, linear.out_features, linear.in_features, quantization_config)
             if read is None:
-                continue
+                return None
             weight, perm = read
             weight = Int4Weight(*(t.to(self.device) for t in (weight.packed, weight.scale, weight.offset)),
                                 weight.group_size)
             bias = state.pop(f"{name}.bias", None)
-            bias = None if bias is None else bias.to(self.device, self.dtype)
             fits = self.device.type == "cpu" and options.cpu_kernel != "tiled" and \
                 int4pack_unfit(linear.out_features, linear.in_features, weight.group_size) is None
-            model.set_submodule(name, Int4WeightLinear(
-                weight, linear.out_features, bias, use_int4pack=fits, small_batch_rows=options.small_batch_rows,
-                input_perm=None if perm is None else perm.to(self.device)))
-        left = [k for k in state if k.endswith((".weight_packed", ".qweight", ".qzeros"))]
-        if left:
-            raise ModelLoadError(f"quant 'int4-weight': the checkpoint holds packed 4-bit tensors of no linear it "
-                                 f"reads, e.g. {', '.join(left[:3])}")
+            return Int4WeightLinear(weight, linear.out_features, None if bias is None else bias.to(self.device, self.dtype),
+                                    use_int4pack=fits, small_batch_rows=options.small_batch_rows,
+                                    input_perm=None if perm is None else perm.to(self.device))
+
+        replace_stored_linears(model, build)
+        refuse_unread(state, self.name, "packed 4-bit tensors",
+                      lambda name, _: name.endswith((".weight_packed", ".qweight", ".qzeros")))
 
 
 @tessellm.hookimpl

@@ -30,7 +30,7 @@ from pydantic import Field, field_validator
 from torch import nn
 
 import tessellm
-from tessellm.core.errors import ConfigError, ModelLoadError
+from tessellm.core.errors import ConfigError
 from tessellm.core.interfaces.quantizer import CalibrationContext, Quantizer
 from tessellm.core.plugin import PluginOptions
 from tessellm.plugins.quant.compressed_tensors_config import compressed_tensors_problem
@@ -38,6 +38,7 @@ from tessellm.plugins.quant.int8.linear import Int8Linear
 from tessellm.plugins.quant.int8.quantize import replace_linears
 from tessellm.plugins.quant.int8.smooth import (DEFAULT_CALIBRATION_TEXT, calibration_chunks, experts_one_at_a_time,
                                                 observe_input_ranges, smoothing_scales)
+from tessellm.plugins.quant.stored_linears import refuse_unread, replace_stored_linears
 
 CUDA_MIN_ROWS = 17
 """torch._int_mm on CUDA takes only more than 16 rows."""
@@ -208,18 +209,17 @@ class W8A8Quantizer(Quantizer):
                        quantization_config: dict[str, Any]) -> None:
         """Every linear whose weight the checkpoint stores as int8 becomes a ``W8A8Linear``
         with the checkpoint's weights and scales."""
-        for name, linear in list(model.named_modules()):
+        def build(name: str, linear: nn.Linear) -> nn.Module | None:
             weight = state.get(f"{name}.weight")
-            if type(linear) is not nn.Linear or weight is None or weight.dtype != torch.int8:
-                continue
+            if weight is None or weight.dtype != torch.int8:
+                return None
             q, scale = state.pop(f"{name}.weight").to(self.device), state.pop(f"{name}.weight_scale")
             bias = state.pop(f"{name}.bias", None)
-            model.set_submodule(name, W8A8Linear.from_quantized(
-                q, scale.float().reshape(-1).to(self.device), None if bias is None else bias.to(self.device, self.dtype)))
-        left = [k for k, v in state.items() if v.dtype == torch.int8]
-        if left:
-            raise ModelLoadError(f"quant 'w8a8': the checkpoint holds int8 tensors of no linear it reads, "
-                                 f"e.g. {', '.join(left[:3])}")
+            return W8A8Linear.from_quantized(q, scale.float().reshape(-1).to(self.device),
+                                             None if bias is None else bias.to(self.device, self.dtype))
+
+        replace_stored_linears(model, build)
+        refuse_unread(state, self.name, "int8 tensors", lambda _, tensor: tensor.dtype == torch.int8)
 
 
 @tessellm.hookimpl
