@@ -2,7 +2,7 @@
 # The GPU checks in one command, for a device machine with no package registry:
 #   bench/gpu_checks.sh STAGE...   (stages: env tests sweep kernels e2e e2e-sync e2e-512 e2e-512-sync e2e-eager
 #   e2e-before profile profile-async e2e-smoke moe window quest-pages lora-kernels kernels-decode int8 quest mla
-#   structured e2e-int8; e2e runs the defaults, async scheduling included; the -sync
+#   structured e2e-int8 kv-tiers; e2e runs the defaults, async scheduling included; the -sync
 #   stages turn it off; e2e-before runs an earlier commit's wheel and e2e_gpu.py from .whl/old/ on the same
 #   workload, for an A/B of two commits in one lease)
 # Expects the wheels tessellm needs beyond the image (pydantic and its parts, and tessellm's
@@ -40,7 +40,10 @@ for stage in "$@"; do
              $quest::test_flash_as_the_dense_backend_gives_the_sdpa_backends_output \
              tests/plugins/quant/test_int8_weight.py::test_the_triton_kernel_matches_the_reference \
              tests/plugins/quant/test_int4_weight.py::test_the_triton_kernel_matches_the_reference tests/plugins/quant/test_fp8.py \
+             tests/plugins/cache/paged/test_tiers.py::test_tiers_on_cuda_copy_on_a_stream_and_read_back_exactly \
              --tb=short -rfE ${TESTS_EXTRA:-} > "$OUT/tests.log" 2>&1; tail -60 "$OUT/tests.log" ;;
+    kv-tiers) limit python3 bench/kv_tiers_gpu.py --out "$OUT/kv_tiers_gpu.json" > "$OUT/kv_tiers_gpu.log" 2>&1
+              tail -20 "$OUT/kv_tiers_gpu.log" ;;
     sweep) limit python3 bench/kernels.py --sweep --out "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1; tail -60 "$OUT/sweep.log" ;;
     kernels) limit python3 bench/kernels.py --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1; tail -5 "$OUT/kernels.log" ;;
     e2e) f=$(fresh e2e); limit python3 bench/e2e_gpu.py --out "$f.json" ${E2E_ARGS:-} > "$f.log" 2>&1; tail -40 "$f.log" ;;

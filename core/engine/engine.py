@@ -128,6 +128,7 @@ class Engine:
             self._schedule_new(seq)  # raises RequestRejectedError if it can never fit
         else:
             self._lora_waiting.append(seq)  # every slot is held: it starts when one is let go
+        self.cache.prefetch(seq)  # a tiered cache starts reading its prefix from disk now
         state = RequestState(request_id, params, [seq])
         self.requests[request_id] = state
         self.stats.prompt_tokens += len(prompt_token_ids)
@@ -140,8 +141,9 @@ class Engine:
     # ------------------------------------------------------------------ LoRA adapters
 
     def _lora_salt(self, lora: str | None, cache_salt: str | None) -> str | None:
-        """The request's prefix-cache key: its salt, with the adapter's registration folded
-        in (K/V computed under one adapter is never another's, nor a reloaded one's)."""
+        """The request's prefix-cache key: its salt, with a digest of the adapter's weights
+        folded in (K/V computed under one adapter is never another's, nor that of a reloaded
+        one with other weights, in this process or, through a disk tier, the next)."""
         if lora is None:
             return cache_salt
         if self.lora is None:
@@ -149,7 +151,7 @@ class Engine:
                                       f"start it with lora.adapters (tessellm serve --lora NAME=PATH) or "
                                       f"lora.enabled=true")
         adapter = self.lora.get(lora)  # LoraAdapterError naming the loaded ones
-        return f"{cache_salt or ''}\x1flora:{adapter.uid}"
+        return f"{cache_salt or ''}\x1flora:{adapter.digest()}"
 
     def _give_slot(self, seq: Sequence) -> bool:
         slot = self.lora.acquire(seq.lora)

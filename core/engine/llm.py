@@ -147,6 +147,10 @@ class LLM:
             raise
         return [self._output(done[i], prompt, tokens) for i, prompt, tokens in zip(ids, prompts, encoded)]
 
+    def close(self) -> None:
+        """Finish what outlives this LLM (a disk KV tier's queued writes); it can still generate."""
+        self.pipeline.close()
+
     def load_lora(self, name: str, path: str | Path) -> None:
         """Register the PEFT adapter folder ``path`` as ``name`` (the pipeline must serve LoRA:
         ``lora.enabled``, or adapters in the config)."""

@@ -4,6 +4,7 @@ built and wired to the engine, kernels warmed up and decode graphs captured."""
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import threading
@@ -30,7 +31,8 @@ from tessellm.core.interfaces.logits import LogitsProcessor, ProcessorContext
 from tessellm.core.interfaces.quantizer import CalibrationContext, Quantizer
 from tessellm.core.interfaces.scheduler import SchedulerLimits
 from tessellm.core.model.kernel_builds import build_log
-from tessellm.core.model.loader import build_model, load_hf_config, load_state_dict, load_tokenizer, quantized
+from tessellm.core.model.loader import (build_model, load_hf_config, load_state_dict, load_tokenizer, quantized,
+                                       weights_fingerprint)
 from tessellm.core.model.lora import AdapterReader, LoraState, wrap_targets
 from tessellm.core.model.runner import ModelRunner
 from tessellm.core.model.spec import quantization_config, quantized_checkpoint_readers
@@ -38,6 +40,7 @@ from tessellm.core.parallel.group import TensorParallel, init_tensor_parallel
 from tessellm.core.parallel.shard import load_shard, local_spec, plan_shard, tensor_rule
 from tessellm.core.parallel.sync import RankSync, follow
 from tessellm.core.registry import PluginRegistry, get_registry
+from tessellm.core.version import __version__
 from tessellm.core.resolve import ResolvedPipeline, model_dir_for, precheck, resolve, resolve_device
 
 logger = logging.getLogger(__name__)
@@ -89,7 +92,8 @@ class Pipeline:
         shape = spec.kv_shape
         windows = tuple(spec.attention_of(i).sliding_window for i in range(spec.num_layers))
         cache_spec = CacheSpec(spec.num_layers, shape.num_heads, shape.head_dim, r.dtype, r.device,
-                               r.max_model_len, shape.format, windows if any(windows) else ())
+                               r.max_model_len, shape.format, windows if any(windows) else (),
+                               self._kv_fingerprint())
         self.cache = c["cache"].cls(c["cache"].options, cache_spec, r.kv_layout)
         if self.tp:
             self.cache = self._cache_agreed_across_ranks(c["cache"], cache_spec, r.kv_layout)
@@ -121,6 +125,20 @@ class Pipeline:
         if self.tp and not self.tp.is_leader:  # a follower serves rank 0 until it stops, then exits
             follow(self.engine, self.engine.sync)
             raise SystemExit(0)
+
+    def close(self) -> None:
+        """Finish what outlives the pipeline: the cache's (a disk tier's queued writes)."""
+        self.cache.close()
+
+    def _kv_fingerprint(self) -> str:
+        """What K/V values depend on besides the tokens (``CacheSpec.fingerprint``): the
+        checkpoint, dtype, architecture, quantization, attention backend, rank and version."""
+        c = self.resolved.choices
+        parts = [weights_fingerprint(self.model_dir), str(self.resolved.dtype), self.architecture.name,
+                 __version__, f"tp{self.tp.rank}/{self.tp.size}" if self.tp else "tp0/1"]
+        for kind in ("quant", "attention"):
+            parts.append(f"{kind}={c[kind].cls.name}:{c[kind].options.model_dump_json()}")
+        return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=16).hexdigest()
 
     def _build_lora(self) -> LoraAdapters:
         """Wrap the target projections with ``max_loras`` slots of ``max_rank`` and register
@@ -209,6 +227,12 @@ class Pipeline:
         rank sizes its cache from its own memory and its own (possibly uneven) share of the
         heads. A cache with a ``num_blocks`` option is rebuilt on the ranks above the
         smallest count with that count; any other cache must agree by itself."""
+        if self.cache.prefix_cache_stats().tiers:
+            self.cache.close()
+            raise ConfigError(f"tensor parallel: cache {choice.entry.name!r} keeps prefix blocks in tiers below the "
+                              f"device (host memory, disk), which each rank fills on its own, while the ranks must "
+                              f"agree on every prefix hit; turn the tiers off (host_tier_bytes 0, no "
+                              f"disk_tier_path) or serve on one rank")
         counts = self.tp.gather_objects(self.cache.num_blocks, "comparing KV cache sizes")
         fewest = min(counts)
         if self.cache.num_blocks == fewest:

@@ -4,7 +4,7 @@ and the logical-to-physical map of every sequence (its block table)."""
 from __future__ import annotations
 
 from abc import abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -30,6 +30,11 @@ class CacheSpec:
     layer_windows: tuple[int | None, ...] = ()
     """Each layer's sliding window (None: the whole context); empty: no layer slides (plugin
     API 1.8). A cache may release what no window sees any more (`paged` does)."""
+    fingerprint: str = ""
+    """What the stored K/V values depend on besides the tokens (plugin API 1.12): a digest of
+    the checkpoint, dtype, quantization, attention backend, tensor-parallel rank and tessellm
+    version; K/V kept beyond the process (a disk tier) is keyed by it. Empty: unknown (such
+    a cache keeps nothing beyond the process)."""
 
     @property
     def kv_shape(self) -> KVShape:
@@ -38,10 +43,13 @@ class CacheSpec:
 
 @dataclass
 class PrefixCacheStats:
-    """Prefix-cache lookups so far: prompt tokens looked up and tokens found cached."""
+    """Prefix-cache lookups so far: prompt tokens looked up and tokens found cached (in any
+    tier), and per lower tier (plugin API 1.12; e.g. "host", "disk") counters such as
+    ``hit_tokens``, ``read_bytes``, ``written_bytes``, ``stored_blocks``."""
 
     queried_tokens: int = 0
     hit_tokens: int = 0
+    tiers: dict[str, dict[str, int]] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:
@@ -165,6 +173,18 @@ class CacheManager(Plugin):
     def commit(self, seq: Sequence) -> None:
         """Note that ``seq.num_computed_tokens`` tokens of ``seq`` now hold valid KV."""
 
+    def prefetch(self, seq: Sequence) -> None:
+        """Start bringing what ``match_prefix(seq)`` will find in slow storage nearer, without
+        waiting (plugin API 1.12): `paged` reads its disk tier's blocks on a background
+        thread. The engine calls it when a request arrives. Nothing by default."""
+
+    def prefix_ready(self, seq: Sequence) -> bool:
+        """Whether ``match_prefix(seq)`` would find its blocks without waiting for a read still
+        in flight (plugin API 1.12). A scheduler admits other sequences first while it is
+        False; one that never asks is still served correctly (``match_prefix`` then waits).
+        True by default."""
+        return True
+
     def num_allocated_slots(self) -> int:
         """Slots held by live sequences (for KV-waste figures)."""
         return (self.num_blocks - self.num_free_blocks) * self.layout.block_size
@@ -177,6 +197,11 @@ class CacheManager(Plugin):
     def prefix_cache_stats(self) -> PrefixCacheStats:
         """Lookups and hits of the prefix cache (all zero for a cache without one)."""
         return PrefixCacheStats()
+
+    def close(self) -> None:
+        """Finish what outlives the process (plugin API 1.12): `paged` waits for its disk
+        tier's queued writes. The pipeline calls it once, when it is closed; nothing by
+        default."""
 
     @property
     def scratch_block(self) -> int | None:

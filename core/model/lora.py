@@ -14,6 +14,8 @@ refusing, at load, anything that is not a LoRA adapter this model can serve.
 
 from __future__ import annotations
 
+import hashlib
+
 import json
 import math
 import re
@@ -170,7 +172,22 @@ class LoraAdapter:
     base_model: str | None = None
     """``base_model_name_or_path`` from its adapter_config.json."""
     uid: int = 0
-    """Unique per registration: prefix-cache keys and slots tell a re-registered name apart."""
+    """Unique per registration: slots tell a re-registered name apart."""
+
+    def digest(self) -> str:
+        """A digest of the adapter's weights (computed once): what its K/V depend on, so
+        prefix-cache keys, also those a disk tier keeps across restarts, tell adapters apart
+        by content, never by a name or a per-process number."""
+        cached = self.__dict__.get("_digest")
+        if cached is None:
+            h = hashlib.blake2b(digest_size=16)
+            for module in sorted(self.modules):
+                for part, (a, b) in sorted(self.modules[module].items()):
+                    h.update(f"{module}:{part}:{tuple(a.shape)}:{tuple(b.shape)}:{a.dtype}".encode())
+                    for t in (a, b):
+                        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+            cached = self.__dict__["_digest"] = h.hexdigest()
+        return cached
 
 
 class AdapterReader:

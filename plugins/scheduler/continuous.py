@@ -54,7 +54,7 @@ class ContinuousScheduler(QueueScheduler):
     """
 
     name = "continuous"
-    api_version = "1.11"
+    api_version = "1.12"
     description = "in-flight batching: token budget, chunked prefill, preemption, fcfs/priority"
     Options = ContinuousOptions
     auto_priority = 50
@@ -152,10 +152,16 @@ class ContinuousScheduler(QueueScheduler):
         if not self.waiting or budget <= 0:  # the usual decode step: nobody to admit, no count needed
             return
         occupied = sum(self._footprint(s) for s in self.running)  # kept current below, not recounted per admission
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
+        i = 0
+        while i < len(self.waiting) and budget > 0:
+            seq = self.waiting[i]
             if occupied and occupied + self._footprint(seq) > self.options.max_num_seqs:
                 break
+            if chosen and seq.num_computed_tokens == 0 and not self.cache.prefix_ready(seq):
+                # its cached prefix is still being read (a disk tier): later ones go first,
+                # while the step has other work (else it starts now, match_prefix waiting)
+                i += 1
+                continue
             if seq.num_computed_tokens == 0:
                 seq.num_computed_tokens = self.cache.match_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens
@@ -174,7 +180,7 @@ class ContinuousScheduler(QueueScheduler):
                 self._release(seq)  # head of line waits for memory: later ones must not overtake it
                 break
             self.cache.reserve(seq, need)
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._running_sorted = False

@@ -31,7 +31,7 @@ class StaticScheduler(QueueScheduler):
     admitted last is preempted (its cache freed, recomputed in a later batch)."""
 
     name = "static"
-    api_version = "1.11"
+    api_version = "1.12"
     description = "FCFS static batches: a new batch starts when the last one has finished"
     Options = StaticOptions
     auto_priority = 10
@@ -53,11 +53,17 @@ class StaticScheduler(QueueScheduler):
     def _start_batch(self) -> list[Sequence]:
         batch: list[Sequence] = []
         width = 0
-        while self.waiting:
-            seq = self.waiting[0]
+        i = 0
+        while i < len(self.waiting):
+            seq = self.waiting[i]
             cost = seq.params.n if seq.num_output_tokens == 0 else 1  # its forks join this batch
             if width and width + cost > self.options.max_batch_size:
                 break
+            if batch and seq.num_computed_tokens == 0 and not self.cache.prefix_ready(seq):
+                # its cached prefix is still being read (a disk tier): later ones go first,
+                # while the batch has others (else it starts now, match_prefix waiting)
+                i += 1
+                continue
             if seq.num_computed_tokens == 0:
                 seq.num_computed_tokens = self.cache.match_prefix(seq)
             if not self.cache.can_reserve(seq, seq.num_tokens):
@@ -67,7 +73,7 @@ class StaticScheduler(QueueScheduler):
                 seq.num_computed_tokens = 0
                 break
             self.cache.reserve(seq, seq.num_tokens)
-            self.waiting.popleft()
+            del self.waiting[i]
             seq.status = SequenceStatus.RUNNING
             batch.append(seq)
             width += cost

@@ -1,5 +1,5 @@
 """The cache conformance suite on every built-in cache: contiguous, and paged with and
-without prefix caching, and with int8 K/V."""
+without prefix caching, with int8 K/V, and over a host tier."""
 
 from __future__ import annotations
 
@@ -24,3 +24,10 @@ class TestPagedWithoutPrefixCaching(CacheConformance):
 class TestPagedInt8(CacheConformance):
     plugin = "paged"
     options = {"block_size": 4, "num_blocks": 96, "kv_dtype": "int8"}
+
+
+class TestPagedHostTier(CacheConformance):
+    """Few device blocks under a small host tier: evicted prefixes come back from the host."""
+
+    plugin = "paged"
+    options = {"block_size": 4, "num_blocks": 24, "host_tier_bytes": 2**20}

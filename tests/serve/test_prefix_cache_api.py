@@ -18,9 +18,8 @@ PROMPT = list(range(100, 165))  # 65 token ids: 8 full blocks of 8, then 1
 
 
 def config(cpu_config, tiny_model, **extra) -> dict:
-    return cpu_config(tiny_model("llama"), max_model_len=256,
-                      cache={"name": "paged", "options": {"block_size": 8, "num_blocks": 256}},
-                      scheduler={"name": "continuous"}, **extra)
+    extra.setdefault("cache", {"name": "paged", "options": {"block_size": 8, "num_blocks": 256}})
+    return cpu_config(tiny_model("llama"), max_model_len=256, scheduler={"name": "continuous"}, **extra)
 
 
 @pytest.mark.parametrize("decoding", [{"name": "greedy"},
@@ -97,3 +96,37 @@ def test_chat_completions_take_the_salt_and_report_cached_tokens(server):
     assert cached("chat-a") == 0
     assert cached("chat-b") == 0
     assert cached("chat-a") > 0
+
+
+def test_restarted_server_answers_a_repeated_prompt_from_its_disk_tier(cpu_config, tiny_model, tmp_path):
+    """A server with a disk tier is stopped and a new one started over the same directory: the
+    repeated prompt is answered with the same tokens, its cached tokens read from disk, and
+    /metrics counts them under tier="disk"."""
+    disk = {"name": "paged", "options": {"block_size": 8, "num_blocks": 256, "disk_tier_path": str(tmp_path)}}
+    answers = []
+    for _ in range(2):
+        llm = LLM(config(cpu_config, tiny_model, cache=disk))
+        with serving(build_app(llm, model_name="tiny", api_key=None, max_request_bytes=64 * 1024)) as url:
+            body = complete(url, max_tokens=6)
+            answers.append((body["choices"][0]["text"], body["usage"]["prompt_tokens_details"]["cached_tokens"]))
+            hits = metric(url, 'tessellm_kv_tier_hit_tokens_total{tier="disk"}')
+    (first, cached_first), (second, cached_second) = answers
+    assert second == first and (cached_first, cached_second) == (0, 64) and hits == 64
+
+
+def test_a_process_that_exits_without_closing_still_leaves_its_blocks(cpu_config, tiny_model, tmp_path):
+    """Queued disk writes are flushed at interpreter exit (the writer thread is a daemon)."""
+    import json
+    import subprocess
+    import sys
+
+    cfg = config(cpu_config, tiny_model, cache={"name": "paged", "options": {
+        "block_size": 8, "num_blocks": 256, "disk_tier_path": str(tmp_path)}})
+    script = ("import json, sys\nfrom tessellm import LLM\n"
+              "llm = LLM(json.loads(sys.argv[1]))\n"
+              f"llm.generate([{PROMPT!r}], {{'max_tokens': 1, 'temperature': 0.0}})\n")
+    subprocess.run([sys.executable, "-c", script, json.dumps(cfg)], check=True, timeout=300)
+    assert len(list(tmp_path.rglob("*.kv"))) == 8
+    llm = LLM(cfg)
+    assert llm.generate([PROMPT], {"max_tokens": 1, "temperature": 0.0})[0].num_cached_tokens == 64
+    llm.close()

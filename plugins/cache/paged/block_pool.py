@@ -16,6 +16,7 @@ states partition the pool at every step.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from typing import Callable
 
 
 class BlockPool:
@@ -39,6 +40,9 @@ class BlockPool:
         self._key_of: dict[int, bytes] = {}  # block -> content key
         self._block_of: dict[bytes, int] = {}  # content key -> block
         self.evictions = 0
+        self.on_evict: Callable[[int, bytes], None] | None = None
+        """Told (block, content key) just before a cached block is reused: a tiered cache
+        writes the content down there (tiers/stack.py)."""
 
     # ------------------------------------------------------------------ counts
 
@@ -70,8 +74,11 @@ class BlockPool:
             block = self._free.popleft()
         elif self._evictable:
             block, _ = self._evictable.popitem(last=False)
-            del self._block_of[self._key_of.pop(block)]
+            key = self._key_of.pop(block)
+            del self._block_of[key]
             self.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(block, key)
         else:
             raise RuntimeError(f"no free KV block: all {self.num_blocks} are in use")
         self.ref_counts[block] = 1

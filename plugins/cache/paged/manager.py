@@ -25,6 +25,7 @@ from tessellm.plugins.cache.paged.block_pool import BlockPool
 from tessellm.plugins.cache.paged.int8_kv import bytes_per_token_head
 from tessellm.plugins.cache.paged.key_bounds import KEY_BOUNDS, bounds_bytes_per_block, make_layer_storage
 from tessellm.plugins.cache.paged.prefix_cache import PrefixCache
+from tessellm.plugins.cache.paged.tiers import build_tiers
 
 
 class PagedOptions(PluginOptions):
@@ -55,6 +56,29 @@ class PagedOptions(PluginOptions):
     """auto: K/V in the compute dtype; int8: int8 values with a float16 scale per token and
     KV head (int8_kv.py), about half the bytes of bfloat16; every built-in attention backend
     reads it."""
+
+    host_tier_bytes: int = Field(0, ge=0)
+    """Host memory for prefix blocks evicted from the device tier (pinned on CUDA), which a
+    later request with the same prefix loads back instead of recomputing; 0: no host tier
+    (tiers/)."""
+    disk_tier_path: str | None = None
+    """A directory for prefix blocks on disk, written as they fill and read back on a miss in
+    memory; they survive a restart (keyed by content, salt, and a fingerprint of the model,
+    dtype, quantization and cache layout). None: no disk tier."""
+    disk_tier_bytes: int = Field(16 * 2**30, ge=2**20)
+    """The most bytes the disk tier keeps for this model and layout (least recently used
+    blocks are removed first)."""
+
+    @property
+    def tiered(self) -> bool:
+        return self.host_tier_bytes > 0 or self.disk_tier_path is not None
+
+    @model_validator(mode="after")
+    def _tiers_need_prefix_caching(self):
+        if self.tiered and not self.prefix_caching:
+            raise ValueError("host_tier_bytes and disk_tier_path keep prefix blocks below the device: they need "
+                             "prefix_caching true")
+        return self
 
     @model_validator(mode="after")
     def _power_of_two(self):
@@ -123,7 +147,7 @@ class PagedCache(CacheManager):
     """
 
     name = "paged"
-    api_version = "1.11"
+    api_version = "1.12"
     description = "fixed-size blocks with reference counts, copy-on-write forks and prefix caching"
     Options = PagedOptions
     auto_priority = 50
@@ -176,6 +200,12 @@ class PagedCache(CacheManager):
         self._tables: dict[int, list[int]] = {}  # seq_id -> blocks
         self._computed: dict[int, int] = {}  # seq_id -> tokens with valid KV (commit)
         self.cow_copies = 0
+        self.tiers = build_tiers(options, spec, layout, self.pool, self._layers) if options.tiered else None
+        if self.tiers is not None:
+            self.pool.on_evict = self.tiers.on_device_evict
+            self.prefix.fetch = self.tiers.fetch
+            if self.tiers.writes_through:
+                self.prefix.on_full = self.tiers.on_commit
 
     # ------------------------------------------------------------------ sizes
 
@@ -288,6 +318,8 @@ class PagedCache(CacheManager):
         table = self._tables.pop(seq.seq_id, None)
         self._computed.pop(seq.seq_id, None)
         self.prefix.forget(seq)
+        if self.tiers is not None:
+            self.tiers.forget(seq.seq_id)
         # release the tail first: a cached prefix's later blocks are then evicted before its
         # earlier ones, which other prompts are more likely to share
         for block in reversed(table or []):
@@ -312,7 +344,27 @@ class PagedCache(CacheManager):
             return 0
         table = self._tables[seq.seq_id] = self.prefix.match(seq)
         hit = self._computed[seq.seq_id] = len(table) * self.layout.block_size
+        if self.tiers is not None:
+            self.tiers.forget(seq.seq_id)
         return hit
+
+    def prefetch(self, seq: Sequence) -> None:
+        """Read the disk-tier blocks of ``seq``'s prefix ahead, on the tiers' reader thread."""
+        tiers = self.tiers
+        if tiers is None or tiers.disk is None or seq.params.prompt_logprobs is not None:
+            return
+        keys = []
+        for key in self.prefix.chain(seq):
+            if self.pool.lookup(key) is not None or (tiers.host is not None and key in tiers.host):
+                continue
+            if key not in tiers.disk:
+                break
+            keys.append(key)
+        if keys:
+            tiers.prefetch(seq.seq_id, keys)
+
+    def prefix_ready(self, seq: Sequence) -> bool:
+        return self.tiers is None or self.tiers.ready(seq.seq_id)
 
     def commit(self, seq: Sequence) -> None:
         table = self._tables.get(seq.seq_id)
@@ -327,11 +379,17 @@ class PagedCache(CacheManager):
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         stats = self.prefix.stats
-        return PrefixCacheStats(stats.queried_tokens, stats.hit_tokens)
+        tiers = self.tiers.stats() if self.tiers is not None else {}
+        return PrefixCacheStats(stats.queried_tokens, stats.hit_tokens, tiers)
 
     def reset_prefix_cache(self) -> int:
-        """Forget all cached content (e.g. after reloading weights); returns blocks dropped."""
-        return self.prefix.reset()
+        """Forget all cached content (e.g. after reloading weights), in every tier; returns
+        the blocks dropped."""
+        return self.prefix.reset() + (self.tiers.clear() if self.tiers is not None else 0)
+
+    def close(self) -> None:
+        if self.tiers is not None:
+            self.tiers.close()
 
     # ------------------------------------------------------------------ accounting
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from typing import Callable
 
 from tessellm.core.interfaces.cache import PrefixCacheStats
 from tessellm.core.interfaces.sequence import Sequence
@@ -52,24 +53,34 @@ class PrefixCache:
         self.stats = PrefixCacheStats()
         self.null: int | None = None
         """A table entry that holds nothing (a released one) and is never indexed."""
+        self.fetch: Callable[[bytes], int | None] | None = None
+        """Where the device index misses: a block loaded from a lower tier (referenced once,
+        indexed) or None (tiers/stack.py)."""
+        self.on_full: Callable[[int, bytes], None] | None = None
+        """Told (block, key) when a block is first indexed: a tier writes it through."""
 
-    def match(self, seq: Sequence) -> list[int]:
+    def chain(self, seq: Sequence):
+        """The content keys of the full blocks a match may reuse, in order (lazily)."""
         bs = self.block_size
         tokens = seq.token_ids
-        blocks: list[int] = []
-        keys: list[bytes] = []
         parent = None
         for i in range((len(tokens) - 1) // bs):  # the last token is computed: its logits sample
-            key = block_key(parent, tokens[i * bs:(i + 1) * bs], seq.cache_salt)
+            parent = block_key(parent, tokens[i * bs:(i + 1) * bs], seq.cache_salt)
+            yield parent
+
+    def match(self, seq: Sequence) -> list[int]:
+        blocks: list[int] = []
+        keys: list[bytes] = []
+        for key in self.chain(seq):
             block = self.pool.lookup(key)
-            if block is None:
+            if block is not None:
+                self.pool.incref(block)
+            elif self.fetch is None or (block := self.fetch(key)) is None:
                 break
-            self.pool.incref(block)
             blocks.append(block)
             keys.append(key)
-            parent = key
         self.keys[seq.seq_id] = keys
-        self.lookups[seq.seq_id] = (len(tokens), len(blocks) * bs)
+        self.lookups[seq.seq_id] = (len(seq.token_ids), len(blocks) * self.block_size)
         return blocks
 
     def index(self, seq: Sequence, table: list[int]) -> None:
@@ -90,6 +101,8 @@ class PrefixCache:
             key = block_key(keys[-1] if keys else None, seq.token_ids[i * bs:(i + 1) * bs], seq.cache_salt)
             if table[i] != self.null:
                 self.pool.register(table[i], key)
+                if self.on_full is not None and self.pool.lookup(key) == table[i]:
+                    self.on_full(table[i], key)
             keys.append(key)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from tessellm.core.errors import ConfigError
 from tessellm.core.interfaces.cache import CacheManager, CacheSpec
 from tessellm.core.interfaces.kv import KVLayout, KVStorage
 from tessellm.core.interfaces.sequence import Sequence
@@ -46,6 +47,11 @@ class WindowedPagedCache(PagedCache):
 
     def __init__(self, options: PagedOptions, spec: CacheSpec, layout: KVLayout):
         CacheManager.__init__(self, options, spec, layout)
+        if options.tiered:
+            raise ConfigError("cache.options: host and disk tiers are not built for caches that release "
+                              "out-of-window blocks (this model has sliding-window layers); set "
+                              "cache.options.free_out_of_window=false to keep tiers, or turn the tiers off")
+        self.tiers = None
         windows = list(spec.layer_windows)
         self.window = max(w for w in windows if w is not None)
         full = [i for i, w in enumerate(windows) if w is None]

@@ -20,7 +20,7 @@ def add_parsers(sub: Any, add_config_args: Callable[[argparse.ArgumentParser], N
                                    "TTFT/TPOT/e2e percentiles and KV-cache figures.")
     add_config_args(b)
     b.add_argument("--workload", default="mixed", metavar="NAME|PATH.jsonl",
-                   help="mixed (default), shared-prefix, scoring, or a .jsonl file of {prompt | prompt_token_ids, "
+                   help="mixed (default), shared-prefix, scoring, multi-turn, or a .jsonl file of {prompt | prompt_token_ids, "
                         "max_tokens, chat} objects")
     b.add_argument("--workload-set", dest="workload_overrides", metavar="KEY=VALUE", action="append", default=[],
                    help="override a workload parameter, e.g. prefix_len=512 (repeatable)")
@@ -61,7 +61,7 @@ def add_parsers(sub: Any, add_config_args: Callable[[argparse.ArgumentParser], N
                         help=f"overrides of arm {arm.upper()} on top of --config and --set, e.g. "
                              f"attention.name=sdpa,dtype=float32 (repeatable)")
     ab.add_argument("--workload", default="mixed", metavar="NAME|PATH.jsonl",
-                    help="mixed (default), shared-prefix, scoring, or a .jsonl file, as for bench")
+                    help="mixed (default), shared-prefix, scoring, multi-turn, or a .jsonl file, as for bench")
     ab.add_argument("--workload-set", dest="workload_overrides", metavar="KEY=VALUE", action="append", default=[],
                     help="override a workload parameter (repeatable)")
     ab.add_argument("--num-requests", type=int, default=16, metavar="N", help="requests per run (default 16)")
@@ -115,6 +115,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     requests = workload.requests(seed=args.seed, num_requests=args.num_requests, tokenizer=llm.tokenizer,
                                  max_model_len=request_limit(llm), vocab_size=p.spec.vocab_size, encode=llm.encode)
     result = run_offline(llm, requests, progress=progress)
+    llm.close()  # a disk KV tier's queued writes land before the report (and a next run reads them)
     results = {"tessellm": result}
     info = dict(workload=workload.describe(args.seed, len(requests)),
                 pipeline=json.loads(json.dumps(p.resolved.summary(), default=str)),

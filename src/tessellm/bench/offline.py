@@ -10,7 +10,7 @@ from __future__ import annotations
 import platform
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -58,6 +58,8 @@ class BenchResult:
     kv_longest_context: int | None = None
     """The longest sequence the cache admits (its max_seq_tokens)."""
     prefix_hit_rate: float | None = None
+    kv_tiers: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Per tier below the device (host, disk): hits, bytes read and written during the run."""
     peak_kv_blocks: int | None = None
     weight_bytes: int | None = None
     """Bytes of the model's weights as held (quantized ones at their packed size, scales included)."""
@@ -91,6 +93,7 @@ class BenchResult:
             "kv_bytes_per_token_at_max_len": self.kv_bytes_per_token_at_max_len,
             "kv_sequences_at_max_len": self.kv_sequences_at_max_len, "kv_longest_context": self.kv_longest_context,
             "prefix_hit_rate": None if self.prefix_hit_rate is None else round(self.prefix_hit_rate, 4),
+            "kv_tiers": self.kv_tiers,
             "peak_kv_blocks": self.peak_kv_blocks, "peak_running": self.peak_running,
             "weight_bytes": self.weight_bytes,
             "preemptions": self.preemptions, "draft_tokens": self.draft_tokens,
@@ -130,7 +133,9 @@ def warm_up(llm: Any, requests: list[BenchRequest]) -> None:
 
 
 def run_offline(llm: Any, requests: list[BenchRequest], *, progress: bool = False, warmup: bool = True) -> BenchResult:
-    """Submit every request at t=0, step the engine until all finish, and time each one.
+    """Submit every request at t=0 (a workload with turns: every request of a turn at the
+    turn's start, once the previous turn has finished), step the engine until all finish, and
+    time each one.
 
     The engine's stats are replaced by fresh ones after the warm-up, and the prefix-cache
     counters are read before and after, so every figure covers this run only."""
@@ -143,30 +148,11 @@ def run_offline(llm: Any, requests: list[BenchRequest], *, progress: bool = Fals
     queried0, hit0 = before.queried_tokens, before.hit_tokens
     bar = tqdm(total=sum(r.output_len for r in requests), desc="tessellm", unit="tok", disable=not progress,
                leave=False)
-    submitted: list[str] = []
-    done = {}
+    done: dict[str, Any] = {}
+    elapsed = 0.0
     try:
-        start = time.perf_counter()
-        for r in requests:
-            state = engine.add_request(r.request_id, r.prompt_token_ids, r.sampling_params(), lora=r.lora)
-            state.seqs[0].arrival_time = start  # all arrive at t=0: submission time counts as queueing
-            submitted.append(r.request_id)
-        pending = set(submitted)
-        with frozen_heap():  # as in LLM.generate: no full collection walks the pipeline's objects
-            while pending:
-                finished = engine.step()
-                if not finished and not engine.has_unfinished():
-                    raise RuntimeError(f"the engine went idle with {len(pending)} benchmark requests unfinished")
-                for state in finished:
-                    if state.request_id in pending:
-                        pending.discard(state.request_id)
-                        done[state.request_id] = engine.pop_finished(state.request_id)
-                bar.update(engine.stats.generated_tokens - bar.n)
-        elapsed = time.perf_counter() - start
-    except BaseException:
-        for request_id in submitted:  # leave no request (or its cache) behind
-            engine.abort(request_id)
-        raise
+        for turn in sorted({r.turn for r in requests}):
+            elapsed += _run_together(engine, [r for r in requests if r.turn == turn], done, bar)
     finally:
         bar.close()
     timings = []
@@ -189,11 +175,46 @@ def run_offline(llm: Any, requests: list[BenchRequest], *, progress: bool = Fals
                        mha_kv_bytes_per_token=spec.num_layers * spec.mha_values_per_token * itemsize,
                        **_kv_capacity(cache, llm.pipeline.resolved.max_model_len),
                        prefix_hit_rate=(after.hit_tokens - hit0) / queried if queried else 0.0,
+                       kv_tiers=_tier_delta(before.tiers, after.tiers),
                        peak_kv_blocks=stats.peak_kv_blocks, peak_running=stats.peak_running,
                        weight_bytes=weight_bytes(llm.pipeline.model),
                        preemptions=stats.preemptions, draft_tokens=stats.draft_tokens,
                        acceptance_rate=stats.acceptance_rate, tokens_per_forward=stats.tokens_per_forward,
                        kernel_builds=stats.kernel_builds, outputs=[done[r.request_id].seqs[0].output_token_ids for r in requests])
+
+
+def _run_together(engine: Any, requests: list[BenchRequest], done: dict[str, Any], bar: Any) -> float:
+    """Submit ``requests`` at once and step until they finish (into ``done``); the seconds taken."""
+    submitted: list[str] = []
+    try:
+        start = time.perf_counter()
+        for r in requests:
+            state = engine.add_request(r.request_id, r.prompt_token_ids, r.sampling_params(), lora=r.lora)
+            state.seqs[0].arrival_time = start  # all arrive at t=0: submission time counts as queueing
+            submitted.append(r.request_id)
+        pending = set(submitted)
+        with frozen_heap():  # as in LLM.generate: no full collection walks the pipeline's objects
+            while pending:
+                finished = engine.step()
+                if not finished and not engine.has_unfinished():
+                    raise RuntimeError(f"the engine went idle with {len(pending)} benchmark requests unfinished")
+                for state in finished:
+                    if state.request_id in pending:
+                        pending.discard(state.request_id)
+                        done[state.request_id] = engine.pop_finished(state.request_id)
+                bar.update(engine.stats.generated_tokens - bar.n)
+        return time.perf_counter() - start
+    except BaseException:
+        for request_id in submitted:  # leave no request (or its cache) behind
+            if request_id not in done:
+                engine.abort(request_id)
+        raise
+
+
+def _tier_delta(before: dict[str, dict[str, int]], after: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """Per tier below the device: what this run added to each counter (stored blocks: at its end)."""
+    return {name: {k: v if k == "stored_blocks" else v - before.get(name, {}).get(k, 0) for k, v in counters.items()}
+            for name, counters in after.items()}
 
 
 def weight_bytes(model: Any) -> int:
@@ -280,6 +301,8 @@ def format_report(report: dict[str, Any]) -> str:
              f"{report['device']}",
              f"{'':<{width}}  " + "  ".join(f"{c:>22}" for c in cols)]
     lines += [f"{k:<{width}}  " + "  ".join(f"{cell(v):>22}" for v in vals) for k, vals in rows]
+    for tier, counters in (report.get("kv_tiers") or {}).items():
+        lines.append(f"kv tier {tier}: " + ", ".join(f"{k} {v}" for k, v in counters.items()))
     if "speedup" in report:
         lines.append(f"speedup (output tokens/s, tessellm / baseline): {cell(report['speedup'])}")
     if "identical_outputs" in report:

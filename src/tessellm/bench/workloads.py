@@ -1,6 +1,6 @@
 """Benchmark workloads: deterministic lists of token-id requests with their output lengths.
 
-A workload is a name (``mixed``, ``shared-prefix``) or a ``.jsonl`` file, plus parameters
+A workload is a name (``mixed``, ``shared-prefix``, ``scoring``, ``multi-turn``) or a ``.jsonl`` file, plus parameters
 with defaults that ``--workload-set KEY=VALUE`` overrides. ``Workload.requests(seed, ...)``
 draws the requests; the same seed always gives the same requests. Every request decodes
 greedily with ``ignore_eos`` so it generates exactly ``output_len`` tokens (as vLLM's
@@ -35,6 +35,9 @@ class BenchRequest:
     ignore_eos: bool = True
     lora: str | None = None
     """The LoRA adapter the request runs under (None: the base model)."""
+    turn: int = 0
+    """Requests run turn by turn: every request of turn t is submitted once all of turn t - 1
+    have finished (a multi-turn conversation's next message follows its last answer)."""
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.output_len, temperature=0.0, ignore_eos=self.ignore_eos)
@@ -100,6 +103,24 @@ class ScoringParams(WorkloadParams):
     """Tokens of each candidate answer."""
 
 
+class MultiTurnParams(WorkloadParams):
+    """Chat conversations replayed turn by turn: each turn's prompt is the conversation so far
+    (its system prompt, then every earlier user message and recorded reply) and a new user
+    message, so it starts with the whole previous prompt. Requests are conversations x turns
+    (``--num-requests`` over ``turns``, rounded down, at least one conversation)."""
+
+    turns: int = Field(4, ge=1, le=1000)
+    """Messages per conversation."""
+    system_len: int = Field(512, ge=1)
+    """Tokens of each conversation's system prompt (every conversation has its own)."""
+    user_len: int = Field(64, ge=1)
+    """Tokens of each user message."""
+    reply_len: int = Field(128, ge=0)
+    """Tokens of each recorded assistant reply in the history."""
+    output_len: int = Field(32, ge=1)
+    """Tokens generated per turn."""
+
+
 class JsonlParams(WorkloadParams):
     """Requests read from a file, one JSON object per line."""
 
@@ -108,7 +129,7 @@ class JsonlParams(WorkloadParams):
 
 
 SYNTHETIC: dict[str, type[WorkloadParams]] = {"mixed": MixedParams, "shared-prefix": SharedPrefixParams,
-                                              "scoring": ScoringParams}
+                                              "scoring": ScoringParams, "multi-turn": MultiTurnParams}
 DEFAULT_NUM_REQUESTS = 100
 JSONL_KEYS = ("prompt", "prompt_token_ids", "max_tokens", "chat", "ignore_eos")
 
@@ -174,6 +195,8 @@ class Workload:
             return _mixed(self.params, rng, ids, n, max_model_len)
         if isinstance(self.params, ScoringParams):
             return _scoring(self.params, rng, ids, n, max_model_len)
+        if isinstance(self.params, MultiTurnParams):
+            return _multi_turn(self.params, rng, ids, n, max_model_len)
         return _shared_prefix(self.params, rng, ids, n, max_model_len)
 
 
@@ -270,6 +293,28 @@ def _scoring(p: ScoringParams, rng: np.random.Generator, ids: np.ndarray, n: int
             question = ids[rng.integers(0, ids.size, p.question_len)].tolist()
         choice = ids[rng.integers(0, ids.size, p.choice_len)].tolist()
         out.append(BenchRequest(f"scoring-{i}", shots + question + choice, 1))
+    return out
+
+
+def _multi_turn(p: MultiTurnParams, rng: np.random.Generator, ids: np.ndarray, n: int,
+                max_model_len: int) -> list[BenchRequest]:
+    need = p.system_len + p.turns * p.user_len + (p.turns - 1) * p.reply_len + p.output_len
+    if need > max_model_len:
+        raise ConfigError(f"multi-turn: system_len ({p.system_len}) + {p.turns} turns x user_len ({p.user_len}) + "
+                          f"{p.turns - 1} x reply_len ({p.reply_len}) + output_len ({p.output_len}) = {need} tokens "
+                          f"exceed max_model_len ({max_model_len}); lower them with --workload-set")
+    conversations = max(1, n // p.turns)
+    if conversations > ids.size:
+        raise ConfigError(f"multi-turn: {conversations} conversations need more distinct tokens than the "
+                          f"vocabulary's {ids.size}")
+    firsts = rng.choice(ids, conversations, replace=False)  # conversations share no prefix
+    out = []
+    for c in range(conversations):
+        history = [int(firsts[c])] + ids[rng.integers(0, ids.size, p.system_len - 1)].tolist()
+        for t in range(p.turns):
+            history += ids[rng.integers(0, ids.size, p.user_len)].tolist()
+            out.append(BenchRequest(f"multi-turn-{c}-{t}", list(history), p.output_len, turn=t))
+            history += ids[rng.integers(0, ids.size, p.reply_len)].tolist()
     return out
 
 

@@ -139,6 +139,9 @@ class EngineThread:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=30)
+        close = getattr(self.llm, "close", None)
+        if close is not None and not self._thread.is_alive():
+            close()  # e.g. a disk KV tier's queued writes reach the disk before the process exits
 
     @property
     def alive(self) -> bool:

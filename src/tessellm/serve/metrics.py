@@ -68,8 +68,17 @@ class ServerMetrics:
                                       "Prompt tokens looked up in the prefix cache", registry=r)
         self.prefix_hit = Counter("tessellm_prefix_cache_hit_tokens",
                                   "Prompt tokens found in the prefix cache (their K/V reused)", registry=r)
+        self.tier_hit = Counter("tessellm_kv_tier_hit_tokens",
+                                "Prompt tokens whose K/V a tier below the device (host, disk) served", ["tier"],
+                                registry=r)
+        self.tier_read = Counter("tessellm_kv_tier_read_bytes", "Bytes of K/V loaded from a tier to the device",
+                                 ["tier"], registry=r)
+        self.tier_written = Counter("tessellm_kv_tier_written_bytes", "Bytes of K/V written down into a tier",
+                                    ["tier"], registry=r)
+        self.tier_blocks = Gauge("tessellm_kv_tier_blocks", "Blocks a tier holds now", ["tier"], registry=r)
         start = self.cache.prefix_cache_stats()
         self._prefix_seen = (start.queried_tokens, start.hit_tokens)  # already counted
+        self._tiers_seen = {name: dict(c) for name, c in start.tiers.items()}
         # (time, queried, hit) after each step: the first at or before the window's start, then the rest
         self._prefix_samples: deque[tuple[float, int, int]] = deque([(time.monotonic(), *self._prefix_seen)])
 
@@ -167,6 +176,16 @@ class ServerMetrics:
         self.lora_loads.inc(max(lora.loads - self._lora_loads_seen, 0))
         self._lora_loads_seen = lora.loads
 
+    def _refresh_tiers(self, tiers: dict[str, dict[str, int]]) -> None:
+        for name, counters in tiers.items():
+            seen = self._tiers_seen.setdefault(name, {})
+            for metric, field in ((self.tier_hit, "hit_tokens"), (self.tier_read, "read_bytes"),
+                                  (self.tier_written, "written_bytes")):
+                value = counters.get(field, 0)
+                metric.labels(tier=name).inc(max(value - seen.get(field, 0), 0))
+                seen[field] = value
+            self.tier_blocks.labels(tier=name).set(counters.get("stored_blocks", 0))
+
     def _refresh_prefix_cache(self, now: float) -> None:
         stats = self.cache.prefix_cache_stats()
         queried, hit = stats.queried_tokens, stats.hit_tokens
@@ -175,6 +194,7 @@ class ServerMetrics:
         self.prefix_hit.inc(max(hit - seen_hit, 0))
         self._prefix_seen = (queried, hit)
         self.prefix_hit_rate.set(stats.hit_rate)
+        self._refresh_tiers(stats.tiers)
         samples = self._prefix_samples
         samples.append((now, queried, hit))
         while len(samples) > 1 and samples[1][0] <= now - HIT_RATE_WINDOW_S:

@@ -376,3 +376,14 @@ def test_lora_config_errors():
     with pytest.raises(ConfigError, match="lora.max_lora: unknown field; allowed: name, options, enabled, adapters, "
                                           "max_loras, max_rank"):
         config_from_dict({"lora": {"max_lora": 2}})
+
+
+def test_prefix_keys_follow_adapter_weights_not_registrations(llama, paged_llm):
+    """The prefix key folds in a digest of the adapter's weights: the same folder read twice
+    gives the same key (so a disk tier serves it after a restart), another adapter another."""
+    _, adapters, _ = llama
+    reader = paged_llm.engine.lora.reader
+    first, again = (reader.read("x", adapters.get("all8")) for _ in range(2))
+    other = reader.read("x", adapters.get("qv4"))
+    assert first.digest() == again.digest() != other.digest()
+    assert paged_llm.engine._lora_salt("all8", "t") == f"t\x1flora:{paged_llm.engine.lora.get('all8').digest()}"
