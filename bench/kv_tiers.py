@@ -92,7 +92,7 @@ def main() -> int:
     if args.disk is None:
         shutil.rmtree(folder, ignore_errors=True)
     result = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": describe_device("cpu"),
-              "command": " ".join(sys.argv), "args": {k: str(v) for k, v in vars(args).items()}, "arms": rows}
+              "command": "python " + " ".join(sys.argv), "args": {k: str(v) for k, v in vars(args).items()}, "arms": rows}
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -89,6 +89,7 @@ def test_every_kind_installs_lists_and_imports_only_the_plugin_api(scaffolded, c
     assert all(f"{kind}.my-{kind}" in listing and f"tessellm-my-{kind}" in listing for kind in KINDS)
 
 
+@pytest.mark.extended
 def test_each_generated_package_passes_its_own_tests(scaffolded, tmp_path):
     """pytest run in a fresh process over the five packages' tests/, as their authors would
     after ``pip install -e`` (here: dist-infos on PYTHONPATH)."""

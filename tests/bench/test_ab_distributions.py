@@ -161,6 +161,7 @@ def test_arms_may_differ_in_request_params_only():
 # ----------------------------------------------------------------------------- SmolLM2 and the command
 
 
+@pytest.mark.extended
 def test_smollm2_same_sampler_passes_and_min_p_fails(smollm2_llm):
     llm = smollm2_llm
     # min_p 0.1 drops about half of either prompt's next-token mass (TV 0.55 and 0.5)

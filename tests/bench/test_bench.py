@@ -41,7 +41,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 @pytest.mark.parametrize("name, overrides", [("mixed", {}), ("shared-prefix", {"prefix_len": 64}),
-                                             ("scoring", {"shot_len": 20})])
+                                             ("scoring", {"shot_len": 20}),
+                                             ("multi-turn", {"system_len": 20, "reply_len": 8})])
 def test_workload_is_deterministic_per_seed(name, overrides, tokenizer):
     def draw(seed):
         return make_workload(name, seed=seed, num_requests=20, tokenizer=tokenizer, max_model_len=2048, **overrides)
@@ -149,6 +150,33 @@ def test_bad_jsonl_line_names_file_and_line(line, words, tokenizer, tmp_path):
 
 
 # ----------------------------------------------------------------------------- the offline run
+
+
+def test_multi_turn_prompts_carry_the_whole_conversation(tokenizer):
+    requests = make_workload("multi-turn", num_requests=7, tokenizer=tokenizer, max_model_len=256, turns=3,
+                             system_len=16, user_len=4, reply_len=5, output_len=2)
+    assert len(requests) == 6 and [r.turn for r in requests] == [0, 1, 2] * 2  # 7 // 3 conversations
+    for c in range(2):
+        turns = requests[3 * c:3 * c + 3]
+        assert [len(r.prompt_token_ids) for r in turns] == [20, 29, 38]
+        for earlier, later in zip(turns, turns[1:]):
+            assert later.prompt_token_ids[:len(earlier.prompt_token_ids)] == earlier.prompt_token_ids
+    assert _common_prefix(requests[0].prompt_token_ids, requests[3].prompt_token_ids) == 0
+    with pytest.raises(ConfigError, match="multi-turn: .* exceed max_model_len"):
+        make_workload("multi-turn", num_requests=4, tokenizer=tokenizer, max_model_len=64, turns=4)
+
+
+def test_run_offline_runs_turn_after_turn_and_later_turns_hit(tiny_model, cpu_config, tokenizer):
+    from tessellm import LLM
+
+    llm = LLM(cpu_config(tiny_model("llama"), max_model_len=256,
+                         cache={"name": "paged", "options": {"block_size": 4, "num_blocks": 128}},
+                         scheduler={"name": "continuous"}))
+    requests = make_workload("multi-turn", num_requests=6, tokenizer=tokenizer, max_model_len=256, turns=3,
+                             system_len=24, user_len=4, reply_len=4, output_len=3)
+    result = run_offline(llm, requests)
+    assert [t.output_tokens for t in result.requests] == [3] * 6
+    assert result.prefix_hit_rate > 0.4 and result.kv_tiers == {}  # each later turn finds the earlier one
 
 
 def test_run_offline_times_every_request_and_aborts_on_error(tiny_model, cpu_config, tokenizer):

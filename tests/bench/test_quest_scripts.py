@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).parents[2] / "bench"
 
 
@@ -35,6 +37,7 @@ def test_end_to_end_smoke_runs_both_arms(tmp_path):
     assert all(a["tpot_ms"] > 0 for a in arms) and arms[1]["decode_speedup"] > 0
 
 
+@pytest.mark.extended
 def test_passkey_arms_and_diagnosis_report_what_they_claim(tmp_path, smollm2_dir):
     """bench/quest_passkey.py on short prompts: dense and one quest arm with the share of
     dense's keys each keeps, and the diagnosis' rules per layer, each share in [0, 1]."""

@@ -215,7 +215,7 @@ def mqa_config(tmp_path_factory) -> Path:
     return write_config(root / "pipeline.json", model)
 
 
-@pytest.mark.parametrize("layout", ["gqa_config", "mqa_config"])
+@pytest.mark.parametrize("layout", ["gqa_config", pytest.param("mqa_config", marks=pytest.mark.extended)])
 def test_two_ranks_generate_one_ranks_tokens(layout, request, capsys):
     config = request.getfixturevalue(layout)
     expected = one_rank(config, capsys)
@@ -233,7 +233,8 @@ PREQUANTIZED = {  # checkpoint builder arguments, and the quant options of the r
 }
 
 
-@pytest.mark.parametrize("fmt", sorted(PREQUANTIZED))
+@pytest.mark.parametrize("fmt", [f if f == "compressed-tensors-w4a16-asym" else pytest.param(f, marks=pytest.mark.extended)
+                                 for f in sorted(PREQUANTIZED)])
 def test_two_ranks_read_their_share_of_a_prequantized_checkpoint(fmt, tmp_path, capsys):
     """Each rank reads only its slices of the packed tensors, scales and zero points (columns
     of q/k/v and gate/up, rows of o and down): one rank's tokens."""
@@ -267,6 +268,7 @@ def test_act_order_cannot_split_a_row_parallel_layer(tmp_path):
         shard_rule("scales", (1, 16, 48), {**quant, "desc_act": False})
 
 
+@pytest.mark.extended
 def test_two_ranks_apply_logits_processors_as_one_rank(gqa_config, capsys):
     """Penalties and bans keep per-sequence state on every rank; rank 0's tokens feed them
     all, so two ranks give one rank's tokens (which the processors changed)."""
@@ -291,6 +293,7 @@ def test_default_model_two_ranks_generate_one_ranks_tokens(smollm2_dir, capsys):
     assert token_ids(run.stdout) == expected
 
 
+@pytest.mark.extended
 def test_deepseek_mla_and_moe_shard(tmp_path, capsys):
     model = build_tiny_deepseek(tmp_path / "model", 2)
     config = write_config(tmp_path / "pipeline.json", model, attention={"name": "mla"})
@@ -321,6 +324,7 @@ for config in configs:
 LAYER_FEATURE_FAMILIES = ["gemma2", "gemma3_text", "gpt_oss", "phi3", "granite", "smollm3", "olmo2", "olmo2-mqa"]
 
 
+@pytest.mark.extended
 def test_model_plugins_shard(tmp_path):
     """Every model plugin's family in float64, two ranks giving one rank's greedy tokens,
     in one launch (the pipelines in turn): Qwen3 (per-head q/k norms on a replicated KV
@@ -352,6 +356,7 @@ def test_model_plugins_shard(tmp_path):
         assert tokens == want, model_type
 
 
+@pytest.mark.extended
 def test_bench_under_torchrun(gqa_config):
     run = torchrun(2, "bench", "--config", str(gqa_config), "--set", "parallel.tensor=2", "--num-requests", "4",
                    "--workload-set", "prompt_median=12", "--workload-set", "prompt_max=40",
@@ -368,6 +373,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.extended
 def test_serve_under_torchrun_answers_like_one_rank(gqa_config, capsys):
     from openai import OpenAI
 
@@ -402,7 +408,8 @@ def test_a_launch_that_does_not_match_parallel_tensor_names_both(gqa_config):
     assert "parallel.tensor is 3, but torchrun launched 2 process(es)" in run.stderr
 
 
-@pytest.mark.parametrize("rank, mode", [(1, "raise"), (0, "raise"), (1, "exit")])
+@pytest.mark.parametrize("rank, mode", [(1, "raise"), pytest.param(0, "raise", marks=pytest.mark.extended),
+                                        pytest.param(1, "exit", marks=pytest.mark.extended)])
 def test_a_failing_rank_ends_every_rank_with_a_clear_error(gqa_config, rank, mode):
     start = time.time()
     run = torchrun(2, *generate_args(gqa_config, "--set", "parallel.tensor=2"), script=[str(FAULT_SCRIPT)],
@@ -415,7 +422,7 @@ def test_a_failing_rank_ends_every_rank_with_a_clear_error(gqa_config, rank, mod
         assert "lost its peers" in run.stderr  # rank 0 says what happened
 
 
-@pytest.mark.parametrize("quant", ["int8-weight", "w8a8"])
+@pytest.mark.parametrize("quant", [pytest.param("int8-weight", marks=pytest.mark.extended), "w8a8"])
 def test_int8_models_shard(gqa_config, capsys, quant):
     """Each rank quantizes its own shard. int8-weight's per-output-channel scales of a
     row-parallel layer then span the rank's columns only, which on this model gives the same
@@ -432,6 +439,7 @@ def test_int8_models_shard(gqa_config, capsys, quant):
         assert [len(t) for t in got] == [12] * len(PROMPTS)
 
 
+@pytest.mark.extended
 def test_eval_perplexity_under_torchrun(gqa_config, capsys):
     """Scoring (``Engine.score``) goes through the lockstep too: the same perplexity."""
     args = ["eval", "ppl", "--config", str(gqa_config), "--max-tokens", "200"]
@@ -442,6 +450,7 @@ def test_eval_perplexity_under_torchrun(gqa_config, capsys):
     assert run.stdout.split(",")[0] == expected and expected.startswith("perplexity ")
 
 
+@pytest.mark.extended
 def test_two_ranks_serve_lora_adapters_as_one_rank(gqa_config, tmp_path, capsys):
     """Adapters on every projection are sharded with their layers (B rows of column-parallel
     layers, A columns of row-parallel ones): two ranks give one rank's tokens under each."""

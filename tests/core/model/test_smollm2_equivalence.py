@@ -63,7 +63,7 @@ def hf_model(smollm2_dir):
 _REFERENCES: dict[str, tuple] = {}  # kind -> case: pytest rebuilds a module fixture that two params interleave
 
 
-@pytest.fixture(scope="module", params=["plain", "chat"])
+@pytest.fixture(scope="module", params=["plain", pytest.param("chat", marks=pytest.mark.extended)])
 def case(request, smollm2_llm, hf_model):
     """(prompt token ids, transformers' greedy continuation) for each prompt, run alone."""
     if request.param not in _REFERENCES:
@@ -175,7 +175,7 @@ def test_paged_continuous_matches_transformers(case, paged_llm, hf_model, record
     assert cache.pool.num_used == 0 and cache.num_free_blocks == cache.num_blocks
 
 
-@pytest.fixture(scope="module", params=["ngram", "layer-skip"])
+@pytest.fixture(scope="module", params=["ngram", pytest.param("layer-skip", marks=pytest.mark.extended)])
 def speculative_llm(request, smollm2_llm):
     """Speculative decoding (4 drafts, no adaptation: every step verifies drafts when the
     proposer has any) over paged + continuous."""

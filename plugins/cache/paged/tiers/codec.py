@@ -97,15 +97,27 @@ class BlockCodec:
     def _span_view(self, buffer: torch.Tensor, span: _Span) -> torch.Tensor:
         return buffer[span.offset:span.offset + span.nbytes].view(span.dtype).view(span.shape)
 
+    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        return [self._span_view(buffer, span) for span in self.spans]
+
     def pack(self, block: int, out: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
-        """Copy block ``block`` of every layer into ``out`` (a uint8 buffer of block_bytes)."""
-        for span, view in self._parts:
-            self._span_view(out, span).copy_(view[block], non_blocking=non_blocking)
+        """Copy block ``block`` of every layer into ``out`` (a uint8 buffer of block_bytes).
+        One fused copy of every span (``_foreach_copy_``); from a GPU into host memory, into a
+        device buffer first, then one transfer of the whole block."""
+        sources = [view[block] for _, view in self._parts]
+        if out.device == self.device:
+            torch._foreach_copy_(self._views(out), sources)
+            return out
+        staging = torch.empty(self.block_bytes, dtype=torch.uint8, device=self.device)
+        torch._foreach_copy_(self._views(staging), sources)
+        out.copy_(staging, non_blocking=non_blocking)
         return out
 
     def unpack(self, buffer: torch.Tensor, block: int, non_blocking: bool = False) -> None:
-        """Copy ``buffer`` (what ``pack`` wrote) into block ``block`` of every layer."""
+        """Copy ``buffer`` (what ``pack`` wrote) into block ``block`` of every layer: one
+        transfer of the whole block to the device, then one fused copy of every span."""
         if buffer.numel() != self.block_bytes:
             raise ValueError(f"a block buffer of this cache holds {self.block_bytes} bytes, not {buffer.numel()}")
-        for span, view in self._parts:
-            view[block].copy_(self._span_view(buffer, span), non_blocking=non_blocking)
+        if buffer.device != self.device:
+            buffer = buffer.to(self.device, non_blocking=non_blocking)
+        torch._foreach_copy_([view[block] for _, view in self._parts], self._views(buffer))
