@@ -124,6 +124,8 @@ class Engine:
         seq = Sequence(request_id, prompt_token_ids, params, priority=priority, cache_salt=salt)
         seq.generator = self._generator(params, 0)
         seq.lora = lora
+        seq.joint = self.decoder.joint(params)
+        seq.group_size = self.decoder.sequences_per_request(params)
         if lora is None or self._give_slot(seq):
             self._schedule_new(seq)  # raises RequestRejectedError if it can never fit
         else:
@@ -275,7 +277,69 @@ class Engine:
         if self.sync is not None:
             self.sync.schedule(out)
         self.stats.preemptions += len(out.preempted)
+        if any(item.seq.joint for item in out.scheduled):
+            self._hold_split_groups(out)
         return out
+
+    def _hold_split_groups(self, out: SchedulerOutput) -> None:
+        """A joint request (beam search) samples only when every one of its live sequences
+        does in the same step: members that would sample while another is still being
+        recomputed (after a preemption) wait for it (their slots stay reserved)."""
+        sampling: dict[str, list[int]] = {}
+        for i, item in enumerate(out.scheduled):
+            seq = item.seq
+            if seq.joint and seq.num_computed_tokens + item.num_query_tokens == seq.num_tokens:
+                sampling.setdefault(seq.request_id, []).append(i)
+        held = set()
+        for request_id, rows in sampling.items():
+            state = self.requests.get(request_id)
+            if state is None or not state.forked:
+                continue  # the prompt's own step: its beams fork from it now
+            live = sum(1 for s in state.seqs if not s.is_finished)
+            if len(rows) < live:
+                held.update(rows)
+        if held:
+            out.scheduled = [item for i, item in enumerate(out.scheduled) if i not in held]
+
+    # ------------------------------------------------------------------ joint requests (beam search)
+
+    def reassign(self, group: list[Sequence], parents: list[int]) -> None:
+        """``group[j]`` becomes a copy of ``group[parents[j]]`` as the group was before the
+        call: its tokens, log-probabilities and (sharing blocks) its cache."""
+        before = [(list(s.token_ids), list(s.logprobs)) for s in group]
+        holders: dict[int, Sequence] = {}
+        for j, p in enumerate(parents):
+            if p != j and p not in holders:  # hold the parent's blocks while members are rewritten
+                if not self.cache.can_fork(group[p]):
+                    raise RuntimeError(f"cache {self.cache.name!r} cannot fork sequence {group[p].seq_id} to regroup "
+                                       f"the beams of request {group[p].request_id!r}; beam search needs a cache "
+                                       f"that shares blocks (paged)")
+                holder = holders[p] = group[p].fork(group[p].sample_index)
+                holder.num_computed_tokens = group[p].num_computed_tokens
+                self.cache.fork(group[p], holder)
+        for j, p in enumerate(parents):
+            if p != j:
+                self.cache.fork(holders[p], group[j])
+                group[j].token_ids[:] = before[p][0]
+                group[j].logprobs[:] = before[p][1]
+        for holder in holders.values():
+            self.cache.free(holder)
+
+    def end_group(self, group: list[Sequence], results: list[tuple[list[int], float, str]]) -> None:
+        """The joint request of ``group`` ends: its first ``len(results)`` sequences hold the
+        results (generated tokens, score, finish reason), best first; the others are dropped."""
+        state = self.requests[group[0].request_id]
+        for seq in group:
+            if not seq.is_finished:
+                self._finish(seq, FinishReason.STOP)  # its blocks are indexed and freed as they are
+        kept = group[:len(results)]
+        for i, (seq, (tokens, score, reason)) in enumerate(zip(kept, results)):
+            del seq.token_ids[seq.num_prompt_tokens:]
+            seq.token_ids.extend(tokens)
+            seq.logprobs.clear()
+            seq.score, seq.sample_index = score, i
+            seq.finish_reason = FinishReason.STOP if reason == "stop" else FinishReason.LENGTH
+        state.seqs = kept
 
     def _check_idle(self) -> None:
         """An empty batch with requests unfinished: the scheduler broke its contract, and
@@ -395,6 +459,8 @@ class Engine:
         for parent_id, children in plan.forks.items():
             parent = next(i.seq for i in plan.out.scheduled if i.seq.seq_id == parent_id)
             for child in children:
+                if child.is_finished:  # its group ended in this very step (beam search, max_tokens 1)
+                    continue
                 if self.cache.can_fork(parent):
                     child.num_computed_tokens = parent.num_computed_tokens
                     self.cache.fork(parent, child)
@@ -479,12 +545,14 @@ class Engine:
         for item in out.scheduled:
             seq = item.seq
             state = self.requests.get(seq.request_id)
-            if state is None or state.forked or state.params.n == 1:
+            width = seq.group_size  # params.n, or a beam search's num_beams
+            if state is None or state.forked or width == 1:
                 continue
             if seq.num_computed_tokens + item.num_query_tokens == seq.num_tokens:
                 children = []
-                for i in range(1, state.params.n):
+                for i in range(1, width):
                     child = seq.fork(i)
+                    child.joint, child.group_size = seq.joint, seq.group_size
                     child.generator = self._generator(state.params, i)
                     children.append(child)
                 state.seqs.extend(children)

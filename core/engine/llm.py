@@ -34,6 +34,8 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[Any] | None = None
     """With ``SamplingParams.logprobs``: a ``TokenLogprob`` (logprob, top alternatives) per token."""
+    score: float | None = None
+    """A beam-search result's score (``Sequence.score``); None for other decoding."""
 
 
 @dataclass
@@ -194,7 +196,8 @@ class LLM:
                 text = text[: seq.stop_text_len]
             outs.append(CompletionOutput(seq.sample_index, text, list(seq.output_token_ids),
                                          seq.finish_reason.value if seq.finish_reason else None,
-                                         list(seq.logprobs) if seq.params.logprobs is not None else None))
+                                         list(seq.logprobs) if seq.params.logprobs is not None else None,
+                                         seq.score))
         first = state.seqs[0]
         ends = [s.finish_time for s in state.seqs if s.finish_time is not None]
         return RequestOutput(state.request_id, prompt if isinstance(prompt, str) else None, tokens, outs,

@@ -299,7 +299,8 @@ class Pipeline:
             model=self.local_spec, device=self.resolved.device, max_model_len=self.resolved.max_model_len,
             cache=self.cache, run=run, tokens_left=self.stop.tokens_left, vocab_size=len(self.tokenizer),
             num_parameters=sum(p.numel() for p in self.model.parameters()),
-            config=json.loads(self.config.model_dump_json()), build_pipeline=build_pipeline)
+            config=json.loads(self.config.model_dump_json()), build_pipeline=build_pipeline,
+            eos_token_ids=self.stop.eos_token_ids, reassign=self.engine.reassign, end_group=self.engine.end_group)
 
     def _eos_ids(self, hf_config: Any) -> set[int]:
         ids: set[int] = set()

@@ -59,6 +59,18 @@ class DecoderContext:
     num_parameters: int
     config: dict[str, Any]
     build_pipeline: Callable[[dict[str, Any], list[str]], "DecoderContext"]
+    eos_token_ids: frozenset[int] = frozenset()
+    """The tokenizer's and model's end-of-sequence ids (plugin API 1.12)."""
+    reassign: Callable[[list[Sequence], list[int]], None] | None = None
+    """``reassign(group, parents)`` (plugin API 1.12; a joint request's decoder, inside
+    ``decode``): sequence ``group[j]`` becomes a copy of ``group[parents[j]]`` as it was
+    before the call (its tokens, and its cache by copy-on-write sharing), then takes the
+    token ``decode`` returns for its slot."""
+    end_group: Callable[[list[Sequence], list[tuple[list[int], float, str]]], None] | None = None
+    """``end_group(group, results)`` (plugin API 1.12; inside ``decode``): the joint request
+    of ``group`` finishes with ``results``, best first, each (generated tokens, score,
+    finish reason "stop" or "length"): its first ``len(results)`` sequences hold them, the
+    others end without output."""
 
 
 class Decoder(Plugin):
@@ -117,6 +129,18 @@ class Decoder(Plugin):
 
     def attach(self, ctx: DecoderContext) -> None:
         """Take what the decoder needs of the assembled pipeline; nothing by default."""
+
+    def sequences_per_request(self, params: SamplingParams) -> int:
+        """How many sequences a request runs as once its prompt is done (plugin API 1.12):
+        ``params.n`` by default; a beam search runs ``num_beams`` and returns ``n`` of them."""
+        return params.n
+
+    def joint(self, params: SamplingParams) -> bool:
+        """Whether a request's sequences step together (plugin API 1.12): the engine then runs
+        their sampling step only when all of them reach it, hands the decoder every one of
+        them in that step, and a scheduler preempts them as one; the decoder may regroup them
+        (``DecoderContext.reassign``) and end them (``end_group``). No by default."""
+        return False
 
     def bind(self, pipeline: Any) -> None:
         """Deprecated (plugin API 1.0): take what the decoder needs from the whole pipeline.

@@ -262,6 +262,16 @@ class Sequence:
         self.lora_slot = -1
         """Read only. The device slot holding ``lora``'s weights while the sequence lives (-1:
         none); the engine sets it at admission."""
+        self.group_size = 1
+        """Read only. How many sequences its request runs as once the prompt is done: ``n``, or
+        a beam search's ``num_beams`` (plugin API 1.12): the seats a scheduler counts for it."""
+        self.joint = False
+        """Read only. Its request's sequences step together (beam search, plugin API 1.12): a
+        scheduler preempts them as one (the engine runs their sampling step only when all of
+        them reach it)."""
+        self.score: float | None = None
+        """Read only. For a beam-search result: its score (the sum of its tokens' log-
+        probabilities over its length to the power ``length_penalty``); None otherwise."""
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -88,6 +88,10 @@ class ContinuousScheduler(QueueScheduler):
                     f"prompt has {seq.num_prompt_tokens} tokens but a step processes at most "
                     f"max_num_batched_tokens={self.options.max_num_batched_tokens} without chunked prefill; "
                     f"shorten the prompt or enable scheduler.options.chunked_prefill")
+            if seq.joint and seq.group_size > self.options.max_num_batched_tokens:
+                raise RequestRejectedError(
+                    f"its {seq.group_size} sequences (beams) step together, but a step processes at most "
+                    f"max_num_batched_tokens={self.options.max_num_batched_tokens} tokens; lower num_beams or raise it")
         for seq in seqs:
             self._wait(seq)
 
@@ -106,11 +110,14 @@ class ContinuousScheduler(QueueScheduler):
             self.running.sort(key=self._urgency)
             self._running_sorted = True
         try_reserve = self.cache.try_reserve
+        groups: dict[str, bool] = {}  # joint requests seen this step -> whether they fit the budget
         for seq in list(self.running):  # per sequence, hundreds a step: lengths spelled out
             if out.preempted and seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted to make room for a more urgent one
             if budget == 0:
                 break
+            if seq.joint and not self._group_fits(seq, budget, groups):
+                continue
             computed = seq.num_computed_tokens
             remaining = len(seq.token_ids) + seq.num_pending - computed
             if remaining == 0:
@@ -121,7 +128,7 @@ class ContinuousScheduler(QueueScheduler):
                 while not self.cache.can_reserve(seq, need):
                     victim = self.running[-1]
                     budget += self._preempt(victim, chosen, out)
-                    if victim is seq:
+                    if victim is seq or seq.status is not SequenceStatus.RUNNING:
                         break
                 if seq.status is not SequenceStatus.RUNNING:
                     continue
@@ -133,8 +140,25 @@ class ContinuousScheduler(QueueScheduler):
         out.scheduled = list(chosen.values())
         return out
 
+    def _group_fits(self, seq: Sequence, budget: int, groups: dict[str, bool]) -> bool:
+        """Whether a joint request's running members (beams) all get a token this step: decided
+        at its first member, so the budget never splits a group's step."""
+        fits = groups.get(seq.request_id)
+        if fits is None:
+            members = sum(1 for s in self.running if s.request_id == seq.request_id
+                          and s.status is SequenceStatus.RUNNING and s.num_tokens > s.num_computed_tokens)
+            fits = groups[seq.request_id] = members <= budget
+        return fits
+
     def _preempt(self, seq: Sequence, chosen: dict[int, ScheduledSeq], out: SchedulerOutput) -> int:
-        """Free ``seq``'s cache and send it back to wait; return the budget it gave back."""
+        """Free ``seq``'s cache and send it back to wait (with the rest of its group, for a
+        joint request: beams are preempted as one); return the budget they gave back."""
+        if not seq.joint:
+            return self._preempt_one(seq, chosen, out)
+        group = [s for s in self.running if s.request_id == seq.request_id]
+        return sum(self._preempt_one(s, chosen, out) for s in group)
+
+    def _preempt_one(self, seq: Sequence, chosen: dict[int, ScheduledSeq], out: SchedulerOutput) -> int:
         self.running.remove(seq)
         self.cache.free(seq)
         seq.num_computed_tokens = 0
@@ -146,7 +170,7 @@ class ContinuousScheduler(QueueScheduler):
     @staticmethod
     def _footprint(seq: Sequence) -> int:
         """Sequences ``seq`` will occupy: an n > 1 request not yet forked counts n."""
-        return seq.params.n if seq.sample_index == 0 and seq.num_output_tokens == 0 else 1
+        return seq.group_size if seq.sample_index == 0 and seq.num_output_tokens == 0 else 1
 
     def _admit(self, budget: int, chosen: dict[int, ScheduledSeq], out: SchedulerOutput, lookahead: int) -> None:
         if not self.waiting or budget <= 0:  # the usual decode step: nobody to admit, no count needed
@@ -174,8 +198,8 @@ class ContinuousScheduler(QueueScheduler):
             need = seq.num_computed_tokens + n + (lookahead if n == remaining else 0)
             while not self.cache.can_reserve(seq, need) and self._outranks(seq):
                 victim = max(self.running, key=self._urgency)
-                occupied -= self._footprint(victim)
                 budget += self._preempt(victim, chosen, out)
+                occupied = sum(self._footprint(s) for s in self.running)
             if not self.cache.can_reserve(seq, need):
                 self._release(seq)  # head of line waits for memory: later ones must not overtake it
                 break

@@ -56,7 +56,7 @@ class StaticScheduler(QueueScheduler):
         i = 0
         while i < len(self.waiting):
             seq = self.waiting[i]
-            cost = seq.params.n if seq.num_output_tokens == 0 else 1  # its forks join this batch
+            cost = seq.group_size if seq.num_output_tokens == 0 else 1  # its forks join this batch
             if width and width + cost > self.options.max_batch_size:
                 break
             if batch and seq.num_computed_tokens == 0 and not self.cache.prefix_ready(seq):
@@ -80,6 +80,12 @@ class StaticScheduler(QueueScheduler):
         return batch
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Send ``seq`` back to wait, with the rest of its group for a joint request (beams)."""
+        group = [s for s in self.running if s.request_id == seq.request_id] if seq.joint else [seq]
+        for member in reversed(group):
+            self._preempt_one(member, out)
+
+    def _preempt_one(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(seq)
         self.cache.free(seq)
         seq.num_computed_tokens = 0
@@ -98,8 +104,10 @@ class StaticScheduler(QueueScheduler):
             if seq not in self.running:  # preempted while making room for an earlier one
                 continue
             need = seq.num_tokens + lookahead
-            while not self.cache.can_reserve(seq, need) and self.running[-1] is not seq:
+            while not self.cache.can_reserve(seq, need) and self.running[-1] is not seq and seq in self.running:
                 self._preempt(self.running[-1], out)
+            if seq not in self.running:  # preempted with its group
+                continue
             if not self.cache.can_reserve(seq, need):
                 self._preempt(seq, out)
                 continue

@@ -1,4 +1,4 @@
-"""The decoding conformance suite on every built-in decoder: greedy, sample, and speculative
+"""The decoding conformance suite on every built-in decoder: greedy, sample, beam, and speculative
 with each proposer (n-gram lookup, layer-skip, a draft model)."""
 
 from __future__ import annotations
@@ -46,3 +46,9 @@ class TestSpeculativeDraft(DecodingConformance):
     @classmethod
     def decoding_options(cls, noisy_draft: Path) -> dict[str, Any]:
         return {**cls.options, "draft_model": str(noisy_draft)}
+
+
+class TestBeam(DecodingConformance):
+    """`beam` decodes requests without beams as `sample` does: the suite holds it to that."""
+
+    plugin = "beam"

@@ -225,6 +225,15 @@ def test_two_ranks_generate_one_ranks_tokens(layout, request, capsys):
     assert run.stdout.count("\n") == len(PROMPTS)  # rank 0 alone prints
 
 
+def test_two_ranks_beam_search_as_one_rank(gqa_config, capsys):
+    """Beams regroup identically on every rank (each decides from the same gathered logits)."""
+    beams = ("--set", "decoding.name=beam", "--set", "decoding.options.num_beams=3")
+    expected = one_rank(gqa_config, capsys, *beams)
+    run = torchrun(2, *generate_args(gqa_config, "--set", "parallel.tensor=2", *beams))
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert token_ids(run.stdout) == expected
+
+
 PREQUANTIZED = {  # checkpoint builder arguments, and the quant options of the run
     "compressed-tensors-w4a16-asym": ("w4a16", {"symmetric": False, "group_size": 32}, {"cpu_kernel": "tiled"}),
     "gptq-v1": ("gptq_or_awq", {"method": "gptq", "group_size": 32}, {"cpu_kernel": "tiled"}),

@@ -297,6 +297,8 @@ class EngineThread:
             state: RequestState | None = self.engine.requests.get(request_id)
             if state is None:
                 continue
+            if state.seqs[0].joint and not state.finished:
+                continue  # beams are regrouped every step: their tokens are final only at the end
             deltas = [d for d in (self._delta(stream, seq) for seq in state.seqs) if d is not None]
             if not deltas and not state.finished:
                 continue

@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from tessellm.core.errors import InvalidRequestError
+from tessellm.core.interfaces.decoder import Decoder
 from tessellm.core.interfaces.sequence import SamplingParams
 from tessellm.serve.context import ServerContext
 from tessellm.serve.http_errors import RequestError, clean_message
@@ -30,14 +31,17 @@ def sampling_params(ctx: ServerContext, body: Any, *, max_tokens: int | None, lo
     (chat's ``top_logprobs`` is the engine's ``logprobs``)."""
     if max_tokens is None:
         max_tokens = max(1, ctx.llm.pipeline.resolved.max_model_len // 2)
+    if body.use_beam_search:
+        _check_beams(ctx, body)
     try:
         bias = body.bias()
     except InvalidRequestError as exc:
         raise RequestError(400, str(exc), param="logit_bias") from None
-    fields = dict(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+    temperature = 0.0 if body.use_beam_search and "temperature" not in body.model_fields_set else body.temperature
+    fields = dict(max_tokens=max_tokens, temperature=temperature, top_p=body.top_p, top_k=body.top_k,
                   min_p=body.min_p, n=body.n, stop=body.stop_list(), seed=body.seed, logprobs=logprobs,
                   ignore_eos=body.ignore_eos, min_tokens=body.min_tokens, logit_bias=bias,
-                  **body.logits_fields(), extra_args=body.extra_args or {}, **more)
+                  **body.logits_fields(), extra_args={**(body.extra_args or {}), **body.beam_args()}, **more)
     try:
         return SamplingParams.model_validate(fields)
     except ValidationError as exc:
@@ -47,6 +51,17 @@ def sampling_params(ctx: ServerContext, body: Any, *, max_tokens: int | None, lo
         message = clean_message(first["msg"], field)
         got = "" if "got " in message else f" (got {first.get('input')!r})"
         raise RequestError(400, f"{param}: {message}{got}", param=param) from None
+
+
+def _check_beams(ctx: ServerContext, body: Any) -> None:
+    """``use_beam_search`` needs a decoder that runs joint requests, and no stream."""
+    decoder = ctx.llm.engine.decoder
+    if type(decoder).joint is Decoder.joint:
+        raise RequestError(400, f"use_beam_search: this server decodes with {decoder.name!r}, which does not search "
+                                f"beams; start it with --set decoding.name=beam", param="use_beam_search")
+    if body.stream:
+        raise RequestError(400, "use_beam_search: beam search results are known only at its end, so they are not "
+                                "streamed; send stream false", param="stream")
 
 
 _BATCH_PREFIX = re.compile(r"^prompt \d+: ")

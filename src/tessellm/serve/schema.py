@@ -70,7 +70,7 @@ class _Sampling(BaseModel):
         if not isinstance(data, dict):
             return data
         for field, value in data.items():
-            if field in cls.model_fields or field == "best_of":
+            if field in cls.model_fields:
                 continue
             if field in NOT_IMPLEMENTED:
                 if not _unused(field, value):
@@ -82,9 +82,9 @@ class _Sampling(BaseModel):
             else:
                 _log_once(field, f"request field {field!r} is unknown and ignored")
         best_of = data.get("best_of")
-        if best_of is not None and best_of != data.get("n", 1):
-            raise PydanticCustomError("not_supported", "best_of is not supported by this server unless equal to n "
-                                      "(got {value})", {"field": "best_of", "value": repr(best_of)})
+        if best_of is not None and best_of != data.get("n", 1) and not data.get("use_beam_search"):
+            raise PydanticCustomError("not_supported", "best_of is supported with use_beam_search (the beam width) "
+                                      "or equal to n (got {value})", {"field": "best_of", "value": repr(best_of)})
         return data
 
     model: str
@@ -137,6 +137,24 @@ class _Sampling(BaseModel):
     """Extension: settings for the decoding plugin beyond these fields, validated by that
     plugin (``SamplingParams.extra_args``); the openai library sends them with
     ``extra_body={"extra_args": {...}}``."""
+    use_beam_search: bool = False
+    """Extension (vLLM's): beam search of width ``best_of`` (default: ``n``), returning the
+    ``n`` best; greedy (``temperature`` 0 unless set), not streamed. Needs a server started
+    with ``--set decoding.name=beam``."""
+    best_of: Optional[int] = Field(None, ge=1, le=64)
+    """With ``use_beam_search``, the beam width; otherwise only equal to ``n``."""
+    length_penalty: float = 1.0
+    """Extension (vLLM's, transformers' meaning): beam search scores a finished hypothesis by
+    its log-probability over its length to this power."""
+    early_stopping: Union[bool, Literal["never"]] = False
+    """Extension (vLLM's, transformers' meaning): when beam search stops (True, False, "never")."""
+
+    def beam_args(self) -> dict[str, Any]:
+        """The `beam` decoder's ``extra_args`` for ``use_beam_search`` (empty without it)."""
+        if not self.use_beam_search:
+            return {}
+        return {"num_beams": self.best_of or self.n, "length_penalty": self.length_penalty,
+                "early_stopping": self.early_stopping}
 
     @field_validator("presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words",
                      "no_repeat_ngram_size", "logits_processors", mode="before")
