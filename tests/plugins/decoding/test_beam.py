@@ -180,3 +180,21 @@ def test_smollm2_beams_equal_transformers(smollm2_dir):
             want = out.sequences[i, len(prompt):].tolist()
             assert want[:len(o.token_ids)] == o.token_ids and set(want[len(o.token_ids):]) <= set(eos)
             assert o.score == pytest.approx(out.sequences_scores[i].item(), abs=1e-4)
+
+
+def test_beam_requests_with_a_shared_prompt_share_its_cached_blocks(model, hf):
+    llm = LLM(config(model))
+    prompt = [1] + [4 + i % 27 for i in range(40)]
+    first, second = (llm.generate([prompt], beam_params(3, n=2, max_tokens=6))[0] for _ in range(2))
+    assert second.num_cached_tokens == 40 and first.num_cached_tokens == 0
+    want = reference(hf, prompt, beam_params(3, n=2, max_tokens=6))
+    assert_equal(first, want)
+    assert_equal(second, want)
+
+
+def test_beams_under_the_static_scheduler(model, hf):
+    llm = LLM({**config(model, blocks=24), "scheduler": {"name": "static", "options": {"max_batch_size": 16}}})
+    batch = cases(2, 6)
+    for (prompt, p), got in zip(batch, llm.generate([p for p, _ in batch], [q for _, q in batch])):
+        assert_equal(got, reference(hf, prompt, p))
+    assert llm.pipeline.cache.num_free_blocks == llm.pipeline.cache.num_blocks
