@@ -7,11 +7,18 @@ tokens of each bundled text, windows of 512 with stride 256 (tests/plugins/test_
 cases).
 
     .venv/bin/python bench/int4_cpu.py [--threads 2] [--repeats 3] [--skip-perplexity]
+
+An AVX2-only machine's kernels on an AVX-512 one (torch's own kernels, oneDNN, MKL and the
+compiled kernels all limited to AVX2; the memory system stays this machine's):
+
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2 \
+        .venv/bin/python bench/int4_cpu.py --skip-perplexity
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import time
 from datetime import datetime, timezone
@@ -26,7 +33,10 @@ PROMPT = [[1, 504, 3458, 314, 260, 1345, 282, 4193, 30]]
 def variants() -> list[tuple[str, dict]]:
     int4 = [(f"int4-weight g{g}", {"group_size": g}) for g in (32, 64, 128)]
     int4 += [("int4-weight g32 lm_head", {"group_size": 32, "quantize_lm_head": True})]
-    return [("float32", {}), ("int8-weight", {"quant": {"name": "int8-weight"}})] + \
+    int8 = [("int8-weight", {"quant": {"name": "int8-weight"}}),
+            ("int8-weight lm_head", {"quant": {"name": "int8-weight", "options": {"quantize_lm_head": True}}}),
+            ("w8a8", {"quant": {"name": "w8a8"}})]
+    return [("float32", {})] + int8 + \
         [(name, {"quant": {"name": "int4-weight", "options": options}}) for name, options in int4]
 
 
@@ -52,8 +62,11 @@ def main() -> None:
 
     from tessellm.bench.offline import cpu_name
 
+    isa = {k: os.environ[k] for k in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+           if k in os.environ}
     print(f"# {datetime.now(timezone.utc).isoformat(timespec='seconds')} {cpu_name() or platform.machine()}, "
-          f"{args.threads} threads, torch {torch.__version__}")
+          f"{args.threads} threads, torch {torch.__version__}, torch kernels {torch.backends.cpu.get_cpu_capability()}"
+          + (f", instruction sets limited by {isa}" if isa else ""))
     base = None
     for name, parts in variants():
         llm = LLM({"model": "smollm2-135m", "device": "cpu", "dtype": "float32", **parts})

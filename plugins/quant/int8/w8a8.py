@@ -12,7 +12,12 @@ largest input per channel, and ``apply`` smooths every linear with SmoothQuant's
 before quantizing it (smooth.py).
 
 Which path runs, by measurement (bench/int8_linear.py, docs/benchmarks.md): on the CPU
-``torch._int_mm`` at every batch size (faster than float32 at every size measured); on CUDA
+``torch._int_mm`` above ``small_batch_rows`` rows; up to it, with ``cpu_kernel: auto``,
+``torch._int_mm`` too where torch's kernels run AVX-512 and the CPU has VNNI (int8 dot
+products), and elsewhere (an AVX2-only CPU, where ``_int_mm`` at a few rows is slower than
+float32) the fastest of `int8-weight`'s few-rows paths (activations in the model dtype),
+timed on the largest layer at load. The choice follows the CPU's features, so every rank of
+a tensor-parallel run on one machine makes the same one. On CUDA
 ``torch._int_mm`` needs more than 16 rows and both feature counts multiples of 8, so
 decode-sized steps (16 rows or fewer), and every step of a linear whose shape it cannot take
 (logged once at load), take `int8-weight`'s Triton kernel with activations in the model
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Literal, Optional
 
 import torch
 from pydantic import Field, field_validator
@@ -34,6 +39,7 @@ from tessellm.core.errors import ConfigError
 from tessellm.core.interfaces.quantizer import CalibrationContext, Quantizer
 from tessellm.core.plugin import PluginOptions
 from tessellm.plugins.quant.compressed_tensors_config import compressed_tensors_problem
+from tessellm.plugins.quant.int8.cpu import fastest, int8_weight_matmul, int8pack_matmul, tiled_matmul
 from tessellm.plugins.quant.int8.linear import Int8Linear
 from tessellm.plugins.quant.int8.quantize import replace_linears
 from tessellm.plugins.quant.int8.smooth import (DEFAULT_CALIBRATION_TEXT, calibration_chunks, experts_one_at_a_time,
@@ -58,6 +64,12 @@ def w8a8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     xq, x_scale = quantize_per_token(x)
     acc = torch._int_mm(xq, q.T)  # [M, N] int32
     return (acc.float() * x_scale * scale[None, :]).to(x.dtype)
+
+
+def int8_dot_products() -> bool:
+    """Whether torch's CPU kernels run AVX-512 (not limited by ATEN_CPU_CAPABILITY) on a CPU
+    with VNNI: where ``torch._int_mm`` beats float32 at a few rows."""
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512") and torch.cpu._is_vnni_supported()
 
 
 def reference_w8a8(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -92,9 +104,27 @@ class W8A8Linear(Int8Linear):
                            "it runs int8 weights x float activations (the Triton kernel)",
                            self.out_features, self.in_features)
 
+    SMALL_KERNELS = ("int_mm", "compiled", "int8pack", "tiled")
+    """The CPU's few-rows paths: w8a8's own int8 x int8 product, or `int8-weight`'s paths
+    (the compiled reduction, torch's int8pack kernel, tiles + BLAS) on float activations."""
+    small_kernel = "int_mm"
+    small_batch_rows = 0
+
+    def small_rows(self, kernel: str, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` (smoothing applied) through the few-rows path ``kernel``."""
+        if kernel == "int_mm":
+            return w8a8_matmul(rows, self.weight_int8, self.scale)
+        if kernel == "compiled":
+            return int8_weight_matmul(rows, self.weight_int8, self.scale)
+        if kernel == "int8pack":
+            return int8pack_matmul(rows, self.weight_int8, self.scale)
+        return tiled_matmul(rows, self.weight_int8, self.scale)
+
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self.inv_smooth is not None:
             rows = rows * self.inv_smooth
+        if rows.device.type == "cpu" and rows.shape[0] <= self.small_batch_rows:
+            return self.small_rows(self.small_kernel, rows)
         if rows.device.type == "cuda" and (rows.shape[0] < CUDA_MIN_ROWS or not self.int_mm_shape):
             from tessellm.plugins.quant.int8.triton_matmul import triton_int8_weight_matmul
 
@@ -103,7 +133,9 @@ class W8A8Linear(Int8Linear):
 
     def extra_repr(self) -> str:
         smoothed = ", smoothed" if self.inv_smooth is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 weights and activations{smoothed}"
+        few = f", up to {self.small_batch_rows} rows: {self.small_kernel}" if self.small_batch_rows else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, int8 weights and "
+                f"activations{smoothed}{few}")
 
 
 class W8A8Options(PluginOptions):
@@ -119,6 +151,13 @@ class W8A8Options(PluginOptions):
     Caesar (smooth.py)."""
     calibration_tokens: int = Field(1024, ge=16, le=1 << 16)
     """Tokens of the calibration text run through the float model."""
+    small_batch_rows: int = Field(6, ge=0, le=256)
+    """On the CPU, steps of up to this many rows take ``cpu_kernel``'s path."""
+    cpu_kernel: Literal["auto", "int_mm", "compiled", "int8pack", "tiled"] = "auto"
+    """The CPU's path for up to ``small_batch_rows`` rows: ``int_mm`` (int8 activations, as
+    above), or `int8-weight`'s ``compiled``, ``int8pack`` or ``tiled`` (activations in the
+    model dtype, as CUDA runs decode-sized steps); ``auto`` times them on the largest layer at
+    load and keeps the fastest on this CPU."""
 
     @field_validator("calibration_text")
     @classmethod
@@ -172,7 +211,29 @@ class W8A8Quantizer(Quantizer):
             seen = self.input_ranges.get(name) if alpha is not None else None
             return W8A8Linear(linear, None if seen is None else smoothing_scales(seen, linear.weight, alpha))
 
-        return replace_linears(model, make, self.options.quantize_lm_head, self.name)
+        model = replace_linears(model, make, self.options.quantize_lm_head, self.name)
+        self._choose_small_kernel(model)
+        return model
+
+    def _choose_small_kernel(self, model: nn.Module) -> None:
+        """On the CPU, the few-rows path of every layer: the option, or (auto) the fastest at
+        one row on the largest layer, logged."""
+        layers = [m for m in model.modules() if isinstance(m, W8A8Linear)]
+        if self.device.type != "cpu" or not layers or not self.options.small_batch_rows:
+            return
+        kernel = self.options.cpu_kernel
+        if kernel == "auto" and int8_dot_products():
+            kernel = "int_mm"
+        elif kernel == "auto":
+            largest = max(layers, key=lambda m: m.weight_int8.numel())
+            x = torch.randn(1, largest.in_features, dtype=self.dtype)
+            weight_only = W8A8Linear.SMALL_KERNELS[1:]
+            with torch.inference_mode():
+                kernel = fastest({k: (lambda k=k: largest.small_rows(k, x)) for k in weight_only})
+            logger.info("w8a8: no AVX-512 VNNI for int8 products: up to %d rows, %s (the fastest of %s) on float "
+                        "activations", self.options.small_batch_rows, kernel, ", ".join(weight_only))
+        for layer in layers:
+            layer.small_kernel, layer.small_batch_rows = kernel, self.options.small_batch_rows
 
     @classmethod
     def checkpoint_support(cls, quantization_config: dict[str, Any]) -> str | None:
@@ -220,6 +281,7 @@ class W8A8Quantizer(Quantizer):
 
         replace_stored_linears(model, build)
         refuse_unread(state, self.name, "int8 tensors", lambda _, tensor: tensor.dtype == torch.int8)
+        self._choose_small_kernel(model)
 
 
 @tessellm.hookimpl

@@ -158,3 +158,39 @@ def test_an_unreadable_calibration_text_is_one_line(cpu_config, tiny_model, tmp_
     with pytest.raises(ConfigError, match="cannot be read as UTF-8 text"):
         LLM(cpu_config(tiny_model("llama"), quant={"name": "w8a8", "options": {
             "smoothquant_alpha": 0.5, "calibration_text": str(bad)}}))
+
+
+# ---------------------------------------------------------------------- the CPU's few-rows path
+
+
+def _quantized(monkeypatch, vnni: bool, **options) -> nn.Module:
+    import tessellm.plugins.quant.int8.w8a8 as w8a8
+
+    monkeypatch.setattr(w8a8, "int8_dot_products", lambda: vnni)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32))
+    quantizer = W8A8Quantizer(W8A8Options(**options), torch.device("cpu"), torch.float32)
+    return quantizer.apply(nn.ModuleDict({"layers": model}))
+
+
+@pytest.mark.parametrize("vnni", [True, False], ids=["avx512-vnni", "avx2-only"])
+def test_the_few_rows_path_follows_the_cpus_int8_products(monkeypatch, vnni):
+    """With AVX-512 VNNI the int8 product serves every size; without it (an AVX2-only CPU,
+    or ATEN_CPU_CAPABILITY=avx2) a few rows take the fastest weight-only path, whose result is
+    the float product with the int8 weights, and more rows still the int8 product."""
+    layers = [m for m in _quantized(monkeypatch, vnni).modules() if isinstance(m, W8A8Linear)]
+    kinds = {m.small_kernel for m in layers}
+    assert len(kinds) == 1 and (kinds == {"int_mm"}) == vnni
+    layer = layers[0]
+    for rows, few in ((3, True), (9, False)):
+        x = torch.randn(rows, layer.in_features)
+        weight_only = x @ (layer.weight_int8.float() * layer.scale[:, None]).T
+        exact = reference_w8a8(x, layer.weight_int8, layer.scale).float()
+        want = weight_only if (few and not vnni) else exact
+        torch.testing.assert_close(layer.matmul(x), want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_few_rows_path_can_be_named(monkeypatch):
+    layers = [m for m in _quantized(monkeypatch, True, cpu_kernel="tiled", small_batch_rows=2).modules()
+              if isinstance(m, W8A8Linear)]
+    assert {(m.small_kernel, m.small_batch_rows) for m in layers} == {("tiled", 2)}
