@@ -26,7 +26,7 @@ import torch
 from pydantic import Field
 
 import tessellm
-from tessellm.core.errors import InvalidRequestError
+from tessellm.core.errors import ConfigError, InvalidRequestError
 from tessellm.core.interfaces.batch import BatchMetadata
 from tessellm.core.interfaces.decoder import DecoderContext, slot_logits
 from tessellm.core.interfaces.logits import PROCESSOR_FIELDS
@@ -136,6 +136,7 @@ class BeamDecoder(SampleDecoder):
     description = "beam search over copy-on-write forks (transformers' semantics), sampling for other requests"
     Options = BeamOptions
     RequestArgs = BeamArgs
+    auto_priority = None  # not `sample`'s: only when named
 
     def __init__(self, options: BeamOptions, model, device):
         super().__init__(options, model, device)
@@ -144,7 +145,8 @@ class BeamDecoder(SampleDecoder):
 
     def attach(self, ctx: DecoderContext) -> None:
         if ctx.reassign is None or ctx.end_group is None:
-            raise InvalidRequestError("decoding 'beam' needs an engine that regroups sequences (plugin API 1.12)")
+            raise ConfigError("decoding 'beam' needs an engine that regroups sequences (plugin API 1.12's "
+                              "DecoderContext.reassign and end_group)")
         self.ctx = ctx
 
     # ------------------------------------------------------------------ what a request asks

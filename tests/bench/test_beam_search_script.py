@@ -9,9 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).parents[2] / "bench" / "beam_search.py"
 
 
+@pytest.mark.extended
 def test_smoke_reports_blocks_and_agreement(tmp_path):
     out = tmp_path / "beam.json"
     done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--json", str(out)], capture_output=True,

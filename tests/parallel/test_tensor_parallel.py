@@ -431,7 +431,8 @@ def test_a_failing_rank_ends_every_rank_with_a_clear_error(gqa_config, rank, mod
         assert "lost its peers" in run.stderr  # rank 0 says what happened
 
 
-@pytest.mark.parametrize("quant", [pytest.param("int8-weight", marks=pytest.mark.extended), "w8a8"])
+@pytest.mark.parametrize("quant", [pytest.param("int8-weight", marks=pytest.mark.extended),
+                                   pytest.param("w8a8", marks=pytest.mark.extended)])
 def test_int8_models_shard(gqa_config, capsys, quant):
     """Each rank quantizes its own shard. int8-weight's per-output-channel scales of a
     row-parallel layer then span the rank's columns only, which on this model gives the same

@@ -73,6 +73,7 @@ def schema_format(schema: dict, strict: bool = True) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": strict}}
 
 
+@pytest.mark.extended
 def test_json_schema_answers_fit_on_every_prompt_at_temperature_0_8(server):
     answers = chat_all(server, [(prompt, dict(temperature=0.8, seed=i, max_tokens=100,
                                               response_format=schema_format(PERSON)))
@@ -141,7 +142,8 @@ def check_calls(calls: list[dict], allowed: dict[str, dict]) -> None:
         jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
 
 
-@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
+@pytest.mark.parametrize("tool_choice", ["required", pytest.param({"type": "function", "function": {"name": "get_time"}},
+                                                                   marks=pytest.mark.extended)])
 def test_required_and_named_tool_calls_always_fit(server, tool_choice):
     prompts = ["What's the weather in Paris?", "What time is it in Tokyo?", "Hello!"]
     answers = chat_all(server, [(prompt, dict(tools=[WEATHER, TIME], tool_choice=tool_choice, temperature=0.8, seed=i,

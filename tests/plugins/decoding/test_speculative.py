@@ -190,7 +190,7 @@ TEMPERATURE = 1.3
 NUM_REQUESTS = 64
 
 
-@pytest.mark.parametrize("variant", ["layer-skip", "draft-other"])
+@pytest.mark.parametrize("variant", ["layer-skip", pytest.param("draft-other", marks=pytest.mark.extended)])
 def test_sampled_output_has_the_target_distribution(variant, cpu_config, tiny_model, other_draft, reference):
     """1,024 samples (64 requests with n = 16 and their own seeds) of 3 tokens, drafted and
     verified by rejection sampling inside the engine, against the target's exact
@@ -239,6 +239,7 @@ def test_sampled_output_with_penalties_has_the_processed_distribution(cpu_config
     assert_nothing_left(llm)
 
 
+@pytest.mark.extended
 def test_engine_distribution_test_catches_a_wrong_rule(monkeypatch, cpu_config, tiny_model, other_draft, reference):
     """Power, end to end: resampling a rejected position from p instead of norm(max(0, p - q))
     over-weights the draft's favourite tokens, and the same test with the same seeds fails."""
