@@ -154,6 +154,8 @@ class TierStack:
             return None, "disk"
         if self.host is not None:  # keep it nearer for the next hit
             slot = self.host.slot_for(key)
+            if self._copy_stream is not None:  # the slot's last transfer may still be reading it
+                self._copy_stream.synchronize()
             slot.copy_(data)
             data = slot
             self.counters["host"].stored_blocks = len(self.host)
