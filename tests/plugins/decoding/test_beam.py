@@ -162,24 +162,32 @@ def test_an_aborted_beam_search_frees_every_block(model):
     assert llm.pipeline.cache.num_free_blocks == llm.pipeline.cache.num_blocks and not engine.has_unfinished()
 
 
-def test_smollm2_beams_equal_transformers(smollm2_dir):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    llm = LLM({"model": str(smollm2_dir), "device": "cpu", "dtype": "float32", "decoding": {"name": "beam"}})
+@pytest.mark.parametrize("k, n, length_penalty, early_stopping", [(4, 2, 1.0, False), (8, 3, 0.5, True),
+                                                                  (2, 1, 2.0, "never")])
+def test_smollm2_beams_equal_transformers(smollm2_llm_beam, k, n, length_penalty, early_stopping):
+    llm, hf = smollm2_llm_beam
     tok = llm.tokenizer
     prompts = [tok.encode("The capital of France is"), tok.encode("def fibonacci(n):")]
     eos = sorted(llm.pipeline.stop.eos_token_ids)
-    p = beam_params(4, n=2, max_tokens=12)
+    p = beam_params(k, n=n, max_tokens=12, length_penalty=length_penalty, early_stopping=early_stopping)
     for prompt, got in zip(prompts, llm.generate(prompts, p)):
         with torch.no_grad():
-            out = hf.generate(torch.tensor([prompt]), num_beams=4, do_sample=False, max_new_tokens=12,
-                              num_return_sequences=2, eos_token_id=eos, pad_token_id=eos[0], output_scores=True,
-                              return_dict_in_generate=True, length_penalty=1.0, early_stopping=False)
+            out = hf.generate(torch.tensor([prompt]), num_beams=k, do_sample=False, max_new_tokens=12,
+                              num_return_sequences=n, eos_token_id=eos, pad_token_id=eos[0], output_scores=True,
+                              return_dict_in_generate=True, length_penalty=length_penalty,
+                              early_stopping=early_stopping)
         for i, o in enumerate(got.outputs):
             want = out.sequences[i, len(prompt):].tolist()
             assert want[:len(o.token_ids)] == o.token_ids and set(want[len(o.token_ids):]) <= set(eos)
             assert o.score == pytest.approx(out.sequences_scores[i].item(), abs=1e-4)
+
+
+@pytest.fixture(scope="module")
+def smollm2_llm_beam(smollm2_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    return LLM({"model": str(smollm2_dir), "device": "cpu", "dtype": "float32", "decoding": {"name": "beam"}}), hf
 
 
 def test_beam_requests_with_a_shared_prompt_share_its_cached_blocks(model, hf):
