@@ -306,7 +306,8 @@ class Engine:
     def reassign(self, group: list[Sequence], parents: list[int]) -> None:
         """``group[j]`` becomes a copy of ``group[parents[j]]`` as the group was before the
         call: its tokens, log-probabilities and (sharing blocks) its cache."""
-        before = [(list(s.token_ids), list(s.logprobs)) for s in group]
+        before = {p: (list(group[p].token_ids), list(group[p].logprobs))
+                  for j, p in enumerate(parents) if p != j}  # only the parents copied from
         holders: dict[int, Sequence] = {}
         for j, p in enumerate(parents):
             if p != j and p not in holders:  # hold the parent's blocks while members are rewritten

@@ -20,7 +20,7 @@ structured outputs, per-token ``logprobs``, and ``n`` above ``num_beams``.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 from pydantic import Field
@@ -72,11 +72,12 @@ class BeamState:
         self.finished: list[tuple[list[int], str] | None] = [None] * k
         self.improvable = True  # no running beam can beat the finished ones: False, for good
 
-    def step(self, log_probs: torch.Tensor, outputs: list[list[int]], generated: int, left: int,
+    def step(self, log_probs: torch.Tensor, outputs: Callable[[int], list[int]], generated: int, left: int,
              eos: frozenset[int]) -> tuple[list[int], list[int], bool]:
         """One step over ``log_probs`` [k, V] (float32): the parent and token of each new
-        running beam, and whether the search is over. ``outputs``: each beam's generated
-        tokens; ``generated``: their count; ``left``: tokens still allowed, this one included."""
+        running beam, and whether the search is over. ``outputs(b)``: beam b's generated
+        tokens (read only for the beams a finished hypothesis continues); ``generated``: their
+        count; ``left``: tokens still allowed, this one included."""
         k, vocab = self.k, log_probs.shape[1]
         scores = (log_probs + self.running[:, None]).reshape(-1)
         top_scores, top_index = scores.topk(max(2, 1 + len(eos)) * k)
@@ -92,7 +93,7 @@ class BeamState:
         return [beams[i] for i in chosen.tolist()], [tokens[i] for i in chosen.tolist()], over
 
     def _finish(self, top_scores: torch.Tensor, ends: torch.Tensor, beams: list[int], tokens: list[int],
-                outputs: list[list[int]], generated: int, eos: frozenset[int]) -> None:
+                outputs: Callable[[int], list[int]], generated: int, eos: frozenset[int]) -> None:
         """Merge the candidates that end among the first k into the k best finished."""
         k = self.k
         just = ends & (torch.arange(len(tokens)) < k)
@@ -109,7 +110,7 @@ class BeamState:
                 entries.append(self.finished[i])
             else:
                 c = i - k
-                entries.append((outputs[beams[c]] + [tokens[c]], "stop" if tokens[c] in eos else "length"))
+                entries.append((outputs(beams[c]) + [tokens[c]], "stop" if tokens[c] in eos else "length"))
         self.finished_scores, self.is_finished, self.finished = merged[order], merged_finished[order], entries
 
     def _update_improvable(self, length: int, longest: int) -> None:
@@ -218,7 +219,7 @@ class BeamDecoder(SampleDecoder):
         log_probs = torch.log_softmax(rows[slots].float(), dim=-1).cpu()
         eos = frozenset() if params.ignore_eos else self.ctx.eos_token_ids
         head = group[0]
-        parents, chosen, over = search.step(log_probs, [s.output_token_ids for s in group], head.num_output_tokens,
+        parents, chosen, over = search.step(log_probs, lambda b: group[b].output_token_ids, head.num_output_tokens,
                                             self.ctx.tokens_left(head), eos)
         if over:
             del self._searches[request_id]

@@ -37,7 +37,11 @@ def build_tiers(options, spec: CacheSpec, layout: KVLayout, pool: BlockPool, lay
         if capacity < 1:
             raise ConfigError(f"cache.options.host_tier_bytes: {options.host_tier_bytes} bytes hold no block of "
                               f"this model ({codec.block_bytes} bytes each); raise it or set 0")
-        host = HostTier(capacity, codec.block_bytes, pin=spec.device.type == "cuda" and torch.cuda.is_available())
+        try:
+            host = HostTier(capacity, codec.block_bytes, pin=spec.device.type == "cuda" and torch.cuda.is_available())
+        except RuntimeError as exc:  # pinned memory the OS would not give
+            raise ConfigError(f"cache.options.host_tier_bytes: {capacity * codec.block_bytes} bytes of host memory "
+                              f"could not be allocated ({exc}); lower it") from exc
     disk = None
     if options.disk_tier_path is not None:
         if not spec.fingerprint:

@@ -18,6 +18,7 @@ the file's modification time, so the order survives a restart).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import queue
@@ -115,6 +116,11 @@ class DiskTier:
     def used_bytes(self) -> int:
         return len(self._files) * self.file_bytes
 
+    def known(self, key: bytes) -> bool:
+        """Whether this process knows ``key`` is on disk or queued (no filesystem access)."""
+        with self._lock:
+            return key in self._files or key in self._pending
+
     def __contains__(self, key: bytes) -> bool:
         with self._lock:
             if key in self._files:
@@ -135,6 +141,10 @@ class DiskTier:
         except FileNotFoundError:
             self._forget(key)
             return None
+        except OSError as exc:  # unreadable (permissions, I/O error): a miss, never a failed step
+            logger.warning("disk tier: %s cannot be read (%s): treated as a miss", path, exc)
+            self._forget(key)
+            return None
         problem = self._check(data, key)
         if problem is not None:
             logger.warning("disk tier: %s is unreadable (%s): treated as a miss and removed", path, problem)
@@ -143,10 +153,8 @@ class DiskTier:
                 self._files.pop(key, None)
                 self.stats["unreadable"] += 1
             return None
-        try:
+        with contextlib.suppress(OSError):  # gone meanwhile, or read-only: the order is a hint
             os.utime(path)  # most recently used, also for the next process
-        except FileNotFoundError:
-            pass
         with self._lock:
             self._files[key] = None
             self._files.move_to_end(key)
@@ -201,7 +209,8 @@ class DiskTier:
                 key, buffer, ready = item
                 if ready is not None:
                     ready()
-                self._write_file(key, buffer)
+                if not self.path(key).exists():  # another process may have written it
+                    self._write_file(key, buffer)
             except OSError as exc:
                 logger.warning("disk tier: writing a block failed (%s); it stays uncached on disk", exc)
             finally:

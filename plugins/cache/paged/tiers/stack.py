@@ -110,7 +110,7 @@ class TierStack:
     def on_commit(self, block: int, key: bytes) -> None:
         """Write-through: ``block`` just became full with content ``key``."""
         disk = self.disk
-        if disk is None or key in disk:
+        if disk is None or disk.known(key):  # no filesystem access on the step's thread
             return
         buffer = self.codec.empty(pin=self.cuda)
         with self._on_copy_stream():

@@ -361,3 +361,16 @@ def test_tiers_on_cuda_copy_on_a_stream_and_read_back_exactly(tmp_path):
     tiers = cache.prefix_cache_stats().tiers
     assert tiers["host"]["hit_tokens"] + tiers["disk"]["hit_tokens"] == 12
     cache.close()
+
+
+def test_a_file_that_cannot_be_opened_is_a_miss(tmp_path, caplog):
+    """An I/O error (here a folder where the block file should be) is a logged miss, not a
+    failed step."""
+    disk = _disk(tmp_path)
+    path = disk.path(_key(5))
+    path.mkdir(parents=True)
+    disk._files[_key(5)] = None
+    with caplog.at_level(logging.WARNING):
+        assert disk.read(_key(5)) is None
+    assert "cannot be read" in caplog.text and _key(5) not in disk._files
+    disk.close()
