@@ -82,3 +82,9 @@ def register_lora(register: Register) -> None:
 def register_model(register: Register) -> None:
     """Register model architectures: subclasses of ``tessellm.ModelArchitecture``, each
     declaring the Hugging Face ``model_type``s it builds."""
+
+
+@hookspec
+def register_routing(register: Register) -> None:
+    """Register routing policies (which data-parallel replica serves a request): subclasses of
+    ``tessellm.RoutingPolicy``; ``tessellm router --policy NAME`` selects one."""

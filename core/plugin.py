@@ -15,17 +15,19 @@ if TYPE_CHECKING:
     from tessellm.core.interfaces.kv import KVLayout
     from tessellm.core.model.spec import ModelSpec
 
-KINDS = ("attention", "cache", "scheduler", "decoding", "quant", "grammar", "model", "logits", "lora")
+KINDS = ("attention", "cache", "scheduler", "decoding", "quant", "grammar", "model", "logits", "lora", "routing")
 """The kinds of part, named as their plugins/ folders and (but for ``model``) their config
 sections: the five of the forward and decode path, the grammar backends that constrain
 outputs (structured outputs), which a pipeline may do without, and the model architectures
 (config section ``architecture``; ``auto`` picks by the checkpoint's model_type), and the
 logits processors (no config section: each request turns on the ones it uses), and the
-LoRA kernels (section ``lora``, which also lists the adapters)."""
+LoRA kernels (section ``lora``, which also lists the adapters), and the routing policies of
+a data-parallel router (no pipeline section: ``tessellm router --policy NAME`` picks one)."""
 
-CONFIG_KINDS = tuple(kind for kind in KINDS if kind != "logits")
+CONFIG_KINDS = tuple(kind for kind in KINDS if kind not in ("logits", "routing"))
 """The kinds a pipeline config chooses a plugin of (``PipelineConfig.section``); every logits
-processor serves every pipeline, and each request names the ones it uses."""
+processor serves every pipeline, and each request names the ones it uses; a routing policy
+serves a router of several pipelines, not one pipeline."""
 
 OPTIONAL_KINDS = frozenset({"grammar", "lora"})
 """Kinds a pipeline runs without when ``auto`` finds no plugin that can serve (requests that

@@ -7,9 +7,9 @@ minor versions only add to the contract, a major version changes it.
 
 from __future__ import annotations
 
-__version__ = "0.1.12"
+__version__ = "0.1.13"
 
-PLUGIN_API_VERSION = "1.12"
+PLUGIN_API_VERSION = "1.13"
 
 
 def _parse(version: str) -> tuple[int, int]:

@@ -1,6 +1,6 @@
 """The ``tessellm`` command: ``plugins``, ``generate`` and ``new-plugin`` here; ``bench`` and
 ``ab`` (tessellm/bench/cli.py), ``serve`` (tessellm/serve/cli.py) and ``eval``
-(tessellm/eval/cli.py) beside their apps (``serve`` needs the ``[serve]`` extra, ``bench`` and
+(tessellm/eval/cli.py) and ``router`` (tessellm/serve/router/cli.py) beside their apps (``serve`` needs the ``[serve]`` extra, ``bench`` and
 ``ab`` parts of ``[bench]``, ``eval lm-eval`` the ``[eval]`` extra).
 
 Bad input (config, model, request) prints one line, ``tessellm: error: ...``, and exits with
@@ -19,6 +19,7 @@ from tessellm.bench import cli as bench_cli
 from tessellm.core.errors import ConfigError, InvalidRequestError, TessellmError
 from tessellm.eval import cli as eval_cli
 from tessellm.serve import cli as serve_cli
+from tessellm.serve.router import cli as router_cli
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench_cli.add_parsers(sub, _add_config_args)
     serve_cli.add_parser(sub, _add_config_args)
+    router_cli.add_parser(sub)
     eval_cli.add_parser(sub, _add_config_args)
     return parser
 
@@ -243,7 +245,7 @@ def _main(argv: list[str] | None) -> int:
     try:
         _as_rank(args.command)
         return {"plugins": cmd_plugins, "generate": cmd_generate, "bench": bench_cli.cmd_bench,
-                "ab": bench_cli.cmd_ab, "serve": serve_cli.cmd_serve,
+                "ab": bench_cli.cmd_ab, "serve": serve_cli.cmd_serve, "router": router_cli.cmd_router,
                 "new-plugin": cmd_new_plugin, "eval": eval_cli.cmd_eval}[args.command](args)
     except TessellmError as exc:
         print(f"tessellm: error{_rank_tag()}: {exc}", file=sys.stderr)

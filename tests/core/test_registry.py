@@ -54,7 +54,8 @@ def plugin_source(name: str, *, kind: str = "attention", api_version: str | None
             "grammar": ("tessellm", "GrammarBackend"),
             "model": ("tessellm", "ModelArchitecture"),
             "logits": ("tessellm", "LogitsProcessor"),
-            "lora": ("tessellm", "LoraKernel")}[kind]
+            "lora": ("tessellm", "LoraKernel"),
+            "routing": ("tessellm", "RoutingPolicy")}[kind]
     version_line = "" if api_version is None else f"api_version = {api_version!r}"
     return textwrap.dedent(f"""\
         import tessellm
@@ -68,6 +69,7 @@ def plugin_source(name: str, *, kind: str = "attention", api_version: str | None
             auto_priority = None
             {"spec = build = lambda self, arg: None  # what a model plugin must implement" if kind == "model" else ""}
             {"apply = lambda self, logits, rows: None  # what a logits processor must implement" if kind == "logits" else ""}
+            {"choose = lambda self, request, replicas: replicas[0].index  # a routing policy's" if kind == "routing" else ""}
 
         @tessellm.hookimpl
         def {hook or "register_" + kind}(register):
@@ -297,7 +299,7 @@ def test_same_name_in_different_kinds_is_no_conflict():
 
 
 @pytest.mark.parametrize("version", [
-    "2.0", "1.13", "0.9", "3",
+    "2.0", "1.14", "0.9", "3",
     ("abc"),
 ])
 def test_incompatible_api_version_is_a_load_failure(version):

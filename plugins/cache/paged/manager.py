@@ -147,7 +147,7 @@ class PagedCache(CacheManager):
     """
 
     name = "paged"
-    api_version = "1.12"
+    api_version = "1.13"
     description = "fixed-size blocks with reference counts, copy-on-write forks and prefix caching"
     Options = PagedOptions
     auto_priority = 50

@@ -38,7 +38,7 @@ class Fp8Quantizer(Quantizer):
     """float8 e4m3 weights for the decoder layers' linears (and optionally lm_head)."""
 
     name = "fp8"
-    api_version = "1.12"
+    api_version = "1.13"
     description = "float8 e4m3 weights (tensor, channel or block scales), activations in the model dtype"
     Options = Fp8Options
     auto_priority = None  # quantization changes results: only when named, or read from a checkpoint

@@ -87,6 +87,15 @@ def add_parsers(sub: Any, add_config_args: Callable[[argparse.ArgumentParser], N
     ab.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     ab.add_argument("--plot", metavar="FILE.png", help="also draw per-round throughput and the ratio into FILE.png")
     ab.add_argument("--no-progress", action="store_true", help="no progress bar")
+    live = ab.add_argument_group("live A/B (--serve): the arms behind one endpoint, every request mirrored")
+    live.add_argument("--serve", action="store_true",
+                      help="serve one replica per arm behind one OpenAI endpoint: every request goes to both, the "
+                           "client gets A's answer; GET /ab and the exit (Ctrl-C) report speed and agreement")
+    live.add_argument("--host", default="127.0.0.1", help="--serve: address to listen on (default 127.0.0.1)")
+    live.add_argument("--port", type=int, default=8000, help="--serve: port (default 8000)")
+    live.add_argument("--api-key", default=None, help="--serve: require 'Authorization: Bearer KEY' on /v1/ routes")
+    live.add_argument("--served-model-name", default=None,
+                      help="--serve: the model id both arms answer to (default: A's config's model)")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -199,6 +208,10 @@ def cmd_ab(args: argparse.Namespace) -> int:
     from tessellm.bench.workloads import get_workload
     from tessellm.core.engine.llm import LLM
 
+    if args.serve:
+        from tessellm.serve.router.cli import cmd_ab_serve
+
+        return cmd_ab_serve(args)
     # every argument and both configs are checked before a model is loaded
     workload = get_workload(args.workload, args.workload_overrides)
     for flag, value, least in (("--num-requests", args.num_requests, 1), ("--rounds", args.rounds, 2),

@@ -95,17 +95,29 @@ def _code(text: str) -> str:
     return f"`{text}`".replace("|", "\\|")
 
 
-def kv_layout_section() -> str:
-    from tessellm.core.interfaces.kv import KVLayout
-
-    docs = _docstrings(_class_tree(KVLayout).body, on_self=False)
-    fields = dataclasses.fields(KVLayout)
-    _undocumented(KVLayout, [f.name for f in fields], {n: d for n, (_, d) in docs.items()})
+def dataclass_section(cls: type) -> str:
+    """A dataclass's section: its docstring, then a row per field (type, default, docstring)."""
+    docs = _docstrings(_class_tree(cls).body, on_self=False)
+    fields = dataclasses.fields(cls)
+    _undocumented(cls, [f.name for f in fields], {n: d for n, (_, d) in docs.items()})
     rows = [[_code(f.name), _code(str(f.type)),
              "required" if f.default is dataclasses.MISSING else _code(repr(f.default)), _markdown(docs[f.name][1])]
             for f in fields]
-    return "\n\n".join(["## `KVLayout`", _paragraphs(KVLayout.__doc__),
+    return "\n\n".join([f"## `{cls.__name__}`", _paragraphs(cls.__doc__),
                         _table(["field", "type", "default", "meaning"], rows)])
+
+
+def kv_layout_section() -> str:
+    from tessellm.core.interfaces.kv import KVLayout
+
+    return dataclass_section(KVLayout)
+
+
+def routing_sections() -> list[str]:
+    """What a routing policy reads of a request and of each replica (plugin API 1.13)."""
+    from tessellm.core.interfaces.routing import ReplicaState, RouteRequest
+
+    return [dataclass_section(RouteRequest), dataclass_section(ReplicaState)]
 
 
 def _bounds(field: Any) -> str:
@@ -188,7 +200,8 @@ def render() -> str:
              "`tessellm`). Do not edit this page: edit the docstrings and run\n"
              f"`{COMMAND}` from the repository root. [plugins.md](plugins.md) describes the contracts they "
              "belong to.")
-    return "\n\n".join([intro, kv_layout_section(), sequence_section(), sampling_params_section()]) + "\n"
+    return "\n\n".join([intro, kv_layout_section(), sequence_section(), sampling_params_section(),
+                        *routing_sections()]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

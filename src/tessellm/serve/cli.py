@@ -22,7 +22,14 @@ def add_parser(sub: Any, add_config_args: Callable[[argparse.ArgumentParser], No
     sv.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     sv.add_argument("--max-waiting", type=int, default=1024,
                     help="requests waiting to run before new ones get 429 (default 1024)")
+    sv.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                    help="N replicas of the pipeline, each its own process on this machine, behind one endpoint "
+                         "(a router on --host/--port; see tessellm router for its flags; default 1)")
     add_lora_args(sv)
+    from tessellm.serve.router.cli import add_router_args
+
+    group = sv.add_argument_group("with --data-parallel N > 1: the router")
+    add_router_args(group, listen=False)
 
 
 def add_lora_args(sv: argparse.ArgumentParser) -> None:
@@ -89,14 +96,15 @@ def serve_config(args: argparse.Namespace) -> Any:
 
 
 
-def log_server_events() -> None:
+def log_server_events(name: str = "tessellm.server", tag: str = "") -> None:
     """The server's own log lines (``tessellm.server``: a client that left, 499; an engine
-    failure) on stderr from info level up, while uvicorn's stay at warning level."""
+    failure; ``tessellm.router``: a replica out or back, with ``tag``) on stderr from info
+    level up, while uvicorn's stay at warning level."""
     import logging
 
     handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s:     %(message)s"))
-    logger = logging.getLogger("tessellm.server")
+    handler.setFormatter(logging.Formatter(f"%(levelname)s:     {tag}%(message)s"))
+    logger = logging.getLogger(name)
     logger.setLevel(logging.INFO)
     logger.addHandler(handler)
     logger.propagate = False
@@ -111,8 +119,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
+    if args.data_parallel < 1:
+        raise ConfigError(f"--data-parallel must be at least 1, got {args.data_parallel}")
     if args.max_request_bytes < 1024 or args.max_waiting < 1:
         raise ConfigError("--max-request-bytes must be at least 1024 and --max-waiting at least 1")
+    if args.data_parallel > 1:
+        from tessellm.serve.router.cli import cmd_serve_data_parallel
+
+        return cmd_serve_data_parallel(args)
     llm = LLM(serve_config(args))
     app = build_app(llm, model_name=args.served_model_name, api_key=args.api_key,
                     max_request_bytes=args.max_request_bytes, max_waiting=args.max_waiting)

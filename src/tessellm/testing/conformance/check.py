@@ -25,7 +25,7 @@ from typing import Any
 SUITES = {"attention": "AttentionConformance", "cache": "CacheConformance", "scheduler": "SchedulerConformance",
           "decoding": "DecodingConformance", "quant": "QuantConformance", "grammar": "GrammarConformance",
           "model": "ModelConformance", "logits": "LogitsConformance",
-          "lora": "LoraConformance"}
+          "lora": "LoraConformance", "routing": "RoutingConformance"}
 """The conformance class of each kind, in tessellm.testing.conformance."""
 
 
