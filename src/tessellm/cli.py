@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "'{\"presence_penalty\": 0.5, \"logits_processors\": [\"my-processor\"]}'")
 
     n = sub.add_parser("new-plugin", help="write a ready plugin package (code, tests, pyproject) for one kind")
-    n.add_argument("kind", metavar="KIND", help="attention, cache, scheduler, decoding, quant, model or logits")
+    n.add_argument("kind", metavar="KIND", help="attention, cache, scheduler, decoding, quant, model, logits, lora or routing")
     n.add_argument("name", metavar="NAME", help="the plugin's name, as a config selects it (e.g. my-attention)")
     n.add_argument("--dir", metavar="DIR", default=None, help="where to write it (default ./tessellm-NAME)")
 

@@ -1,10 +1,11 @@
-"""``tessellm new-plugin KIND NAME``: a ready plugin package for the five kinds of the forward and decode path, for model architectures, logits processors and LoRA kernels.
+"""``tessellm new-plugin KIND NAME``: a ready plugin package for the five kinds of the forward and decode path, for model architectures, logits processors, LoRA kernels and routing policies.
 
 The package holds a plugin class whose body is a correct plain-torch implementation of its
 kind (attention: explicit softmax attention; cache: one region per sequence; scheduler: FCFS
 continuous batching; decoding: argmax; quant: int8 per-channel weights; model: Llama's
 decoder from tessellm's building blocks; logits: a per-request cap on repeated tokens; lora:
-rows grouped by adapter slot, a gather and two matmuls per slot), its options model,
+rows grouped by adapter slot, a gather and two matmuls per slot; routing: the power of two
+choices), its options model,
 a pyproject.toml with the ``tessellm`` entry point, a tests/ module subclassing the kind's
 conformance suite, and a README. It imports only ``tessellm``, the plugin API.
 """
@@ -25,7 +26,8 @@ NAME_PATTERN = re.compile(r"[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
 """Plugin names the scaffold accepts: lowercase words of letters and digits joined by hyphens."""
 
 CLASS_SUFFIX = {"attention": "Attention", "cache": "Cache", "scheduler": "Scheduler", "decoding": "Decoder",
-                "quant": "Quantizer", "model": "Architecture", "logits": "Processor", "lora": "Lora"}
+                "quant": "Quantizer", "model": "Architecture", "logits": "Processor", "lora": "Lora",
+                "routing": "Policy"}
 SCAFFOLD_KINDS = tuple(CLASS_SUFFIX)
 """The kinds ``new-plugin`` has templates for (every kind but the optional grammar kind)."""
 SECTION = {"model": "architecture"}
@@ -86,7 +88,18 @@ def substitutions(kind: str, name: str) -> dict[str, str]:
         values.update(_per_request(name))
     if kind == "lora":
         values.update(_under_an_adapter(name))
+    if kind == "routing":
+        values.update(_in_front_of_replicas(name))
     return values
+
+
+def _in_front_of_replicas(name: str) -> dict[str, str]:
+    """A routing policy serves a router, not a pipeline: what its README runs and compares."""
+    return {"run_hint": f"tessellm serve --data-parallel 2 --policy {name}",
+            "compare": ("Then compare it with a built-in under the same load: the same replicas behind\n"
+                        f"`tessellm router --policy {name}` and behind `tessellm router --policy least-load`,\n"
+                        "each measured with `tessellm bench --serve URL` (see tessellm's docs/plugins.md,\n"
+                        "'Writing a routing policy').")}
 
 
 def _under_an_adapter(name: str) -> dict[str, str]:
