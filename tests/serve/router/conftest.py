@@ -25,7 +25,7 @@ class FakeState:
     bodies: list[dict] = field(default_factory=list)
     headers: list[dict] = field(default_factory=list)
     release: asyncio.Event | None = None  # set by a test: a mid-stream failure waits for it
-    closed: int = 0  # streams whose client went away before their end
+    closed: int = 0  # answers whose client (the router) went away before their end
 
 
 def completion_chunk(text: str, index: int = 0) -> bytes:
@@ -59,6 +59,11 @@ def fake_replica(name: str) -> tuple[FastAPI, FakeState]:
         state.bodies.append(body)
         state.headers.append(dict(request.headers))
         admitted.inc()
+        if body.get("wait_for_disconnect"):  # an answer that never comes: the client must leave
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.01)
+            state.closed += 1
+            return JSONResponse({}, status_code=499)
         if not body.get("stream"):
             return {"id": "cmpl-x", "object": "text_completion", "model": "fake",
                     "choices": [{"index": 0, "text": f"{state.name}: " + " ".join(WORDS), "finish_reason": "length",
@@ -74,13 +79,13 @@ async def events(state: FakeState, body: dict):
         raise ConnectionAbortedError("the fake replica fails before its first event")
     try:
         yield completion_chunk(f"{state.name}:")
-        for i, word in enumerate(WORDS):
+        for i, word in enumerate(WORDS * (1000 if body.get("endless") else 1)):
             if state.fail == "mid_stream" and i == 2:
                 if state.release is not None:
                     await state.release.wait()
                 raise ConnectionAbortedError("the fake replica dies mid-stream")
             yield completion_chunk(" " + word)
-            await asyncio.sleep(0)
+            await asyncio.sleep(0.01 if body.get("endless") else 0)
         if (body.get("stream_options") or {}).get("include_usage"):
             usage = {"prompt_tokens": 3, "completion_tokens": len(WORDS), "total_tokens": 3 + len(WORDS)}
             yield b"data: " + json.dumps({"id": "cmpl-x", "choices": [], "usage": usage}).encode() + b"\n\n"

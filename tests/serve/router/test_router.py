@@ -154,3 +154,16 @@ def test_an_unknown_policy_or_option_is_a_clear_error():
         router_config(replicas=["127.0.0.1:8000"])
     with pytest.raises(ConfigError, match="replicas"):
         router_config(replicas=[])
+
+
+def test_a_client_that_leaves_closes_its_replicas_answer(fakes, router):
+    (url0, state0), _ = fakes
+    url = router([url0])
+    with pytest.raises(httpx.ReadTimeout):  # not streamed: the client leaves before the answer
+        httpx.post(url + "/v1/completions", json={"prompt": "x", "wait_for_disconnect": True}, timeout=0.5)
+    poll(lambda: state0.closed == 1, what="the replica seeing its client leave")
+    with httpx.stream("POST", url + "/v1/completions", json={"prompt": "x", "stream": True, "endless": True}) as resp:
+        next(resp.iter_lines())  # streamed: the client leaves after the first event
+    poll(lambda: state0.closed == 2, what="the replica's stream closed")
+    poll(lambda: httpx.get(url + "/health").json()["replicas"][0]["in_flight"] == 0, what="nothing in flight")
+    assert httpx.get(url + "/health").json()["replicas"][0]["healthy"]  # a client leaving is no replica failure

@@ -32,9 +32,9 @@ from tessellm.serve.router.config import RouterConfig, load_policy  # noqa: E402
 from tessellm.serve.router.metrics import RouterMetrics  # noqa: E402
 from tessellm.serve.router.prompt import route_request  # noqa: E402
 from tessellm.serve.router.proxy import answer_headers, forward, no_replica, request_headers  # noqa: E402
-from tessellm.serve.router.replicas import ReplicaPool  # noqa: E402
+from tessellm.serve.router.replicas import GENERATING, ReplicaPool  # noqa: E402
+from tessellm.serve.streaming import ClientGone, client_gone, new_request_id, until_disconnect  # noqa: E402
 
-GENERATING = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 BROADCAST = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
@@ -65,6 +65,7 @@ def build_router_app(config: RouterConfig, *, api_key: str | None = None, policy
     app = FastAPI(title="tessellm router", lifespan=lifespan)
     app.state.config, app.state.metrics, app.state.mirror = config, metrics, mirror
     app.add_middleware(ApiKeyGuard, api_key=api_key)
+    app.add_exception_handler(ClientGone, client_gone)
     add_generating_routes(app, config, mirror)
     add_info_routes(app, mirror)
     add_passthrough_routes(app, config)
@@ -103,9 +104,12 @@ def add_generating_routes(app: FastAPI, config: RouterConfig, mirror: Any) -> No
         route = route_request(path, parsed(body))
         headers = request_headers(request.headers)
         if mirror is not None:
-            return await mirror.forward(app.state.pool, route, path, body, parsed(body), headers)
-        return await forward(app.state.pool, route, "POST", path, body, headers, max_retries=config.max_retries,
-                             params=request.query_params)
+            work = mirror.forward(app.state.pool, route, path, body, parsed(body), headers)
+        else:
+            work = forward(app.state.pool, route, "POST", path, body, headers, max_retries=config.max_retries,
+                           params=request.query_params)
+        # a client that leaves before the answer starts cancels it: the replica's request is closed, and aborted
+        return await until_disconnect(request, work, new_request_id("router"))
 
     for path in GENERATING:
         app.add_api_route(path, generate, methods=["POST"])
