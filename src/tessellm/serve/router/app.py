@@ -100,11 +100,11 @@ def parsed(body: bytes) -> Any:
 def add_generating_routes(app: FastAPI, config: RouterConfig, mirror: Any) -> None:
     async def generate(request: Request) -> Response:
         body = await request.body()
-        path = request.url.path
-        route = route_request(path, parsed(body))
+        path, data = request.url.path, parsed(body)
+        route = route_request(path, data)
         headers = request_headers(request.headers)
         if mirror is not None:
-            work = mirror.forward(app.state.pool, route, path, body, parsed(body), headers)
+            work = mirror.forward(app.state.pool, route, path, body, data, headers)
         else:
             work = forward(app.state.pool, route, "POST", path, body, headers, max_retries=config.max_retries,
                            params=request.query_params)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncGenerator, AsyncIterator, Callable
 
 import httpx
 from fastapi.responses import Response, StreamingResponse
@@ -104,7 +104,8 @@ class Relay(StreamingResponse):
             await self.attempt.close(failed=False)  # no-op when the body already closed it
 
 
-async def relay(attempt: Attempt, first: bytes, events: AsyncIterator[bytes], tap: Tap | None) -> AsyncIterator[bytes]:
+async def relay(attempt: Attempt, first: bytes, events: AsyncGenerator[bytes, None],
+                tap: Tap | None) -> AsyncIterator[bytes]:
     """The events of a streamed answer (``first`` already read), then the end: the replica's
     own, or an error event when it stops mid-stream."""
     failed = False
@@ -124,6 +125,7 @@ async def relay(attempt: Attempt, first: bytes, events: AsyncIterator[bytes], ta
                         f"the answer is incomplete", "replica_failed")
     finally:
         await attempt.close(failed)
+        await events.aclose()  # the event splitter over the closed answer
 
 
 async def send_to(pool: ReplicaPool, replica: Replica, route: RouteRequest, method: str, path: str, body: bytes,
@@ -153,7 +155,7 @@ async def send_to(pool: ReplicaPool, replica: Replica, route: RouteRequest, meth
 
 
 async def forward(pool: ReplicaPool, route: RouteRequest, method: str, path: str, body: bytes, headers: dict[str, str],
-                  *, max_retries: int, params: Any = None, tap: Tap | None = None) -> Response:
+                  *, max_retries: int, params: Any = None) -> Response:
     """The answer to one request from the replica the policy picks, retried on others (at most
     ``max_retries``) while no byte has reached the client."""
     tried: dict[int, str] = {}
@@ -171,7 +173,7 @@ async def forward(pool: ReplicaPool, route: RouteRequest, method: str, path: str
             continue
         resp = attempt.resp
         if first is not None:
-            return Relay(relay(attempt, first, rest, tap), attempt, resp.status_code, answer_headers(resp, replica))
+            return Relay(relay(attempt, first, rest, None), attempt, resp.status_code, answer_headers(resp, replica))
         await attempt.close(failed=False)
         return Response(rest, status_code=resp.status_code, headers=answer_headers(resp, replica))
     return no_replica(pool, tried)
