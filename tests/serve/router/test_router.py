@@ -167,3 +167,36 @@ def test_a_client_that_leaves_closes_its_replicas_answer(fakes, router):
     poll(lambda: state0.closed == 2, what="the replica's stream closed")
     poll(lambda: httpx.get(url + "/health").json()["replicas"][0]["in_flight"] == 0, what="nothing in flight")
     assert httpx.get(url + "/health").json()["replicas"][0]["healthy"]  # a client leaving is no replica failure
+
+
+def test_a_mirror_sends_every_request_to_both_and_answers_with_a(fakes, router):
+    from tessellm.serve.router.mirror import Mirror
+
+    (url0, state0), (url1, state1) = fakes
+    mirror = Mirror(("r0", "r1"))
+    url = router([url0, url1], mirror=mirror)
+    answer = client(url).completions.create(model="fake", prompt="hi", max_tokens=4, temperature=0)
+    assert answer.choices[0].text.startswith("r0:")
+    chunks = list(client(url).completions.create(model="fake", prompt="hi", max_tokens=4, stream=True, seed=1))
+    assert all(c.choices for c in chunks)  # the usage chunk the mirror asked for is not passed on
+    assert state1.bodies[-1]["stream_options"] == {"include_usage": True}
+    client(url).completions.create(model="fake", prompt="hi", max_tokens=4)  # sampled: speed only
+    poll(lambda: httpx.get(url + "/ab").json()["requests"] == 3, what="3 mirrored requests")
+    report = httpx.get(url + "/ab").json()
+    assert len(state0.bodies) == len(state1.bodies) == 3
+    assert report["a"]["answered"] == report["b"]["answered"] == 3 and report["pairs"] == 3
+    # the fakes answer with their own names: the texts differ on both comparable requests
+    assert report["compared"] == 2 and report["exact_match_rate"] == 0.0 and report["not_comparable"] == 1
+    assert report["a"]["url"] == url0 and report["a"]["ttft_ms"]["p50"] is not None
+
+
+def test_a_mirror_whose_b_arm_is_down_still_answers_and_counts_b_failed(fakes, router, dead_url):
+    from tessellm.serve.router.mirror import Mirror
+
+    (url0, _) = fakes[0]
+    url = router([url0, dead_url], mirror=Mirror())
+    answer = httpx.post(url + "/v1/completions", json={"prompt": "hi", "temperature": 0})
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"].startswith("r0:")
+    poll(lambda: httpx.get(url + "/ab").json()["requests"] == 1, what="the mirrored request")
+    report = httpx.get(url + "/ab").json()
+    assert report["a"]["answered"] == 1 and report["b"]["failed"] == 1 and "arm B unreachable" in report["b"]["errors"][0]

@@ -23,6 +23,9 @@ def add_parser(sub: Any) -> None:
                                    "and aggregate their /metrics with a replica label.")
     r.add_argument("--replica", dest="replicas", metavar="URL", action="append", default=[], required=True,
                    help="a replica's base URL, e.g. http://10.0.0.2:8000 (repeatable)")
+    r.add_argument("--mirror", action="store_true",
+                   help="live A/B of exactly two replicas (A, then B): every request goes to both, the client gets "
+                        "A's answer; GET /ab and the exit report speed and agreement (see tessellm ab --serve)")
     add_router_args(r)
 
 
@@ -81,7 +84,23 @@ def cmd_router(args: argparse.Namespace) -> int:
     require("uvicorn", "serve")
     require("httpx", "serve")
     check_port(args.port)
-    run_router(config_from_args(args, args.replicas), args)
+    config = config_from_args(args, args.replicas)
+    if not args.mirror:
+        run_router(config, args)
+        return 0
+    from tessellm.serve.router.ab_report import format_live_report
+    from tessellm.serve.router.launcher import exit_on_sigterm
+    from tessellm.serve.router.mirror import Mirror
+
+    if len(config.replicas) != 2:
+        raise ConfigError(f"--mirror compares exactly two replicas (A, then B); got {len(config.replicas)}")
+    mirror = Mirror((config.replicas[0], config.replicas[1]),
+                    shlex.join(["tessellm", *(sys.argv[1:] if args.argv is None else args.argv)]))
+    exit_on_sigterm()
+    try:
+        run_router(config, args, mirror=mirror, what="every request to both replicas")
+    finally:  # Ctrl-C included: the report of what was mirrored
+        print(format_live_report(mirror.report(tuple(config.replicas))), flush=True)
     return 0
 
 
