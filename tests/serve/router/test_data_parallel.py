@@ -66,8 +66,7 @@ def served(tmp_path_factory, model_dir):
     command = [sys.executable, "-m", "tessellm", "serve", "--config", str(path), "--data-parallel", "2",
                "--policy", "prefix-aware", "--policy-option", "block_chars=32", "--served-model-name", MODEL,
                "--port", str(port), "--health-interval", "0.2"]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                            env={**os.environ, "TESSELLM_TEST_CHILD": "1"})
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(url, proc)
@@ -160,9 +159,9 @@ def test_a_killed_replica_ends_its_stream_with_an_error_and_the_survivor_serves(
     errors = [json.loads(e)["error"] for e in events if e.startswith('{"error"')]
     assert len(errors) == 1 and f"replica {index} ({replica_url})" in errors[0]["message"], events[-3:]
     assert events[-1] == "[DONE]"
+    later = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0}
     for _ in range(3):  # the survivor answers every later request
-        answer = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2,
-                                                                 "temperature": 0})
+        answer = httpx.post(url + "/v1/completions", json=later)
         assert answer.status_code == 200 and answer.headers["x-tessellm-replica"] == str(1 - index), answer.text
     health = httpx.get(url + "/health").json()
     assert health["status"] == "ok" and not health["replicas"][index]["healthy"]
