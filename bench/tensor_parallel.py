@@ -1,10 +1,12 @@
-"""Tensor parallelism: tokens per second at batch 1 and batch N, and the all-reduces per step
-counted against the arithmetic (2 per layer, each of [step tokens, hidden] values).
+"""Tensor and pipeline parallelism: tokens per second at batch 1 and batch N, and (tensor
+parallel) the all-reduces per step counted against the arithmetic (2 per layer, each of
+[step tokens, hidden] values).
 
-Run it once per rank count, the same way tessellm runs:
+Run it once per rank layout, the same way tessellm runs:
 
-    python bench/tensor_parallel.py --json tp1.json                                  # one rank
-    torchrun --nproc-per-node 2 bench/tensor_parallel.py --tensor 2 --json tp2.json  # two ranks
+    python bench/tensor_parallel.py --json tp1.json                                    # one rank
+    torchrun --nproc-per-node 2 bench/tensor_parallel.py --tensor 2 --json tp2.json    # two tensor ranks
+    torchrun --nproc-per-node 2 bench/tensor_parallel.py --pipeline 2 --json pp2.json  # two stages
 
 Each run generates ``--new-tokens`` greedy tokens (EOS ignored) for one request, then for
 ``--batch`` requests at once, from prompts of ``--prompt-len`` tokens, after a warm-up run.
@@ -55,6 +57,7 @@ def run(llm: LLM, batch: int, prompt_len: int, new_tokens: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tensor", type=int, default=1, help="tensor-parallel ranks (launch that many with torchrun)")
+    ap.add_argument("--pipeline", type=int, default=1, help="pipeline stages (torchrun launches tensor x pipeline)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -63,13 +66,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     config = {"device": "cpu", "dtype": "float32",
               "cache": {"name": "paged", "options": {"num_blocks": 2048, "prefix_caching": False}},
-              "scheduler": {"name": "continuous"}, "parallel": {"tensor": args.tensor}}
+              "scheduler": {"name": "continuous"}, "parallel": {"tensor": args.tensor, "pipeline": args.pipeline}}
     llm = LLM(config, overrides=args.overrides)  # on ranks other than 0 this serves rank 0, then exits
     run(llm, 1, args.prompt_len, 4)  # warm-up
     points = [run(llm, b, args.prompt_len, args.new_tokens) for b in (1, args.batch)]
     report = {"command": shlex.join(["python", *sys.argv]) if argv is None else None,
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "device": describe_device(llm.pipeline.resolved.device), "tensor": args.tensor,
+              "pipeline": args.pipeline, "microbatches": llm.pipeline.runner.microbatches,
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "points": points}
     print(json.dumps(report, indent=1))
     if args.json:

@@ -52,6 +52,18 @@ class ParallelConfig(BaseModel):
     tensor: int = Field(1, ge=1, strict=True)
     """Tensor-parallel ranks: each holds a share of every layer's heads and MLP columns.
     Above 1, launch with ``torchrun --nproc-per-node N $(which tessellm) ...``."""
+    pipeline: int = Field(1, ge=1, strict=True)
+    """Pipeline stages: each holds a contiguous run of the decoder layers (and its KV cache)
+    and hands its activations to the next. Combines with ``tensor``: ``pipeline x tensor``
+    ranks, the ranks of one stage contiguous (stage = rank // tensor)."""
+    stage_layers: Optional[list[int]] = None
+    """Decoder layers per stage, in order (e.g. ``[10, 14]``), summing to the model's layer
+    count; None: as even as the count allows (earlier stages take the extra layer)."""
+    microbatches: Optional[int] = Field(None, ge=1)
+    """Under ``pipeline`` above 1: into how many micro-batches (by sequence, balanced by
+    tokens) a step is cut, so that stage s runs micro-batch k while stage s+1 runs k-1.
+    None: twice the stage count (the idle share of a step, (P-1)/(M+P-1), is 1/5 at 2
+    stages)."""
     timeout_s: float = Field(600.0, gt=0)
     """How long a rank waits for the others in one collective before failing (covers the
     slowest rank's kernel compiles at start-up)."""

@@ -63,9 +63,10 @@ class ResolvedPipeline:
         return chosen if chosen is not None else self.device.type == "cuda"
 
     def summary(self) -> dict[str, Any]:
+        one_rank = self.config.parallel.tensor == self.config.parallel.pipeline == 1
         return {"device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
                 "max_model_len": self.max_model_len,
-                "async_scheduling": self.async_scheduling and self.config.parallel.tensor == 1,
+                "async_scheduling": self.async_scheduling and one_rank,
                 "parallel": self.config.parallel.model_dump(),
                 "architecture": self.model.architecture,
                 **{k: {"name": c.entry.name, "options": c.options.model_dump()} for k, c in self.choices.items()}}

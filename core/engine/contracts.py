@@ -97,7 +97,10 @@ class KVWriteCheck:
     def mark(self, batch: BatchMetadata) -> list[tuple[int, torch.Tensor]]:
         """Fill the batch's new slots with the sentinel in every layer; the tensors filled."""
         marked = []
+        held = set(self.cache.spec.held_layers)  # a pipeline stage's cache stores its own layers
         for index, slots in enumerate(self._slots(batch)):
+            if index not in held:
+                continue
             for t in _raw_tensors(self.cache.layer(index)):
                 t[slots] = _sentinel(t)
                 marked.append((index, t))

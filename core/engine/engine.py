@@ -41,6 +41,7 @@ from tessellm.core.interfaces.sequence import FinishReason, SamplingParams, Sequ
 from tessellm.core.model.kernel_builds import build_log
 from tessellm.core.model.lora import LoraAdapter
 from tessellm.core.model.runner import ModelRunner
+from tessellm.core.parallel.stages import split_for_microbatches
 from tessellm.core.parallel.sync import RankSync
 
 logger = logging.getLogger(__name__)
@@ -50,12 +51,14 @@ logger = logging.getLogger(__name__)
 class StepPlan:
     """One synchronous step, packed: the scheduler's choice, the decoder's drafts
     (seq_id -> tokens), the children forking from a sequence whose prompt completes
-    (seq_id -> sequences; n > 1), and the batch built from all three."""
+    (seq_id -> sequences; n > 1), and the batch built from all three; on a pipeline stage
+    also ``parts``, the same sequences cut into micro-batches (None: one)."""
 
     out: SchedulerOutput
     drafts: dict[int, list[int]]
     forks: dict[int, list[Sequence]]
     batch: BatchMetadata
+    parts: list[BatchMetadata] | None = None
 
 
 class Engine:
@@ -390,7 +393,24 @@ class Engine:
         if self._kv_check.always:
             contracts.check_slots_not_held(self.cache, contracts.query_slots(batch),
                                            list(self.scheduler.running_sequences()))
-        return StepPlan(out, drafts, forks, batch)
+        return StepPlan(out, drafts, forks, batch, self._micro_batches(out.scheduled, drafts, forks))
+
+    def _micro_batches(self, items: list[ScheduledSeq], drafts: dict[int, list[int]],
+                       forks: dict[int, list[Sequence]]) -> list[BatchMetadata] | None:
+        """The step's sequences cut into the runner's micro-batches (contiguous runs of near
+        equal tokens, each sequence whole with its drafts and forks): pipeline stages work on
+        different ones at once. None where the runner takes one batch."""
+        if self.runner.microbatches < 2 or len(items) < 2:
+            return None
+        counts = [i.num_query_tokens + len(drafts.get(i.seq.seq_id, ())) for i in items]
+        parts = []
+        for start, end in split_for_microbatches(counts, self.runner.microbatches):
+            run = items[start:end]
+            ids = {i.seq.seq_id for i in run}
+            parts.append(build_batch(run, self.cache, self.runner.device,
+                                     {k: v for k, v in drafts.items() if k in ids},
+                                     {k: v for k, v in forks.items() if k in ids}))
+        return parts
 
     def _run_isolating_faults(self, plan: StepPlan) -> tuple[StepPlan, torch.Tensor, list[list[int]]] | None:
         """Forward and decode ``plan``. If that raises, run each request alone, abort the ones
@@ -398,9 +418,9 @@ class Engine:
         request reproduces the error. None: no request is left to run. Under tensor
         parallelism a step that raises is fatal: the ranks cannot rerun requests alone in step."""
         if self.sync is not None:
-            return (plan, *self._forward_and_decode(plan.batch))
+            return (plan, *self._forward_and_decode(plan.batch, plan.parts))
         try:
-            return (plan, *self._forward_and_decode(plan.batch))
+            return (plan, *self._forward_and_decode(plan.batch, plan.parts))
         except Exception:
             culprits = self._find_culprits(plan)
             if not culprits:
@@ -415,7 +435,7 @@ class Engine:
         kept = {i.seq.seq_id for i in out.scheduled}
         plan = self._pack(out, {k: v for k, v in plan.drafts.items() if k in kept},
                           {k: v for k, v in plan.forks.items() if k in kept})
-        return (plan, *self._forward_and_decode(plan.batch))
+        return (plan, *self._forward_and_decode(plan.batch, plan.parts))
 
     def _find_culprits(self, plan: StepPlan) -> dict[str, BaseException]:
         def run_alone(item: ScheduledSeq) -> None:
@@ -427,10 +447,12 @@ class Engine:
         children = [c for cs in plan.forks.values() for c in cs]
         return find_culprits(plan.out.scheduled, children, run_alone)
 
-    def _forward_and_decode(self, batch: BatchMetadata) -> tuple[torch.Tensor, list[list[int]]]:
+    def _forward_and_decode(self, batch: BatchMetadata, parts: list[BatchMetadata] | None = None
+                            ) -> tuple[torch.Tensor, list[list[int]]]:
         """The batch's logits (as the model gave them: logprobs read these) and each sample
-        slot's accepted tokens (the decoder's side of the contract checked)."""
-        logits = self._forward(batch)
+        slot's accepted tokens (the decoder's side of the contract checked); ``parts``, its
+        micro-batches on a pipeline stage."""
+        logits = self._forward(batch, parts=parts) if parts else self._forward(batch)
         # the decoder reads the sample rows only; prompt-scoring rows follow them
         sampled = logits[:batch.num_sample_rows] if batch.prompt_rows else logits
         sampled = self.processors.apply(sampled, self.processors.plan(batch))

@@ -36,8 +36,9 @@ from tessellm.core.model.loader import (build_model, load_hf_config, load_state_
 from tessellm.core.model.lora import AdapterReader, LoraState, wrap_targets
 from tessellm.core.model.runner import ModelRunner
 from tessellm.core.model.spec import quantization_config, quantized_checkpoint_readers
-from tessellm.core.parallel.group import TensorParallel, init_tensor_parallel
+from tessellm.core.parallel.group import Ranks, TensorParallel, init_parallel
 from tessellm.core.parallel.shard import load_shard, local_spec, plan_shard, tensor_rule
+from tessellm.core.parallel.stages import plan_stages
 from tessellm.core.parallel.sync import RankSync, follow
 from tessellm.core.registry import PluginRegistry, get_registry
 from tessellm.core.version import __version__
@@ -61,9 +62,11 @@ class Pipeline:
         self.config = config
         self.registry = registry or get_registry()
         precheck(config, self.registry)  # fail on a config typo before converting or loading a model
-        self.tp: TensorParallel | None = None
-        if config.parallel.tensor > 1:
+        self.ranks: Ranks | None = None  # a distributed run's (tensor and pipeline parallel)
+        if config.parallel.tensor > 1 or config.parallel.pipeline > 1:
             config = self.config = self._join_ranks(config)
+        self.tp: TensorParallel | None = self.ranks.tp if self.ranks else None
+        self.stage = self.ranks.stage if self.ranks else None
         self.model_dir = self._model_dir(config)
         hf_config = load_hf_config(self.model_dir)
         arch = config.architecture
@@ -76,16 +79,19 @@ class Pipeline:
         self.shard = plan_shard(self.spec, self.tp.size, self.tp.rank) if self.tp else None
         spec = self.local_spec = local_spec(self.spec, self.shard) if self.shard else self.spec
         self.resolved: ResolvedPipeline = resolve(config, self.registry, spec)
+        if self.stage:
+            self._place_stage(config)
         r, c = self.resolved, self.resolved.choices
         self.tokenizer = load_tokenizer(self.model_dir)
         self.tokenizer_lock = threading.Lock()  # fast tokenizers refuse two threads at once (a server's)
         quantizer = c["quant"].cls(c["quant"].options, r.device, r.dtype)
         calibrates = type(quantizer).calibrate is not Quantizer.calibrate and self.prequantized is None
         quantized = None if self.prequantized is None else (type(quantizer), self.prequantized)
-        state = (load_shard(self.model_dir, self.spec, self.shard, self.architecture, quantized) if self.shard
-                 else load_state_dict(self.model_dir))
+        keep = self._stage_holds if self.stage else None
+        state = (load_shard(self.model_dir, self.spec, self.shard, self.architecture, quantized, keep) if self.shard
+                 else load_state_dict(self.model_dir, keep=keep))
         self.model = build_model(spec, state, r.device, r.dtype, None if calibrates else quantizer, self.architecture,
-                                 prequantized=self.prequantized)
+                                 prequantized=self.prequantized, stage=self.stage)
         del state
         if self.tp:
             self.model.set_tensor_parallel(self.tp)
@@ -93,9 +99,9 @@ class Pipeline:
         windows = tuple(spec.attention_of(i).sliding_window for i in range(spec.num_layers))
         cache_spec = CacheSpec(spec.num_layers, shape.num_heads, shape.head_dim, r.dtype, r.device,
                                r.max_model_len, shape.format, windows if any(windows) else (),
-                               self._kv_fingerprint())
+                               self._kv_fingerprint(), tuple(range(*self.stage.layers)) if self.stage else ())
         self.cache = c["cache"].cls(c["cache"].options, cache_spec, r.kv_layout)
-        if self.tp:
+        if self.ranks:
             self.cache = self._cache_agreed_across_ranks(c["cache"], cache_spec, r.kv_layout)
         self.attention = c["attention"].cls(c["attention"].options, spec, r.device, r.dtype)
         self.decoder = c["decoding"].cls(c["decoding"].options, spec, r.device)
@@ -104,25 +110,27 @@ class Pipeline:
         step = self.scheduler.max_step_tokens
         self.cache.limit_step_tokens(None if step is None else step + limits.num_lookahead_tokens)
         self.runner = ModelRunner(self.model, spec, self.attention, self.cache, r.device)
+        if self.stage:
+            self.runner.microbatches = config.parallel.microbatches or 2 * self.stage.size
         if calibrates:
             self._calibrate_and_quantize(quantizer)
         self.lora = self._build_lora() if config.lora.active else None
         if self.runner.compiles_kernels():
             self._warm_up()
-        if config.cuda_graphs and self.runner.graphs_unsupported() is None and self.tp is None:
+        if config.cuda_graphs and self.runner.graphs_unsupported() is None and self.ranks is None:
             self._capture_graphs()
-        self.async_scheduling = r.async_scheduling and self.tp is None
+        self.async_scheduling = r.async_scheduling and self.ranks is None
         self.stop = StopRule(self._eos_ids(hf_config), r.max_model_len, decode_text=self._decode_text)
         engine = OverlappedEngine if self.async_scheduling else Engine
         grammar = c.get("grammar")
         build = (lambda: grammar.cls(grammar.options, self.tokenizer, spec.vocab_size)) if grammar else None
         self.engine = engine(self.runner, self.cache, self.scheduler, self.decoder, stop=self.stop,
                              vocab_size=self.spec.vocab_size, seed=config.seed,
-                             sync=RankSync(self.tp) if self.tp else None,
+                             sync=RankSync(self.ranks.world) if self.ranks else None,
                              grammar=GrammarSession(build, self.decoder.num_lookahead_tokens),
                              processors=self._logits_processors(), lora=self.lora)
         self._attach_decoder()
-        if self.tp and not self.tp.is_leader:  # a follower serves rank 0 until it stops, then exits
+        if self.ranks and not self.ranks.world.is_leader:  # a follower serves rank 0 until it stops, then exits
             follow(self.engine, self.engine.sync)
             raise SystemExit(0)
 
@@ -136,6 +144,8 @@ class Pipeline:
         c = self.resolved.choices
         parts = [weights_fingerprint(self.model_dir), str(self.resolved.dtype), self.architecture.name,
                  __version__, f"tp{self.tp.rank}/{self.tp.size}" if self.tp else "tp0/1"]
+        if self.stage:
+            parts.append(f"pp{self.stage.index}/{self.stage.size}")
         for kind in ("quant", "attention"):
             parts.append(f"{kind}={c[kind].cls.name}:{c[kind].options.model_dump_json()}")
         return hashlib.blake2b("\x1f".join(parts).encode(), digest_size=16).hexdigest()
@@ -161,7 +171,8 @@ class Pipeline:
         rule = None
         if self.shard is not None:  # adapters are sliced as the layers they adapt
             rule = functools.partial(tensor_rule, spec=self.spec, shard=self.shard, architecture=self.architecture)
-        reader = AdapterReader(layers, cfg.max_rank, targets, self.architecture.checkpoint_name, rule)
+        held = functools.partial(self.stage.holds, tied_embedding=False) if self.stage else None
+        reader = AdapterReader(layers, cfg.max_rank, targets, self.architecture.checkpoint_name, rule, held)
         adapters = LoraAdapters(layers, reader, cfg.max_loras)
         for name, path in cfg.adapters.items():
             adapters.register(name, path)
@@ -203,23 +214,47 @@ class Pipeline:
         return config
 
     def _join_ranks(self, config: PipelineConfig) -> PipelineConfig:
-        """Join the tensor-parallel group; on CUDA each rank computes on its local GPU."""
+        """Join the distributed run (tensor and pipeline parallel); on CUDA each rank
+        computes on its local GPU."""
         device = resolve_device(config.device)
-        self.tp = init_tensor_parallel(config.parallel.tensor, device, config.parallel.timeout_s)
-        if self.tp.device.type == "cuda":
-            config = config.model_copy(update={"device": str(self.tp.device)})
-        if config.async_scheduling or (config.cuda_graphs and self.tp.device.type == "cuda"):
-            logger.info("tensor parallel: steps run synchronously and eagerly (no async scheduling, no CUDA "
-                        "graphs) across ranks")
+        p = config.parallel
+        self.ranks = init_parallel(p.tensor, p.pipeline, device, p.timeout_s)
+        if self.ranks.device.type == "cuda":
+            config = config.model_copy(update={"device": str(self.ranks.device)})
+        if config.async_scheduling or (config.cuda_graphs and self.ranks.device.type == "cuda"):
+            logger.info("parallel: steps run synchronously and eagerly (no async scheduling, no CUDA graphs) "
+                        "across ranks")
         return config
 
+    def _place_stage(self, config: PipelineConfig) -> None:
+        """This rank's pipeline stage: its layers, the dtypes it exchanges, and a cache that
+        counts blocks as every other stage's does."""
+        stage, r = self.stage, self.resolved
+        stage.layers = plan_stages(self.spec.num_layers, stage.size, config.parallel.stage_layers)[stage.index]
+        stage.dtype = r.dtype
+        stage.logits_dtype = torch.float64 if r.dtype == torch.float64 else torch.float32
+        choice = r.choices["cache"]
+        sliding = any(self.spec.attention_of(i).sliding_window is not None for i in range(self.spec.num_layers))
+        if getattr(choice.options, "free_out_of_window", False) and sliding:
+            # stages holding different mixes of sliding and full layers would count blocks
+            # differently and their schedulers part ways; every stage keeps them instead
+            logger.info("pipeline parallel: cache %r keeps out-of-window blocks (free_out_of_window off) so that "
+                        "every stage counts blocks alike", choice.entry.name)
+            choice.options = choice.options.model_copy(update={"free_out_of_window": False})
+
+    def _stage_holds(self, name: str) -> bool:
+        """Whether this pipeline stage reads checkpoint tensor ``name``."""
+        mapped = self.architecture.checkpoint_name(name) or name
+        return self.stage.holds(mapped, self.spec.tie_word_embeddings)
+
     def _model_dir(self, config: PipelineConfig) -> Path:
-        """The model's folder; under tensor parallelism rank 0 converts a GGUF file first and
-        the others wait, so no two ranks convert it at once."""
-        if self.tp is None:
+        """The model's folder; in a distributed run rank 0 converts a GGUF file first and the
+        others wait, so no two ranks convert it at once."""
+        if self.ranks is None:
             return model_dir_for(config)
-        folder = model_dir_for(config) if self.tp.is_leader else None
-        self.tp.barrier("waiting for rank 0 to find the model")
+        world = self.ranks.world
+        folder = model_dir_for(config) if world.is_leader else None
+        world.barrier("waiting for rank 0 to find the model")
         return folder or model_dir_for(config)
 
     def _cache_agreed_across_ranks(self, choice: Any, cache_spec: CacheSpec, layout: Any) -> Any:
@@ -229,11 +264,11 @@ class Pipeline:
         smallest count with that count; any other cache must agree by itself."""
         if self.cache.prefix_cache_stats().tiers:
             self.cache.close()
-            raise ConfigError(f"tensor parallel: cache {choice.entry.name!r} keeps prefix blocks in tiers below the "
-                              f"device (host memory, disk), which each rank fills on its own, while the ranks must "
-                              f"agree on every prefix hit; turn the tiers off (host_tier_bytes 0, no "
+            raise ConfigError(f"tensor and pipeline parallel: cache {choice.entry.name!r} keeps prefix blocks in "
+                              f"tiers below the device (host memory, disk), which each rank fills on its own, while "
+                              f"the ranks must agree on every prefix hit; turn the tiers off (host_tier_bytes 0, no "
                               f"disk_tier_path) or serve on one rank")
-        counts = self.tp.gather_objects(self.cache.num_blocks, "comparing KV cache sizes")
+        counts = self.ranks.world.gather_objects(self.cache.num_blocks, "comparing KV cache sizes")
         fewest = min(counts)
         if self.cache.num_blocks == fewest:
             return self.cache
@@ -290,9 +325,10 @@ class Pipeline:
             return self.runner.forward(build_batch(items, self.cache, self.runner.device, prompt_logprobs=False), layers)
 
         def build_pipeline(config: dict[str, Any], overrides: list[str]) -> DecoderContext:
-            if self.tp is not None:
+            if self.ranks is not None:
                 raise ConfigError("a second pipeline (the speculative 'draft' proposer's) does not run under tensor "
-                                  "parallelism; use proposer ngram or layer-skip, or parallel.tensor=1")
+                                  "or pipeline parallelism; use proposer ngram or layer-skip, or parallel.tensor=1 "
+                                  "and parallel.pipeline=1")
             return Pipeline.from_config(config, overrides, self.registry).decoder_context()
 
         return DecoderContext(

@@ -35,6 +35,15 @@ class CacheSpec:
     the checkpoint, dtype, quantization, attention backend, tensor-parallel rank and tessellm
     version; K/V kept beyond the process (a disk tier) is keyed by it. Empty: unknown (such
     a cache keeps nothing beyond the process)."""
+    layers: tuple[int, ...] = ()
+    """The decoder layers whose K/V this cache stores (plugin API 1.13): a pipeline stage's
+    run of layers, indexed as in the whole model; empty: every layer. A cache written for an
+    older API stores every layer (correct, with idle memory for the other stages' layers)."""
+
+    @property
+    def held_layers(self) -> tuple[int, ...]:
+        """The layers this cache stores (``layers``, or every one)."""
+        return self.layers or tuple(range(self.num_layers))
 
     @property
     def kv_shape(self) -> KVShape:
@@ -152,7 +161,7 @@ class CacheManager(Plugin):
         layer by default; `paged` keeps a second one for sliding-window layers whose
         out-of-window blocks it releases. The engine builds a batch view and an attention plan
         per group."""
-        return [tuple(range(self.spec.num_layers))]
+        return [self.spec.held_layers]
 
     def group_block_table(self, seq: Sequence, group: int) -> list[int]:
         """The block table of ``seq`` that layer group ``group`` reads (see ``layer_groups``)."""

@@ -252,6 +252,14 @@ class DecoderLayer(nn.Module):
         return self._reduce(self.mlp(h, fused=True)), residual
 
 
+class HeldElsewhere(nn.Module):
+    """A part of the model another pipeline stage holds (a decoder layer, the embedding, the
+    final norm or the LM head): no weights here, never run."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("this part of the model is held by another pipeline stage")
+
+
 class DecoderBody(nn.Module):
     def __init__(self, spec: ModelSpec, layer_cls: type[DecoderLayer] = DecoderLayer):
         super().__init__()
@@ -316,19 +324,43 @@ class DecoderForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """The LM head shares the input embedding's matrix (tie_word_embeddings)."""
-        self.lm_head.weight = self.model.embed_tokens.weight
+        if not isinstance(self.lm_head, HeldElsewhere):
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    stage: Any = None
+    """The pipeline stage this module runs (``hold_stage``); None: the whole model."""
+
+    def hold_stage(self, stage: Any) -> None:
+        """Keep only what pipeline stage ``stage`` (a ``PipelineStage``) runs, on the meta
+        device before loading: its decoder layers, the embedding on the first stage (and on
+        the last where the LM head shares it), the final norm and LM head on the last. The
+        rest become ``HeldElsewhere``; layers keep their indices (and checkpoint names)."""
+        self.stage = stage
+        lo, hi = stage.layers
+        for i in range(len(self.model.layers)):
+            if not lo <= i < hi:
+                self.model.layers[i] = HeldElsewhere()
+        if not stage.holds("model.embed_tokens.weight", self.spec.tie_word_embeddings):
+            self.model.embed_tokens = HeldElsewhere()
+        if not stage.last:
+            self.model.norm = HeldElsewhere()
+            self.lm_head = HeldElsewhere()
+
+    def held_layers(self) -> list[nn.Module]:
+        """The decoder layers this module holds (every one, unless it runs a pipeline stage)."""
+        return [layer for layer in self.model.layers if not isinstance(layer, HeldElsewhere)]
 
     def set_tensor_parallel(self, tp: Any) -> None:
         """Sum each layer's attention and MLP outputs over the ranks of ``tp`` (a
         ``TensorParallel``): this model holds one rank's share of the heads and columns."""
-        for layer in self.model.layers:
+        for layer in self.held_layers():
             layer.tp = tp
 
     def fuse_projections(self) -> None:
         """Stack each layer's q/k/v and gate/up projections into one GEMM each (fewer, larger
         launches; the module names change, so do this after loading the checkpoint). An MoE
         layer's experts stay apart (``stack_experts`` batches them)."""
-        for layer in self.model.layers:
+        for layer in self.held_layers():
             layer.self_attn.fuse_projections()
             if isinstance(layer.mlp, MLP):
                 layer.mlp.fuse_projections()
@@ -344,7 +376,7 @@ class DecoderForCausalLM(nn.Module):
         """The mixture-of-experts blocks, in layer order."""
         from tessellm.core.model.moe import MoE
 
-        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
+        return [layer.mlp for layer in self.held_layers() if isinstance(layer.mlp, MoE)]
 
     def stack_experts(self) -> None:
         """Switch every MoE block to its grouped path (stacked expert weights)."""
@@ -357,20 +389,30 @@ class DecoderForCausalLM(nn.Module):
                 native_logits: bool = False) -> torch.Tensor:
         """input_ids, positions [T] -> logits [len(logits_indices), vocab], float32 (float64
         in a float64 model) or, with ``native_logits``, in the LM head's own dtype (bfloat16
-        in a bfloat16 model: no float32 copy, for callers that only rank them).
+        in a bfloat16 model: no float32 copy, for callers that only rank them). A pipeline
+        stage other than the last sends its hidden states on and returns None.
 
         ``layers`` runs a subset of the decoder layers (self-drafting by layer skipping);
         ``logits_out`` receives the logits, which are then returned (a captured graph's
         static output); in the LM head's dtype, the GEMM writes it directly."""
-        x = self.embed(input_ids)  # [T, hidden]
+        stage = self.stage
+        if stage is None or stage.first:
+            x = self.embed(input_ids)  # [T, hidden]
+        else:  # the stage before ran the layers up to ours
+            x = stage.receive(input_ids.shape[0], self.spec.hidden_size)
         rope = self._rope(positions, x.dtype)
         order = range(len(self.model.layers)) if layers is None else layers
+        if stage is not None:
+            order = [i for i in order if stage.layers[0] <= i < stage.layers[1]]
         if self.fused:
             from tessellm.core.model.fused_ops import add_rmsnorm
 
             residual = None
             for i in order:
                 x, residual = self.model.layers[i].forward_fused(x, residual, *rope[i], backend, cache, plan)
+            if stage is not None and not stage.last:
+                stage.send(x if residual is None else x + residual)  # the next stage's first layer adds nothing
+                return None
             if residual is not None:  # norm is per row: select first, then add and normalise
                 x, _ = add_rmsnorm(x[logits_indices], residual[logits_indices], self.model.norm.weight,
                                    self.model.norm.eps)
@@ -379,6 +421,9 @@ class DecoderForCausalLM(nn.Module):
         else:
             for i in order:
                 x = self.model.layers[i](x, *rope[i], backend, cache, plan)
+            if stage is not None and not stage.last:
+                stage.send(x)
+                return None
             x = self.model.norm(x[logits_indices])  # norm is per row: select first, then normalise
         head = self.lm_head
         if logits_out is not None and type(head) is nn.Linear and head.bias is None and \

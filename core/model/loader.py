@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from tessellm.core.errors import ModelLoadError, PluginCallError
+from tessellm.core.errors import ConfigError, ModelLoadError, PluginCallError
 from tessellm.core.interfaces.model import ModelArchitecture
 from tessellm.core.interfaces.quantizer import Quantizer
 from tessellm.core.model.decoder import RotaryEmbedding
@@ -121,10 +121,12 @@ def load_hf_config(folder: Path) -> Any:
         raise ModelLoadError(f"cannot read {str(folder / 'config.json')!r}: {exc}".split("\n")[0]) from exc
 
 
-def load_state_dict(folder: Path, read: Callable[[Any, str], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of the folder's *.safetensors files (on the CPU, as stored). ``read(f,
-    name)`` reads one tensor from the open file ``f`` (safetensors' ``safe_open``) where the
-    whole of it is not wanted: a tensor-parallel rank reads its slice."""
+def load_state_dict(folder: Path, read: Callable[[Any, str], torch.Tensor] | None = None,
+                    keep: Callable[[str], bool] | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's *.safetensors files (on the CPU, as stored), or those
+    whose name ``keep`` keeps (a pipeline stage's). ``read(f, name)`` reads one tensor from
+    the open file ``f`` (safetensors' ``safe_open``) where the whole of it is not wanted: a
+    tensor-parallel rank reads its slice."""
     from safetensors import SafetensorError, safe_open
 
     files = sorted(folder.glob("*.safetensors"))
@@ -135,7 +137,8 @@ def load_state_dict(folder: Path, read: Callable[[Any, str], torch.Tensor] | Non
         try:
             with safe_open(file, "pt") as f:
                 for name in f.keys():
-                    state[name] = f.get_tensor(name) if read is None else read(f, name)
+                    if keep is None or keep(name):
+                        state[name] = f.get_tensor(name) if read is None else read(f, name)
         except (SafetensorError, OSError, ValueError) as exc:
             raise ModelLoadError(f"corrupt safetensors file {str(file)!r}: {exc}".split("\n")[0]) from exc
     return state
@@ -163,12 +166,13 @@ def checkpoint_state(architecture: ModelArchitecture, state: dict[str, torch.Ten
 
 def build_model(spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
                 quantizer: Quantizer | None = None, architecture: ModelArchitecture | None = None,
-                prequantized: dict[str, Any] | None = None) -> nn.Module:
+                prequantized: dict[str, Any] | None = None, stage: Any = None) -> nn.Module:
     """Instantiate ``architecture``'s module (default: the model plugin serving the spec's
     model_type) without allocating, adopt the checkpoint's tensors, switch to its fast paths
     and apply ``quantizer``. With ``prequantized`` (the checkpoint's quantization_config),
     ``quantizer`` builds the quantized modules from their stored tensors first
-    (``load_quantized``) and is not applied after."""
+    (``load_quantized``) and is not applied after. With ``stage`` (a ``PipelineStage``) the
+    module keeps only that stage's parts (``hold_stage``) and needs only their tensors."""
     if architecture is None:
         from tessellm.core.registry import get_registry
 
@@ -178,6 +182,12 @@ def build_model(spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.d
     if not isinstance(model, nn.Module):
         raise PluginCallError(f"model plugin {architecture.name!r} (module {type(architecture).__module__}): build "
                               f"returned {type(model).__name__}, not a torch.nn.Module")
+    if stage is not None:
+        if not hasattr(model, "hold_stage"):
+            raise ConfigError(f"parallel.pipeline: model plugin {architecture.name!r} builds a "
+                              f"{type(model).__name__}, which does not split into pipeline stages (it has no "
+                              f"hold_stage; modules built on core's DecoderForCausalLM do); set parallel.pipeline=1")
+        model.hold_stage(stage)
     state = checkpoint_state(architecture, state)
     if prequantized is not None:
         quantizer.load_quantized(model, state, prequantized)  # its modules are built on the quantizer's device

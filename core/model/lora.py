@@ -192,16 +192,19 @@ class LoraAdapter:
 
 class AdapterReader:
     """Reads PEFT adapter folders for one model: its wrapped layers, the model plugin's
-    checkpoint-name mapping, the rank limit and (tensor parallel) each tensor's slice rule."""
+    checkpoint-name mapping, the rank limit, (tensor parallel) each tensor's slice rule and
+    (pipeline parallel) which module names the stage holds: an adapter's modules on the other
+    stages' layers are left to them."""
 
     def __init__(self, layers: dict[str, LoraLinear], max_rank: int, targets: tuple[str, ...],
                  checkpoint_name: Callable[[str], str | None] = lambda n: n,
-                 slice_rule: Callable[[str], Any] | None = None):
+                 slice_rule: Callable[[str], Any] | None = None, held: Callable[[str], bool] | None = None):
         self.layers = layers
         self.max_rank = max_rank
         self.targets = targets
         self.checkpoint_name = checkpoint_name
         self.slice_rule = slice_rule
+        self.held = held
 
     def read(self, name: str, path: str | Path) -> LoraAdapter:
         folder = Path(path).expanduser()
@@ -230,6 +233,8 @@ class AdapterReader:
         name = adapter.name
         ours = self.checkpoint_name(module + ".weight")
         ours = ours[:-len(".weight")] if ours and ours.endswith(".weight") else ours
+        if ours and self.held is not None and not self.held(f"{ours}.weight"):
+            return  # another pipeline stage's layer
         layer, part = self._target(name, module, ours)
         rank = int(lora_a.shape[0])
         if lora_a.dim() != 2 or lora_b.dim() != 2 or lora_b.shape[1] != rank:

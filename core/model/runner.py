@@ -36,12 +36,16 @@ class ModelRunner:
         self.lora: LoraState | None = None
         """Set where the model's projections are wrapped for LoRA: the wrapped layers' shared
         state, whose plan ``forward`` sets for each batch with adapters."""
+        self.stage = getattr(model, "stage", None)
+        """The pipeline stage the model runs (core/parallel/stages.py), or None."""
+        self.microbatches = 1
+        """Into how many micro-batches the engine cuts a step (above 1 only for a stage)."""
 
     def _group_of_layer(self) -> list[int]:
         """Each layer's group in the cache's ``layer_groups`` (fixed: worked out once)."""
         if self._layer_group is None:
             groups = self.cache.layer_groups
-            self._layer_group = [0] * sum(len(g) for g in groups)
+            self._layer_group = [0] * self.spec.num_layers
             for index, layers in enumerate(groups):
                 for layer in layers:
                     self._layer_group[layer] = index
@@ -75,15 +79,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: BatchMetadata, layers: Layers[int] | None = None, *,
-                native_logits: bool = False) -> torch.Tensor:
+                native_logits: bool = False, parts: list[BatchMetadata] | None = None) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab]: float32 (float64 in a float64 pipeline),
         or with ``native_logits`` possibly in the model's dtype (bfloat16 on a GPU), which
         spares a float32 copy of a batch x vocabulary tensor where only their order matters
-        (``Decoder.device_tokens_any_dtype``)."""
+        (``Decoder.device_tokens_any_dtype``).
+
+        On a pipeline stage ``parts``, the same sequences cut into micro-batches (None: one),
+        flow through the stages in turn and every rank returns the last stage's logits of the
+        whole batch, float32 (float64 in a float64 pipeline)."""
+        if self.stage is not None:
+            return self._forward_stage(batch, parts or [batch], layers)
         if self.graphs is not None and layers is None:
             logits = self.graphs.run(batch)
             if logits is not None:
                 return logits if native_logits or logits.dtype in (torch.float32, torch.float64) else logits.float()
+        return self._run_model(batch, layers, native_logits)
+
+    def _run_model(self, batch: BatchMetadata, layers: Layers[int] | None, native_logits: bool) -> torch.Tensor | None:
+        """The model over ``batch``: attention planned, LoRA's plan set where it has adapters."""
         plan = self.backend.plan(batch, self.cache)
         if batch.groups:  # a plan per block table (a cache that frees out-of-window blocks)
             plan = LayerPlans([plan, *(self.backend.plan(view, self.cache) for view in batch.groups)],
@@ -98,3 +112,24 @@ class ModelRunner:
                               self.backend, self.cache, plan, layers, native_logits=native_logits)
         finally:
             lora.plan = None
+
+    def _forward_stage(self, batch: BatchMetadata, parts: list[BatchMetadata],
+                       layers: Layers[int] | None) -> torch.Tensor:
+        """Run this stage's layers over each micro-batch in turn (receiving from the stage
+        before, sending to the next as each is done), then share the last stage's logits,
+        put back in ``batch``'s row order: every part's sample rows, then every part's
+        prompt-logprob rows."""
+        stage = self.stage
+        outputs = [self._run_model(part, layers, False) for part in parts]
+        logits = None
+        if stage.last:
+            if len(parts) == 1:
+                logits = outputs[0]
+            else:
+                cuts = [part.num_sample_rows for part in parts]
+                logits = torch.cat([out[:cut] for out, cut in zip(outputs, cuts)] +
+                                   [out[cut:] for out, cut in zip(outputs, cuts)])
+        rows = int(batch.logits_indices.shape[0])
+        shared = stage.share_logits(logits, rows, self.spec.vocab_size)
+        stage.finish()
+        return shared

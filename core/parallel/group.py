@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import os
 from dataclasses import dataclass
+from typing import Any
 from datetime import timedelta
 
 import torch
@@ -87,20 +88,52 @@ def is_follower() -> bool:
     return world is not None and world[1] > 1 and world[0] != 0
 
 
-def init_tensor_parallel(size: int, device: torch.device, timeout_s: float) -> TensorParallel:
-    """Join (or create) the default process group for ``size`` ranks; ``device`` is the
-    pipeline's device, narrowed to this rank's GPU on CUDA. A launch that does not match
-    ``size`` is a ConfigError naming what to change."""
-    import torch.distributed as dist
+@dataclass
+class Ranks:
+    """This process's place in a distributed run of ``parallel.pipeline`` stages of
+    ``parallel.tensor`` ranks each (stage = rank // tensor): ``world`` spans every rank (the
+    lockstep of sync.py runs over it; rank 0 leads), ``tp`` the ranks of this stage, which
+    split each of its layers (None at tensor 1), and ``stage`` this rank's pipeline stage
+    (None at pipeline 1)."""
 
+    world: TensorParallel
+    tp: TensorParallel | None
+    stage: Any = None  # a stages.PipelineStage
+
+    @property
+    def device(self) -> torch.device:
+        return self.world.device
+
+
+def launch_problem(tensor: int, pipeline: int) -> str | None:
+    """Why this process cannot be a rank of ``pipeline`` x ``tensor`` (None: it can)."""
+    size = tensor * pipeline
+    what = f"parallel.tensor is {tensor}" if pipeline == 1 else \
+        f"parallel.pipeline x parallel.tensor is {pipeline} x {tensor} = {size}"
     world = launched_world()
     if world is None:
-        raise ConfigError(f"parallel.tensor is {size}, but this process was not launched by torchrun; run "
-                          f"torchrun --nproc-per-node {size} $(which tessellm) ..., or set parallel.tensor=1")
-    rank, world_size, local_rank = world
-    if world_size != size:
-        raise ConfigError(f"parallel.tensor is {size}, but torchrun launched {world_size} process(es); allowed: "
-                          f"parallel.tensor={world_size} for this launch, or torchrun --nproc-per-node {size}")
+        return (f"{what}, but this process was not launched by torchrun; run torchrun --nproc-per-node {size} "
+                f"$(which tessellm) ... (or --nnodes with a rendezvous across machines), or set "
+                f"{'parallel.tensor=1' if pipeline == 1 else 'parallel.pipeline=1 and parallel.tensor=1'}")
+    if world[1] != size:
+        allowed = (f"parallel.tensor={world[1]} for this launch" if pipeline == 1 else
+                   f"pipeline x tensor = {world[1]} for this launch")
+        return f"{what}, but torchrun launched {world[1]} process(es); allowed: {allowed}, or " \
+               f"torchrun --nproc-per-node {size}"
+    return None
+
+
+def init_parallel(tensor: int, pipeline: int, device: torch.device, timeout_s: float) -> Ranks:
+    """Join (or create) the default process group for ``pipeline`` x ``tensor`` ranks and
+    make each stage's tensor-parallel group; ``device`` is the pipeline's device, narrowed
+    to this rank's GPU on CUDA. A launch that does not match is a ConfigError naming what to
+    change."""
+    import torch.distributed as dist
+
+    problem = launch_problem(tensor, pipeline)
+    if problem:
+        raise ConfigError(problem)
+    rank, size, local_rank = launched_world()
     if device.type == "cuda":
         if local_rank >= torch.cuda.device_count():
             raise ConfigError(f"rank {rank} has local rank {local_rank}, but this node has "
@@ -115,7 +148,17 @@ def init_tensor_parallel(size: int, device: torch.device, timeout_s: float) -> T
         # done. atexit runs last-registered first, so rank 0's RankSync.stop still reaches the
         # followers through the group before this.
         atexit.register(_leave_group)
-    return TensorParallel(rank, size, dist.group.WORLD, device)
+    world = TensorParallel(rank, size, dist.group.WORLD, device)
+    if pipeline == 1:
+        return Ranks(world, world if tensor > 1 else None)
+    from tessellm.core.parallel.stages import PipelineStage
+
+    # every rank takes part in making every group, in the same order
+    groups = [dist.new_group(list(range(s * tensor, (s + 1) * tensor))) for s in range(pipeline)]
+    transfers = dist.new_group(list(range(size)))  # activations and logits, apart from the lockstep's messages
+    index = rank // tensor
+    tp = TensorParallel(rank % tensor, tensor, groups[index], device) if tensor > 1 else None
+    return Ranks(world, tp, PipelineStage(index, pipeline, tensor, rank, transfers, device, world))
 
 
 def _leave_group() -> None:
@@ -126,7 +169,7 @@ def _leave_group() -> None:
 
 
 def in_launched_group() -> bool:
-    """Whether this process joined a tensor-parallel group (a torchrun rank)."""
+    """Whether this process joined a distributed run's group (a torchrun rank)."""
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()

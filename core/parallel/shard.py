@@ -154,14 +154,16 @@ def tensor_rule(name: str, spec: ModelSpec, shard: Shard, architecture: Any = No
 
 
 def load_shard(folder: Path, spec: ModelSpec, shard: Shard, architecture: Any = None,
-               quantized: tuple[Any, dict[str, Any]] | None = None) -> dict[str, torch.Tensor]:
+               quantized: tuple[Any, dict[str, Any]] | None = None,
+               keep: Any = None) -> dict[str, torch.Tensor]:
     """This rank's tensors from the folder's safetensors files, under the checkpoint's own
     names, reading only its slices (safetensors reads a slice without the rest of the
     tensor). ``architecture``, the model plugin, maps checkpoint names to the module's,
     which the slicing rules are written for; experts stacked as 3-D tensors are read whole,
     split per expert and sliced then. ``quantized`` (the quant plugin class and the
     checkpoint's quantization_config) rules the tensors of a pre-quantized checkpoint's
-    linears (``Quantizer.checkpoint_shard_rule``)."""
+    linears (``Quantizer.checkpoint_shard_rule``); ``keep(name)`` says which tensors are read
+    at all (a pipeline stage's)."""
     from tessellm.core.model.moe import unstack_experts
 
     def module_name(name: str) -> str:
@@ -182,7 +184,7 @@ def load_shard(folder: Path, spec: ModelSpec, shard: Shard, architecture: Any = 
     def read(f: Any, name: str) -> torch.Tensor:
         return _sliced(lambda: f.get_tensor(name), f.get_slice(name), rule(name), shard.rank)
 
-    state = load_state_dict(folder, read)
+    state = load_state_dict(folder, read, keep)
     stacked = {k: v for k, v in state.items() if v.dim() in (2, 3) and k.endswith((
         "experts.gate_up_proj", "experts.down_proj", "experts.gate_up_proj_bias", "experts.down_proj_bias"))}
     layout = getattr(architecture, "expert_layout", "concatenated")

@@ -63,8 +63,9 @@ class ContiguousCache(CacheManager):
     def __init__(self, options: ContiguousOptions, spec: CacheSpec, layout: KVLayout):
         super().__init__(options, spec, layout)
         slots = options.max_seqs * layout.block_size
+        held = set(spec.held_layers)  # a pipeline stage stores its own layers only
         self._layers = [dense_storage(layout, slots, spec.num_kv_heads, spec.head_dim, spec.device)
-                        for _ in range(spec.num_layers)]
+                        if i in held else None for i in range(spec.num_layers)]
         self._free = list(range(options.max_seqs - 1, -1, -1))  # pop() hands out region 0 first
         self._region: dict[int, int] = {}  # seq_id -> region
         self._reserved: dict[int, int] = {}  # seq_id -> tokens reserved
@@ -72,6 +73,10 @@ class ContiguousCache(CacheManager):
 
     def layer(self, index: int) -> KVStorage:
         return self._layers[index]
+
+    def _stored_layers(self) -> list[KVStorage]:
+        """Every layer's storage this cache keeps (a pipeline stage keeps its own layers')."""
+        return [storage for storage in self._layers if storage is not None]
 
     @property
     def num_blocks(self) -> int:
@@ -119,7 +124,7 @@ class ContiguousCache(CacheManager):
         bs = self.layout.block_size
         src = torch.arange(n, device=self.spec.device) + self._region[parent.seq_id] * bs
         dst = torch.arange(n, device=self.spec.device) + self._region[child.seq_id] * bs
-        for storage in self._layers:
+        for storage in self._stored_layers():
             storage.copy_slots(src, dst)
         self._computed[child.seq_id] = n
 

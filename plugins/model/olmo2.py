@@ -115,7 +115,7 @@ class Olmo2ForCausalLM(DecoderForCausalLM):
 
     def set_tensor_parallel(self, tp: Any) -> None:
         super().set_tensor_parallel(tp)
-        for layer in self.model.layers:
+        for layer in self.held_layers():
             layer.self_attn.set_tensor_parallel(tp, self.spec.hf_config)
 
 
@@ -124,7 +124,7 @@ class Olmo2Architecture(ModelArchitecture):
     layers and RoPE per layer type)."""
 
     name = "olmo2"
-    api_version = "1.12"
+    api_version = "1.13"
     model_types = ("olmo2", "olmo3")
 
     def spec(self, hf_config: Any) -> ModelSpec:

@@ -1,5 +1,6 @@
 """Tensor parallelism on the CPU (gloo): the shard arithmetic, and real torchrun launches of
-two (and three) ranks whose greedy outputs equal one rank's for generate, bench and serve,
+two (and three) ranks whose greedy outputs equal one rank's for generate, bench and serve
+(these two under pipeline parallelism too),
 on the default model, a GQA Llama with an uneven head split, a DeepSeek-V2 (MLA + MoE) and
 Qwen3, Qwen3-MoE, Qwen2-MoE and Mixtral (one launch for the four); the MoE shard rules on
 mapped checkpoint names and on experts stacked as 3-D tensors; bad sizes and a rank that
@@ -24,9 +25,10 @@ from tessellm.cli import main
 from tessellm.core.errors import ConfigError
 from tessellm.core.model.spec import ModelSpec
 from tessellm.core.parallel.shard import ZERO, allowed_sizes, load_shard, local_spec, plan_shard, slice_rule
+from tessellm.testing.launch import (PROMPTS, generate_args, one_rank, run_several_pipelines, token_ids,
+                                     torchrun, write_config)
 from tessellm.testing.models import TINY_SHAPES, build_tiny, build_tiny_deepseek, build_tiny_llama
 
-PROMPTS = ["t5 t6 t7", "t100 t3", "t9 t9 t9 t9 t41"]
 FAULT_SCRIPT = Path(__file__).with_name("fault_rank.py")
 
 
@@ -169,35 +171,6 @@ def test_tensor_above_one_outside_torchrun_names_the_launch(monkeypatch, tiny_mo
 # ---------------------------------------------------------------- torchrun launches
 
 
-def torchrun(ranks: int, *args: str, script: list[str] | None = None, env: dict | None = None,
-             timeout: float = 240) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           *(script or ["-m", "tessellm"]), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})})
-
-
-def token_ids(stdout: str) -> list[list[int]]:
-    return [json.loads(line)["token_ids"] for line in stdout.strip().splitlines()]
-
-
-def generate_args(config: Path, *extra: str) -> list[str]:
-    return ["generate", "--config", str(config), "--max-tokens", "12", "--ignore-eos", "--json", *extra, *PROMPTS]
-
-
-def one_rank(config: Path, capsys, *extra: str) -> list[list[int]]:
-    assert main(generate_args(config, *extra)) == 0
-    return token_ids(capsys.readouterr().out)
-
-
-def write_config(path: Path, model: Path, dtype: str = "float64", **extra) -> Path:
-    config = {"model": str(model), "device": "cpu", "dtype": dtype, "max_model_len": 128,
-              "cache": {"name": "paged", "options": {"block_size": 8, "num_blocks": 64}},
-              "scheduler": {"name": "continuous"}, "parallel": {"timeout_s": 30}, **extra}
-    path.write_text(json.dumps(config))
-    return path
-
-
 @pytest.fixture(scope="module")
 def gqa_config(tmp_path_factory) -> Path:
     """A Llama with 6 query heads in 3 KV groups (two ranks split them 1 + 2), float64."""
@@ -313,23 +286,6 @@ def test_deepseek_mla_and_moe_shard(tmp_path, capsys):
 
 
 NEW_ARCHITECTURES = ["qwen3", "qwen3_moe", "qwen2_moe", "mixtral"]
-SEVERAL_PIPELINES = """\
-import json, sys
-from tessellm import LLM
-
-configs, params = json.loads(sys.argv[1]), json.loads(sys.argv[2])
-for config in configs:
-    try:
-        llm = LLM(config)
-    except SystemExit as stop:  # a follower serves rank 0's pipeline inside LLM(), then leaves so
-        if stop.code:
-            raise
-        continue
-    print(json.dumps([o.token_ids for o in llm.generate(params["prompts"], params["sampling"])]), flush=True)
-    llm.pipeline.engine.sync.stop()  # the followers go on to the next pipeline (not at exit)
-"""
-
-
 LAYER_FEATURE_FAMILIES = ["gemma2", "gemma3_text", "gpt_oss", "phi3", "granite", "smollm3", "olmo2", "olmo2-mqa"]
 
 
@@ -354,10 +310,8 @@ def test_model_plugins_shard(tmp_path):
         configs.append(json.loads(write_config(tmp_path / f"{model_type}.json", model).read_text()))
     params = {"prompts": PROMPTS, "sampling": {"max_tokens": 12, "ignore_eos": True, "temperature": 0.0}}
     expected = [[o.token_ids for o in LLM(c).generate(PROMPTS, params["sampling"])] for c in configs]
-    script = tmp_path / "several_pipelines.py"
-    script.write_text(SEVERAL_PIPELINES)
     two = [{**c, "parallel": {**c["parallel"], "tensor": 2}} for c in configs]
-    run = torchrun(2, json.dumps(two), json.dumps(params), script=[str(script)], timeout=400)
+    run = run_several_pipelines(2, two, params, tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     got = [json.loads(line) for line in run.stdout.strip().splitlines()]
     assert len(got) == len(model_types)  # rank 0 alone prints
@@ -366,14 +320,15 @@ def test_model_plugins_shard(tmp_path):
 
 
 @pytest.mark.extended
-def test_bench_under_torchrun(gqa_config):
-    run = torchrun(2, "bench", "--config", str(gqa_config), "--set", "parallel.tensor=2", "--num-requests", "4",
+@pytest.mark.parametrize("split", ["tensor", "pipeline"])
+def test_bench_under_torchrun(gqa_config, split):
+    run = torchrun(2, "bench", "--config", str(gqa_config), "--set", f"parallel.{split}=2", "--num-requests", "4",
                    "--workload-set", "prompt_median=12", "--workload-set", "prompt_max=40",
                    "--workload-set", "output_median=6", "--workload-set", "output_max=10", "--json",
                    "--no-progress")
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout)
-    assert report["pipeline"]["parallel"]["tensor"] == 2 and report["total_output_tokens"] > 0
+    assert report["pipeline"]["parallel"][split] == 2 and report["total_output_tokens"] > 0
 
 
 def free_port() -> int:
@@ -383,13 +338,14 @@ def free_port() -> int:
 
 
 @pytest.mark.extended
-def test_serve_under_torchrun_answers_like_one_rank(gqa_config, capsys):
+@pytest.mark.parametrize("split", ["tensor", "pipeline"])
+def test_serve_under_torchrun_answers_like_one_rank(gqa_config, capsys, split):
     from openai import OpenAI
 
     expected = one_rank(gqa_config, capsys)
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "tessellm",
-           "serve", "--config", str(gqa_config), "--set", "parallel.tensor=2", "--port", str(port)]
+           "serve", "--config", str(gqa_config), "--set", f"parallel.{split}=2", "--port", str(port)]
     server = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
     try:
@@ -417,11 +373,13 @@ def test_a_launch_that_does_not_match_parallel_tensor_names_both(gqa_config):
     assert "parallel.tensor is 3, but torchrun launched 2 process(es)" in run.stderr
 
 
-@pytest.mark.parametrize("rank, mode", [(1, "raise"), pytest.param(0, "raise", marks=pytest.mark.extended),
-                                        pytest.param(1, "exit", marks=pytest.mark.extended)])
-def test_a_failing_rank_ends_every_rank_with_a_clear_error(gqa_config, rank, mode):
+@pytest.mark.parametrize("split, rank, mode", [
+    ("tensor", 1, "raise"), pytest.param("tensor", 0, "raise", marks=pytest.mark.extended),
+    pytest.param("tensor", 1, "exit", marks=pytest.mark.extended), ("pipeline", 1, "raise"),
+    pytest.param("pipeline", 0, "exit", marks=pytest.mark.extended)])
+def test_a_failing_rank_ends_every_rank_with_a_clear_error(gqa_config, split, rank, mode):
     start = time.time()
-    run = torchrun(2, *generate_args(gqa_config, "--set", "parallel.tensor=2"), script=[str(FAULT_SCRIPT)],
+    run = torchrun(2, *generate_args(gqa_config, "--set", f"parallel.{split}=2"), script=[str(FAULT_SCRIPT)],
                    env={"TESSELLM_TEST_FAIL_RANK": str(rank), "TESSELLM_TEST_FAIL_AT": "4",
                         "TESSELLM_TEST_FAIL_MODE": mode}, timeout=150)
     assert run.returncode != 0 and time.time() - start < 100  # the group's timeout is 30 s
@@ -450,20 +408,23 @@ def test_int8_models_shard(gqa_config, capsys, quant):
 
 
 @pytest.mark.extended
-def test_eval_perplexity_under_torchrun(gqa_config, capsys):
+@pytest.mark.parametrize("split", ["tensor", "pipeline"])
+def test_eval_perplexity_under_torchrun(gqa_config, capsys, split):
     """Scoring (``Engine.score``) goes through the lockstep too: the same perplexity."""
     args = ["eval", "ppl", "--config", str(gqa_config), "--max-tokens", "200"]
     assert main(args) == 0
     expected = capsys.readouterr().out.split(",")[0]
-    run = torchrun(2, *args, "--set", "parallel.tensor=2")
+    run = torchrun(2, *args, "--set", f"parallel.{split}=2")
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split(",")[0] == expected and expected.startswith("perplexity ")
 
 
 @pytest.mark.extended
-def test_two_ranks_serve_lora_adapters_as_one_rank(gqa_config, tmp_path, capsys):
+@pytest.mark.parametrize("split", ["tensor", "pipeline"])
+def test_two_ranks_serve_lora_adapters_as_one_rank(gqa_config, tmp_path, capsys, split):
     """Adapters on every projection are sharded with their layers (B rows of column-parallel
-    layers, A columns of row-parallel ones): two ranks give one rank's tokens under each."""
+    layers, A columns of row-parallel ones), or read by the stage that holds the layer: two
+    ranks give one rank's tokens under each."""
     from tessellm.testing.lora import build_tiny_lora
 
     config = json.loads(gqa_config.read_text())
@@ -477,6 +438,6 @@ def test_two_ranks_serve_lora_adapters_as_one_rank(gqa_config, tmp_path, capsys)
     for name in adapters:
         expected = one_rank(path, capsys, "--lora", name)
         assert expected != plain
-        run = torchrun(2, *generate_args(path, "--set", "parallel.tensor=2", "--lora", name))
+        run = torchrun(2, *generate_args(path, "--set", f"parallel.{split}=2", "--lora", name))
         assert run.returncode == 0, run.stderr[-3000:]
         assert token_ids(run.stdout) == expected, name

@@ -96,7 +96,8 @@ def bounds_page(options: PagedOptions) -> int:
 
 def bytes_per_block(model, block_size: int, dtype: torch.dtype, bounds_dtype: torch.dtype | None = None,
                     page_size: int | None = None) -> int:
-    """K and V bytes of one block across all layers (``model``: a ModelSpec or CacheSpec) in
+    """K and V bytes of one block across the layers stored (``model``: a ModelSpec, or a
+    CacheSpec, which may store a pipeline stage's layers only) in
     storage dtype ``dtype`` (torch.int8: values and their scales), plus its key bounds in
     ``bounds_dtype`` (per page of ``page_size`` tokens; None: per block) where the layout
     keeps them."""
@@ -105,7 +106,8 @@ def bytes_per_block(model, block_size: int, dtype: torch.dtype, bounds_dtype: to
     per_head = bytes_per_token_head(shape.head_dim) if dtype == torch.int8 else shape.head_dim * dtype.itemsize
     bounds = (bounds_bytes_per_block(shape.num_heads, shape.head_dim, bounds_dtype, block_size // page_size)
               if bounds_dtype is not None else 0)
-    return model.num_layers * (shape.tensors * block_size * shape.num_heads * per_head + bounds)
+    layers = len(model.held_layers) if hasattr(model, "held_layers") else model.num_layers
+    return layers * (shape.tensors * block_size * shape.num_heads * per_head + bounds)
 
 
 def frees_windows(options: PagedOptions, spec: CacheSpec, layout: KVLayout) -> bool:
@@ -193,14 +195,16 @@ class PagedCache(CacheManager):
         num_blocks = _budget_blocks(options, spec, spec.device, spec.dtype, layout.extras)
         self.pool = BlockPool(num_blocks)
         slots = (num_blocks + 1) * layout.block_size  # + the scratch block, never handed out
-        self._layers: list[KVStorage] = [
+        held = set(spec.held_layers)  # a pipeline stage stores its own layers only
+        self._layers: list[KVStorage | None] = [
             make_layer_storage(layout, slots, spec.num_kv_heads, spec.head_dim, spec.device, spec.dtype)
-            for _ in range(spec.num_layers)]
+            if i in held else None for i in range(spec.num_layers)]
         self.prefix = PrefixCache(self.pool, layout.block_size, options.prefix_caching)
         self._tables: dict[int, list[int]] = {}  # seq_id -> blocks
         self._computed: dict[int, int] = {}  # seq_id -> tokens with valid KV (commit)
         self.cow_copies = 0
-        self.tiers = build_tiers(options, spec, layout, self.pool, self._layers) if options.tiered else None
+        self.tiers = build_tiers(options, spec, layout, self.pool,
+                                                   [self._layers[i] for i in spec.held_layers]) if options.tiered else None
         if self.tiers is not None:
             self.pool.on_evict = self.tiers.on_device_evict
             self.prefix.fetch = self.tiers.fetch
@@ -211,6 +215,10 @@ class PagedCache(CacheManager):
 
     def layer(self, index: int) -> KVStorage:
         return self._layers[index]
+
+    def _stored_layers(self) -> list[KVStorage]:
+        """Every layer's storage this cache keeps (a pipeline stage keeps its own layers')."""
+        return [storage for storage in self._layers if storage is not None]
 
     @property
     def num_blocks(self) -> int:
@@ -229,7 +237,7 @@ class PagedCache(CacheManager):
 
     def bytes_for_sequence(self, num_tokens: int) -> int:
         """K/V bytes (scales and bounds included) one sequence of ``num_tokens`` holds."""
-        per_block = sum(self.layer(i).bytes_per_slot or 0 for i in range(self.spec.num_layers))
+        per_block = sum(self.layer(i).bytes_per_slot or 0 for i in self.spec.held_layers)
         return -(-num_tokens // self.layout.block_size) * self.layout.block_size * per_block
 
     @property
@@ -289,7 +297,7 @@ class PagedCache(CacheManager):
         bs = self.layout.block_size
         src = torch.arange(block * bs, (block + 1) * bs, device=self.spec.device)
         dst = torch.arange(fresh * bs, (fresh + 1) * bs, device=self.spec.device)
-        for storage in self._layers:
+        for storage in self._stored_layers():
             storage.copy_slots(src, dst)
         self.pool.decref(block)
         self.cow_copies += 1
@@ -308,7 +316,7 @@ class PagedCache(CacheManager):
             # the new last block keeps fewer tokens: its bounds shrink to them (a block other
             # tables or the prefix index still hold keeps its bounds; it is copied before this
             # sequence writes to it)
-            for storage in self._layers:
+            for storage in self._stored_layers():
                 storage.refresh_bounds(table[-1], num_tokens % bs)
         if seq.seq_id in self._computed:
             self._computed[seq.seq_id] = min(self._computed[seq.seq_id], num_tokens)

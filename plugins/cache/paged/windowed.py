@@ -54,15 +54,17 @@ class WindowedPagedCache(PagedCache):
         self.tiers = None
         windows = list(spec.layer_windows)
         self.window = max(w for w in windows if w is not None)
-        full = [i for i, w in enumerate(windows) if w is None]
-        sliding = [i for i, w in enumerate(windows) if w is not None]
+        held = spec.held_layers  # a pipeline stage stores its own layers only
+        self.num_held = len(held)
+        full = [i for i in held if windows[i] is None]
+        sliding = [i for i in held if windows[i] is not None]
         self.kinds = [FULL, SLIDING] if full else [SLIDING]
         self.groups = [tuple(full), tuple(sliding)] if full else [tuple(sliding)]
         # the budget in blocks of every layer (num_blocks, or what the memory budget holds), as
         # superblocks of the arena's width, + the reserved one
         blocks = _budget_blocks(options, spec, spec.device, spec.dtype, layout.extras)
         sizes = (len(full), len(sliding))
-        self.arena = SplitArena(blocks * spec.num_layers // math.lcm(*(n for n in sizes if n)) + 1, sizes)
+        self.arena = SplitArena(blocks * self.num_held // math.lcm(*(n for n in sizes if n)) + 1, sizes)
         bs = layout.block_size
         slots = self.arena.num_units * bs
         self.storage = make_layer_storage(layout, slots, spec.num_kv_heads, spec.head_dim, spec.device, spec.dtype)
@@ -99,7 +101,7 @@ class WindowedPagedCache(PagedCache):
     @property
     def num_blocks(self) -> int:
         """The arena in blocks of every layer (what ``num_blocks`` asks for)."""
-        return (self.arena.num_superblocks - 1) * self.arena.width // self.spec.num_layers
+        return (self.arena.num_superblocks - 1) * self.arena.width // self.num_held
 
     @property
     def num_free_blocks(self) -> int:
@@ -107,7 +109,7 @@ class WindowedPagedCache(PagedCache):
         return self.num_blocks - self._held_blocks()
 
     def _held_blocks(self) -> int:
-        return -(-self.arena.units_in_use // self.spec.num_layers)
+        return -(-self.arena.units_in_use // self.num_held)
 
     def num_allocated_slots(self) -> int:
         """Slots held, in blocks of every layer (a sliding run counts for its share)."""

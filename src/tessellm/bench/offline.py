@@ -167,7 +167,7 @@ def run_offline(llm: Any, requests: list[BenchRequest], *, progress: bool = Fals
     queried = after.queried_tokens - queried0
     stats = engine.stats
     spec = llm.pipeline.spec
-    layers = [cache.layer(i).bytes_per_slot for i in range(spec.num_layers)]
+    layers = [cache.layer(i).bytes_per_slot for i in cache.spec.held_layers]  # a pipeline stage's own
     itemsize = llm.pipeline.resolved.dtype.itemsize
     return BenchResult(timings, elapsed, kv_waste=stats.kv_waste,
                        kv_capacity_tokens=cache.num_blocks * cache.layout.block_size,
@@ -230,7 +230,7 @@ def _kv_capacity(cache: Any, max_len: int) -> dict[str, Any]:
     held = getattr(cache, "bytes_for_sequence", None)
     if held is None:
         return {}
-    per_token = sum(cache.layer(i).bytes_per_slot or 0 for i in range(cache.spec.num_layers))
+    per_token = sum(cache.layer(i).bytes_per_slot or 0 for i in cache.spec.held_layers)
     total = cache.num_blocks * cache.layout.block_size * per_token  # the cache in blocks of every layer
     one = held(max_len)
     return {"kv_bytes_per_token_at_max_len": round(one / max_len, 1), "kv_sequences_at_max_len": total // one,
