@@ -61,9 +61,13 @@ class ParallelConfig(BaseModel):
     count; None: as even as the count allows (earlier stages take the extra layer)."""
     microbatches: Optional[int] = Field(None, ge=1)
     """Under ``pipeline`` above 1: into how many micro-batches (by sequence, balanced by
-    tokens) a step is cut, so that stage s runs micro-batch k while stage s+1 runs k-1.
-    None: twice the stage count (the idle share of a step, (P-1)/(M+P-1), is 1/5 at 2
+    tokens) a step is cut at most, so that stage s runs micro-batch k while stage s+1 runs
+    k-1. None: twice the stage count (the idle share of a step, (P-1)/(M+P-1), is 1/5 at 2
     stages)."""
+    microbatch_min_tokens: int = Field(128, ge=1)
+    """The fewest tokens a micro-batch gets: a step of N tokens is cut into at most N // this
+    many. A forward of a few tokens costs about as much as one of a few more (its launches
+    and per-layer overhead, not its arithmetic), so small decode steps run whole."""
     timeout_s: float = Field(600.0, gt=0)
     """How long a rank waits for the others in one collective before failing (covers the
     slowest rank's kernel compiles at start-up)."""

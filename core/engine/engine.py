@@ -403,8 +403,11 @@ class Engine:
         if self.runner.microbatches < 2 or len(items) < 2:
             return None
         counts = [i.num_query_tokens + len(drafts.get(i.seq.seq_id, ())) for i in items]
+        wanted = min(self.runner.microbatches, sum(counts) // self.runner.microbatch_min_tokens)
+        if wanted < 2:
+            return None
         parts = []
-        for start, end in split_for_microbatches(counts, self.runner.microbatches):
+        for start, end in split_for_microbatches(counts, wanted):
             run = items[start:end]
             ids = {i.seq.seq_id for i in run}
             parts.append(build_batch(run, self.cache, self.runner.device,

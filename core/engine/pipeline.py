@@ -112,6 +112,7 @@ class Pipeline:
         self.runner = ModelRunner(self.model, spec, self.attention, self.cache, r.device)
         if self.stage:
             self.runner.microbatches = config.parallel.microbatches or 2 * self.stage.size
+            self.runner.microbatch_min_tokens = config.parallel.microbatch_min_tokens
         if calibrates:
             self._calibrate_and_quantize(quantizer)
         self.lora = self._build_lora() if config.lora.active else None

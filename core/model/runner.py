@@ -39,7 +39,9 @@ class ModelRunner:
         self.stage = getattr(model, "stage", None)
         """The pipeline stage the model runs (core/parallel/stages.py), or None."""
         self.microbatches = 1
-        """Into how many micro-batches the engine cuts a step (above 1 only for a stage)."""
+        """Into how many micro-batches the engine cuts a step at most (above 1 only for a
+        stage), each of at least ``microbatch_min_tokens`` tokens."""
+        self.microbatch_min_tokens = 1
 
     def _group_of_layer(self) -> list[int]:
         """Each layer's group in the cache's ``layer_groups`` (fixed: worked out once)."""

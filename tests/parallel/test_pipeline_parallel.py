@@ -172,13 +172,15 @@ def every_architecture(tmp_path_factory) -> tuple[Path, list[dict], dict, list]:
 
 
 @pytest.mark.parametrize("ranks, parallel", [
-    (2, {"pipeline": 2}), pytest.param(4, {"pipeline": 2, "tensor": 2}, marks=pytest.mark.extended)],
+    (2, {"pipeline": 2, "microbatch_min_tokens": 1}),
+    pytest.param(4, {"pipeline": 2, "tensor": 2, "microbatch_min_tokens": 1}, marks=pytest.mark.extended)],
     ids=["P2", "P2xT2"])
 def test_every_architecture_splits_into_stages_as_one_rank(every_architecture, ranks, parallel):
     """Llama, Mistral (a window), Qwen3 and its MoE, Qwen2-MoE, Mixtral, DeepSeek V2 and V3
     (MLA latents, MoE), Gemma 2 and 3 (per-layer windows, softcaps), GPT-OSS (sinks), Phi-3,
     OLMo 2, Granite and SmolLM3: each stage runs its layers, two stages (of two tensor ranks
-    each) give one rank's greedy tokens, in one launch per layout."""
+    each) give one rank's greedy tokens, in one launch per layout; steps are cut into
+    micro-batches down to one token each (the tiny prompts are a few tokens long)."""
     root, configs, params, expected = every_architecture
     configs = [{**c, "parallel": {**c["parallel"], **parallel}} for c in configs]
     run = run_several_pipelines(ranks, configs, params, root)
@@ -190,8 +192,8 @@ def test_every_architecture_splits_into_stages_as_one_rank(every_architecture, r
 
 
 @pytest.mark.parametrize("ranks, sets", [
-    (4, ("parallel.pipeline=2", "parallel.tensor=2")),
-    (3, ("parallel.pipeline=3",)),
+    (4, ("parallel.pipeline=2", "parallel.tensor=2", "parallel.microbatch_min_tokens=1")),
+    (3, ("parallel.pipeline=3", "parallel.microbatch_min_tokens=2")),
     pytest.param(2, ("parallel.pipeline=2", "parallel.stage_layers=[1,2]", "parallel.microbatches=1"),
                  marks=pytest.mark.extended)], ids=["P2xT2", "P3", "P2-uneven-one-microbatch"])
 def test_stage_layouts_as_one_rank(llama3, capsys, ranks, sets):
@@ -219,7 +221,7 @@ def test_stages_run_beams_penalties_and_drafts_as_one_rank(llama3, tmp_path):
     sampling = [greedy, penalties, penalties, penalties]  # beams take no penalties
     params = {"prompts": PROMPTS + ["t7 t8 t7 t8 t7 t8 t7"], "sampling": sampling}
     expected = [[o.token_ids for o in LLM(c).generate(params["prompts"], s)] for c, s in zip(configs, sampling)]
-    staged = [{**c, "parallel": {**c["parallel"], "pipeline": 2}} for c in configs]
+    staged = [{**c, "parallel": {**c["parallel"], "pipeline": 2, "microbatch_min_tokens": 1}} for c in configs]
     run = run_several_pipelines(2, staged, params, tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert [json.loads(line) for line in run.stdout.strip().splitlines()] == expected
