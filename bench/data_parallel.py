@@ -20,6 +20,8 @@ it competes with the replicas, as any client here would.
 How to run (from the repository root; on a shared machine take the CPU lock)
 ----------
     flock -x /tmp/tessellm-cpu.lock .venv/bin/python bench/data_parallel.py
+    flock -x /tmp/tessellm-cpu.lock .venv/bin/python bench/data_parallel.py --parts b --tenant-requests 128 \
+        --server-set cache.options.num_blocks=300   # more tenants' prompts than a replica's cache holds
     .venv/bin/python bench/data_parallel.py --quick     # a few requests: the code path only
 """
 
@@ -105,8 +107,11 @@ def prefix_counters(url: str) -> tuple[float, float]:
     return totals["tessellm_prefix_cache_hit_tokens"], totals["tessellm_prefix_cache_queried_tokens"]
 
 
-def measure(server_args: list[str], requests: list, warmup: list, concurrency: int | None) -> dict:
-    """One server's run of ``requests`` after ``warmup``: throughput, TTFT, prefix-cache hits."""
+def measure(server_args: list[str], requests: list, warmup: list, concurrency: int | None,
+            overrides: list[str] = ()) -> dict:
+    """One server's run of ``requests`` after ``warmup``: throughput, TTFT, prefix-cache hits
+    (``overrides``: ``--set`` values for its pipeline)."""
+    server_args = [*server_args, *(a for o in overrides for a in ("--set", o))]
     with Server(server_args) as server:
         run_serving(server.url, warmup, model=MODEL, max_concurrency=concurrency)
         hit0, queried0 = prefix_counters(server.url)
@@ -125,8 +130,8 @@ def throughput(args: argparse.Namespace, tokenizer: object, max_len: int) -> dic
     workload = get_workload("mixed", [])
     requests = workload.requests(seed=0, num_requests=args.mixed_requests, tokenizer=tokenizer, max_model_len=max_len)
     warmup = workload.requests(seed=1, num_requests=2, tokenizer=tokenizer, max_model_len=max_len)
-    one = measure([], requests, warmup, None)
-    two = measure(["--data-parallel", "2", "--policy", "least-load"], requests, warmup, None)
+    one = measure([], requests, warmup, None, args.server_set)
+    two = measure(["--data-parallel", "2", "--policy", "least-load"], requests, warmup, None, args.server_set)
     return {"workload": workload.describe(0, len(requests)), "one_replica": one, "two_replicas": two,
             "speedup": round(two["output_tokens_per_s"] / one["output_tokens_per_s"], 3)}
 
@@ -140,7 +145,8 @@ def tenants(args: argparse.Namespace, tokenizer: object, max_len: int) -> dict:
     warmup = get_workload("mixed", []).requests(seed=1, num_requests=2, tokenizer=tokenizer, max_model_len=max_len)
     out = {"workload": workload.describe(0, len(requests)), "concurrency": args.concurrency}
     for policy in ("prefix-aware", "round-robin"):
-        out[policy] = measure(["--data-parallel", "2", "--policy", policy], requests, warmup, args.concurrency)
+        out[policy] = measure(["--data-parallel", "2", "--policy", policy], requests, warmup, args.concurrency,
+                              args.server_set)
     return out
 
 
@@ -148,12 +154,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="a few requests of each part: the code path only")
     p.add_argument("--mixed-requests", type=int, default=48)
-    p.add_argument("--tenants", type=int, default=8)
+    p.add_argument("--tenants", type=int, default=7,
+                   help="tenants (odd: the workload cycles through them, so with an even count round-robin "
+                        "over 2 replicas would send each tenant to one replica every time)")
     p.add_argument("--prefix-len", type=int, default=800, help="tokens of each tenant's system prompt")
     p.add_argument("--tenant-requests", type=int, default=64)
     p.add_argument("--tenant-output", type=int, default=16)
     p.add_argument("--concurrency", type=int, default=4, help="(b): requests in flight at once")
     p.add_argument("--parts", default="ab", help="which parts to run: a, b or ab (default)")
+    p.add_argument("--server-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a pipeline config override for every server (e.g. cache.options.num_blocks=640)")
     p.add_argument("--out", default=None, help="JSON file (default bench/results/data_parallel_cpu_DATE.json)")
     args = p.parse_args()
     if args.quick:
