@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     # (by any test module, or by a library such as transformers at collection): set it before.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-settings.register_profile("ci", deadline=None, derandomize=True, max_examples=20, print_blob=True,
+settings.register_profile("ci", deadline=None, derandomize=True, max_examples=15, print_blob=True,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.register_profile("dev", deadline=None, max_examples=200)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))

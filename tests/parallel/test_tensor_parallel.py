@@ -264,6 +264,7 @@ def test_two_ranks_apply_logits_processors_as_one_rank(gqa_config, capsys):
     assert token_ids(run.stdout) == expected
 
 
+@pytest.mark.extended
 def test_default_model_two_ranks_generate_one_ranks_tokens(smollm2_dir, capsys):
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
     args = ["generate", "--set", "device=cpu", "--set", f"model={smollm2_dir}", "--max-tokens", "16",
