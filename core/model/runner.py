@@ -98,7 +98,8 @@ class ModelRunner:
                 return logits if native_logits or logits.dtype in (torch.float32, torch.float64) else logits.float()
         return self._run_model(batch, layers, native_logits)
 
-    def _run_model(self, batch: BatchMetadata, layers: Layers[int] | None, native_logits: bool) -> torch.Tensor | None:
+    def _run_model(self, batch: BatchMetadata, layers: Layers[int] | None,
+                   native_logits: bool) -> torch.Tensor | None:
         """The model over ``batch``: attention planned, LoRA's plan set where it has adapters."""
         plan = self.backend.plan(batch, self.cache)
         if batch.groups:  # a plan per block table (a cache that frees out-of-window blocks)

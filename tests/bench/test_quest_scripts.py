@@ -29,6 +29,7 @@ def test_attention_microbenchmark_reports_dense_quest_and_the_ratio(tmp_path):
     assert report["command"].startswith("python bench/quest.py") and report["date"] and report["device"]
 
 
+@pytest.mark.extended  # a benchmark script's smoke run; QUEST itself: tests/plugins/attention/quest
 def test_end_to_end_smoke_runs_both_arms(tmp_path):
     out = tmp_path / "e2e.json"
     run("quest_e2e.py", "--smoke", "--new-tokens", "4", "--json", str(out))

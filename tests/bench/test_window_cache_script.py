@@ -10,9 +10,12 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).parents[2] / "bench" / "window_cache.py"
 
 
+@pytest.mark.extended  # a benchmark script's smoke run; the release itself: tests/plugins/cache/paged
 def test_smoke_compares_release_on_and_off(tmp_path):
     out = tmp_path / "window.json"
     done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--json", str(out)], capture_output=True,

@@ -1,10 +1,10 @@
 """Pipeline parallelism on the CPU (gloo): the stage and micro-batch arithmetic, a stage's
 module, checkpoint reads and KV cache holding its own layers only, the micro-batch path's
 logits equal to one batch's in one process, and torchrun launches whose greedy tokens equal
-one rank's on every built-in architecture's tiny checkpoint at P = 2 and P = 2 x T = 2 (one
-launch each), with beams, penalties and drafts (LoRA, scoring, bench and serving under
-stages, and a failing stage, are in test_tensor_parallel.py, beside tensor parallelism's);
-bad sizes name the allowed ones."""
+one rank's: every built-in architecture's tiny checkpoint at P = 2 and P = 2 x T = 2 (one
+launch each), P = 4 (middle stages), beams, penalties and drafts. LoRA, scoring, bench and
+serving under stages, and a failing stage, are in test_tensor_parallel.py beside tensor
+parallelism's. Bad sizes name the allowed ones."""
 
 from __future__ import annotations
 
@@ -146,11 +146,11 @@ def test_micro_batches_give_one_batchs_logits_and_logprobs(tiny_model, cpu_confi
 
 
 @pytest.fixture(scope="module")
-def llama3(tmp_path_factory) -> Path:
-    """A 3-layer GQA Llama (6 query heads in 3 KV groups), float64."""
+def llama4(tmp_path_factory) -> Path:
+    """A 4-layer GQA Llama (6 query heads in 3 KV groups), float64."""
     root = tmp_path_factory.mktemp("pp-llama")
     model = build_tiny_llama(root / "model", hidden_size=96, num_attention_heads=6, num_key_value_heads=3,
-                             intermediate_size=96, num_hidden_layers=3)
+                             intermediate_size=96, num_hidden_layers=4)
     return write_config(root / "pipeline.json", model)
 
 
@@ -191,25 +191,37 @@ def test_every_architecture_splits_into_stages_as_one_rank(every_architecture, r
         assert tokens == want, model_type
 
 
-@pytest.mark.parametrize("ranks, sets", [
-    (4, ("parallel.pipeline=2", "parallel.tensor=2", "parallel.microbatch_min_tokens=1")),
-    (3, ("parallel.pipeline=3", "parallel.microbatch_min_tokens=2")),
-    pytest.param(2, ("parallel.pipeline=2", "parallel.stage_layers=[1,2]", "parallel.microbatches=1"),
-                 marks=pytest.mark.extended)], ids=["P2xT2", "P3", "P2-uneven-one-microbatch"])
-def test_stage_layouts_as_one_rank(llama3, capsys, ranks, sets):
-    expected = one_rank(llama3, capsys)
-    run = torchrun(ranks, *generate_args(llama3, *[a for s in sets for a in ("--set", s)]))
+def test_two_stages_of_two_ranks_and_four_stages_as_one_rank(llama4, tmp_path):
+    """P = 2 x T = 2, and P = 4 (two middle stages, which both receive and send), in one
+    launch of four ranks; steps cut into micro-batches down to one token."""
+    from tessellm import LLM
+
+    base = json.loads(llama4.read_text())
+    layouts = [{"pipeline": 2, "tensor": 2}, {"pipeline": 4}]
+    configs = [{**base, "parallel": {**base["parallel"], **p, "microbatch_min_tokens": 1}} for p in layouts]
+    params = {"prompts": PROMPTS, "sampling": {"max_tokens": 12, "ignore_eos": True, "temperature": 0.0}}
+    expected = [o.token_ids for o in LLM(base).generate(PROMPTS, params["sampling"])]
+    run = run_several_pipelines(4, configs, params, tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [json.loads(line) for line in run.stdout.strip().splitlines()] == [expected, expected]
+
+
+@pytest.mark.extended
+def test_uneven_stages_in_one_micro_batch_as_one_rank(llama4, capsys):
+    expected = one_rank(llama4, capsys)
+    run = torchrun(2, *generate_args(llama4, "--set", "parallel.pipeline=2", "--set", "parallel.stage_layers=[1,3]",
+                                     "--set", "parallel.microbatches=1"))
     assert run.returncode == 0, run.stderr[-3000:]
     assert token_ids(run.stdout) == expected
 
 
-def test_stages_run_beams_penalties_and_drafts_as_one_rank(llama3, tmp_path):
+def test_stages_run_beams_penalties_and_drafts_as_one_rank(llama4, tmp_path):
     """Every rank decodes the last stage's logits: beams regroup, penalties keep their
     state, n-gram drafts and layer-skip drafts (a subset of each stage's layers) are verified
     alike on every stage."""
     from tessellm import LLM
 
-    base = json.loads(llama3.read_text())
+    base = json.loads(llama4.read_text())
     variants = [{"decoding": {"name": "beam", "options": {"num_beams": 3}}},
                 {"decoding": {"name": "speculative", "options": {"proposer": "ngram", "k": 3}}},
                 {"decoding": {"name": "speculative", "options": {"proposer": "layer-skip", "k": 2,
@@ -228,10 +240,10 @@ def test_stages_run_beams_penalties_and_drafts_as_one_rank(llama3, tmp_path):
 
 
 @pytest.mark.extended
-def test_more_stages_than_layers_names_the_allowed_ones(llama3):
-    run = torchrun(4, *generate_args(llama3, "--set", "parallel.pipeline=4"), timeout=120)
+def test_more_stages_than_layers_names_the_allowed_ones(llama4):
+    run = torchrun(5, *generate_args(llama4, "--set", "parallel.pipeline=5"), timeout=120)
     assert run.returncode != 0
-    assert "parallel.pipeline 4 is more stages than this model's 3 decoder layers; allowed: 1 to 3" in run.stderr
+    assert "parallel.pipeline 5 is more stages than this model's 4 decoder layers; allowed: 1 to 4" in run.stderr
 
 
 @pytest.mark.parametrize("world, tensor, pipeline, message", [
@@ -249,11 +261,11 @@ def test_a_launch_of_another_size_names_both(monkeypatch, world, tensor, pipelin
     assert launch_problem(tensor, pipeline) == message
 
 
-def test_pipeline_above_one_outside_torchrun_names_the_launch(monkeypatch, llama3):
+def test_pipeline_above_one_outside_torchrun_names_the_launch(monkeypatch, llama4):
     from tessellm import LLM
 
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(ConfigError, match=r"parallel.pipeline x parallel.tensor is 2 x 1 = 2, but this process was "
                                           r"not launched by torchrun; run torchrun --nproc-per-node 2"):
-        LLM(json.loads(llama3.read_text()) | {"parallel": {"pipeline": 2}})
+        LLM(json.loads(llama4.read_text()) | {"parallel": {"pipeline": 2}})

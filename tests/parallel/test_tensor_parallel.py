@@ -198,6 +198,7 @@ def test_two_ranks_generate_one_ranks_tokens(layout, request, capsys):
     assert run.stdout.count("\n") == len(PROMPTS)  # rank 0 alone prints
 
 
+@pytest.mark.extended  # beams across ranks: test_pipeline_parallel's launch, on every stage
 def test_two_ranks_beam_search_as_one_rank(gqa_config, capsys):
     """Beams regroup identically on every rank (each decides from the same gathered logits)."""
     beams = ("--set", "decoding.name=beam", "--set", "decoding.options.num_beams=3")
