@@ -418,8 +418,9 @@ class Engine:
     def _run_isolating_faults(self, plan: StepPlan) -> tuple[StepPlan, torch.Tensor, list[list[int]]] | None:
         """Forward and decode ``plan``. If that raises, run each request alone, abort the ones
         whose own run raises (``failures``) and run the rest again; re-raise when no single
-        request reproduces the error. None: no request is left to run. Under tensor
-        parallelism a step that raises is fatal: the ranks cannot rerun requests alone in step."""
+        request reproduces the error. None: no request is left to run. Under tensor or
+        pipeline parallelism a step that raises is fatal: the ranks cannot rerun requests alone
+        in step."""
         if self.sync is not None:
             return (plan, *self._forward_and_decode(plan.batch, plan.parts))
         try:
