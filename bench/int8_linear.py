@@ -12,8 +12,9 @@ against the Triton kernel, the tiled path and `w8a8`'s path (``torch._int_mm`` a
 rows, the Triton kernel at or below).
 
 ``--low-bit`` adds `int4-weight` at groups of 32 and 128 (the Triton kernel on CUDA; on the CPU
-torch's int4 kernel, bfloat16 inside, and the tiled path) and `fp8` per channel (dequantized
-tiles before the BLAS).
+torch's int4 kernel, bfloat16 inside, and the tiled path) and `fp8` per channel, both ways
+(`fp8`: dequantized tiles before the BLAS; `fp8_scaled_mm`: activations quantized to e4m3 per
+row, then `torch._scaled_mm`, the FP8 tensor cores on a GPU of compute capability 8.9+).
 
 Each timing runs ``--layers`` distinct copies of the weight one after another, as a forward
 runs its layers, so the weights stream from memory rather than sit in a cache (one SmolLM2
@@ -87,8 +88,9 @@ def low_bit_layers(weight: torch.Tensor, device: torch.device) -> dict:
     from tessellm.plugins.quant.int4 import cpu as int4_cpu
     from tessellm.plugins.quant.int4.quantize import quantize_int4
 
-    fp8 = Fp8Linear(*quantize_fp8(weight, "channel"), None, None)
-    forms = {"fp8": fp8}
+    fp8 = quantize_fp8(weight, "channel")
+    forms = {"fp8": Fp8Linear(*fp8, None, None),  # weights dequantized inside the matmul
+             "fp8_scaled_mm": Fp8Linear(*fp8, None, None, use_scaled_mm=True)}  # e4m3 activations too
     for group in (32, 128):
         int4 = quantize_int4(weight, group)
         if device.type == "cuda":

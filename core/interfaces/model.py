@@ -12,7 +12,8 @@ A model plugin says three things and may override a fourth:
   skip the tensor); the default keeps the name. Experts stacked as 3-D tensors are split
   per expert before names are mapped (``tessellm.core.model.moe.unstack_experts``);
 - ``after_load(model, device, dtype)``: switch to fast paths once weights are in place (the
-  default fuses projections and stacks experts on CUDA).
+  default stacks q/k/v and gate/up projections on every device but for float64, and runs
+  the fused kernels and stacks experts on CUDA).
 
 Selection: a config's ``architecture`` section names a model plugin, or ``auto`` (the
 default) takes the plugin with the highest ``auto_priority`` among those whose
@@ -84,13 +85,16 @@ class ModelArchitecture(Plugin):
         return None
 
     def after_load(self, model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-        """Fast paths once the weights are loaded: on CUDA (not float64, the exact
-        reference) the fused norm/RoPE/SwiGLU kernels with stacked q/k/v and gate/up
-        projections where the module supports them, and MoE experts as batched products."""
-        fast = device.type == "cuda" and dtype != torch.float64
+        """Fast paths once the weights are loaded. Outside float64 (the exact reference) q/k/v
+        and gate/up become one GEMM each where the module's blocks read them stacked (fewer,
+        larger products: on a CPU each saved call is a dispatch and, for int4, an activation
+        conversion). On CUDA also the fused norm/RoPE/SwiGLU kernels where the module
+        supports them, and MoE experts as batched products."""
+        exact = dtype == torch.float64
+        fast = device.type == "cuda" and not exact
         model.fused = fast and getattr(model, "supports_fused", False) and \
             importlib.util.find_spec("triton") is not None
-        if model.fused:
+        if not exact and hasattr(model, "fuse_projections"):
             model.fuse_projections()
         if fast and hasattr(model, "stack_experts"):
             model.stack_experts()

@@ -55,6 +55,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and x.device.type == "cpu":  # one call, the same bits as below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype
         x = x.float()  # normalise in float32 whatever the compute dtype, as transformers does
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -118,15 +120,19 @@ class Attention(nn.Module):
         self.backend_checked = False  # whether the attention backend's output has met its contract once
 
     def fuse_projections(self) -> None:
-        """Replace q/k/v_proj by one ``qkv_proj`` (their weights stacked): one GEMM, not three."""
-        if not _all_float_linears(self.q_proj, self.k_proj, self.v_proj):
-            return  # a pre-quantized checkpoint's projections stay apart
+        """Replace q/k/v_proj by one ``qkv_proj`` (their weights stacked): one GEMM, not three.
+        A subclass with its own ``forward`` (which may read q_proj) keeps them apart."""
+        if self.qkv_proj is not None or type(self).forward is not Attention.forward or \
+                not _all_float_linears(self.q_proj, self.k_proj, self.v_proj):
+            return  # a pre-quantized checkpoint's projections stay apart too
         self.qkv_proj = _stacked(q_proj=self.q_proj, k_proj=self.k_proj, v_proj=self.v_proj)
         del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 backend: AttentionBackend, cache: CacheManager, plan: Any, fused: bool = False) -> torch.Tensor:
         t = x.shape[0]
+        if self.qkv_proj is not None and not (fused or self.qk_norm or cos is None):
+            return self.o_proj(self._attend_stacked(self.qkv_proj(x), cos, sin, backend, cache, plan).reshape(t, -1))
         if self.qkv_proj is not None:  # views into one [T, (Hq + 2 Hkv) D] output
             q, k, v = self.qkv_proj(x).split([self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
                                               self.num_kv_heads * self.head_dim], dim=-1)
@@ -138,6 +144,18 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         return self.o_proj(self.attend(q, k, v, cos, sin, backend, cache, plan, fused).reshape(t, -1))
+
+    def _attend_stacked(self, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: AttentionBackend,
+                        cache: CacheManager, plan: Any) -> torch.Tensor:
+        """``attend`` from the stacked projection's output [T, (Hq + 2 Hkv) D], q and k rotated
+        in one pass over their adjacent heads (half the small operations of rotating each)."""
+        t, hq, hkv = qkv.shape[0], self.num_heads, self.num_kv_heads
+        heads = qkv.view(t, hq + 2 * hkv, self.head_dim)
+        qk = apply_rotary(heads[:, :hq + hkv], cos[:, None, :], sin[:, None, :])
+        q, k = qk[:, :hq], qk[:, hq:]
+        if t > 1:  # backends get q and k whole, as rotating them apart gives them
+            q, k = q.contiguous(), k.contiguous()
+        return self.attend(q, k, heads[:, hq + hkv:], None, None, backend, cache, plan)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor | None,
                sin: torch.Tensor | None, backend: AttentionBackend, cache: CacheManager, plan: Any,
@@ -185,8 +203,10 @@ class MLP(nn.Module):
         self.gate_up_proj: nn.Linear | None = None
 
     def fuse_projections(self) -> None:
-        """Replace gate/up_proj by one ``gate_up_proj`` (their weights stacked)."""
-        if not _all_float_linears(self.gate_proj, self.up_proj):
+        """Replace gate/up_proj by one ``gate_up_proj`` (their weights stacked); kept apart
+        where a subclass has its own ``forward``."""
+        if self.gate_up_proj is not None or type(self).forward is not MLP.forward or \
+                not _all_float_linears(self.gate_proj, self.up_proj):
             return
         self.gate_up_proj = _stacked(gate_proj=self.gate_proj, up_proj=self.up_proj)
         del self.gate_proj, self.up_proj
@@ -361,7 +381,8 @@ class DecoderForCausalLM(nn.Module):
         launches; the module names change, so do this after loading the checkpoint). An MoE
         layer's experts stay apart (``stack_experts`` batches them)."""
         for layer in self.held_layers():
-            layer.self_attn.fuse_projections()
+            if isinstance(layer.self_attn, Attention):
+                layer.self_attn.fuse_projections()
             if isinstance(layer.mlp, MLP):
                 layer.mlp.fuse_projections()
 

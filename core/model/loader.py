@@ -218,8 +218,13 @@ def build_model(spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.d
 
 def quantized(model: nn.Module, quantizer: Quantizer) -> nn.Module:
     """``quantizer.apply(model)``, with the float expert stacks of the MoE grouped path let go
-    where the quantizer replaced the experts."""
+    where the quantizer replaced the experts. A stacked projection's parts (``stacked_parts``,
+    which LoRA adapters target) carry over to the module a quantizer put in its place."""
+    parts = {path: m.stacked_parts for path, m in model.named_modules() if hasattr(m, "stacked_parts")}
     model = quantizer.apply(model)
+    for path, module in model.named_modules():
+        if path in parts and not hasattr(module, "stacked_parts"):
+            module.stacked_parts = parts[path]
     drop_stale_stacks(model)
     return model
 

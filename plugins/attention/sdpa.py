@@ -50,6 +50,7 @@ class _Group:
     valid_rows: torch.Tensor | None  # [B, Q] bool, None when there is no query padding
     q_pos: torch.Tensor | None = None  # [B, 1, Q, 1] each query's position (with ``mask``)
     windowed: dict = field(default_factory=dict)  # window -> ``mask`` cut to it (made once a step)
+    all_rows: bool = False  # rows are the step's rows 0..T-1 in order: q and out need no gather/scatter
 
     def mask_for(self, window: int | None) -> torch.Tensor | None:
         """The group's mask for a layer with sliding ``window`` (None: the whole context)."""
@@ -128,8 +129,10 @@ class SdpaAttention(AttentionBackend):
         rows = torch.tensor([qsl[i] for i in seqs])[:, None] + torch.minimum(
             q_idx[None, :], torch.tensor(q_lens)[:, None] - 1)  # [B, Q]; padding repeats the last row
         alone_causal = len(seqs) == 1 and q_lens[0] == kv_lens[0] and not self._windowed
+        # decodes of one context length see every key: no mask (a window would need one)
+        unmasked = q_max == 1 and min(kv_lens) == kv_max and not self._windowed
         mask = valid = q_pos = None
-        if not alone_causal:
+        if not (alone_causal or unmasked):
             q_len = torch.tensor(q_lens)[:, None, None]
             kv_len = torch.tensor(kv_lens)[:, None, None]
             q_pos = kv_len - q_len + q_idx[None, :, None]  # [B, Q, 1] absolute position of each query
@@ -138,7 +141,9 @@ class SdpaAttention(AttentionBackend):
             q_pos = q_pos[:, None].to(device)
             if q_max > min(q_lens):
                 valid = (q_idx[None, :] < torch.tensor(q_lens)[:, None]).to(device)
-        return _Group(rows.to(device), slots.to(device), mask, alone_causal, valid, q_pos)
+        all_rows = valid is None and [qsl[i] + j for i, n in zip(seqs, q_lens) for j in range(n)] == \
+            list(range(qsl[-1]))
+        return _Group(rows.to(device), slots.to(device), mask, alone_causal, valid, q_pos, all_rows=all_rows)
 
     @property
     def _windowed(self) -> bool:
@@ -154,14 +159,15 @@ class SdpaAttention(AttentionBackend):
                 kv: KVStorage, plan: SdpaPlan, sinks: torch.Tensor | None = None) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]
         kv.store(k, v, plan.slot_mapping)
-        out = torch.empty_like(q)
+        out = None
         features = self.layer_attention(layer)
         for g in plan.groups:
             if not isinstance(g, _Group):
+                out = torch.empty_like(q) if out is None else out
                 g.attend(q, kv, self.scale, out)  # a subclass's own kind of group
                 continue
             keys, values = kv.gather(g.slots)  # [B, L, Hkv, D]
-            query = q[g.rows]  # [B, Q, Hq, D]
+            query = q.view(*g.rows.shape, *q.shape[1:]) if g.all_rows else q[g.rows]  # [B, Q, Hq, D]
             mask = g.mask_for(features.sliding_window)
             if features.softcap is not None or sinks is not None:
                 o = explicit_attention(query, keys, values, mask, self.scale, features.softcap, sinks)
@@ -170,11 +176,14 @@ class SdpaAttention(AttentionBackend):
                     query.transpose(1, 2), keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
                     attn_mask=mask, is_causal=g.causal, scale=self.scale,
                     enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)  # [B, Q, Hq, D]
+            if g.all_rows:  # the step's only group, its rows in order
+                return o.reshape(q.shape)
+            out = torch.empty_like(q) if out is None else out
             if g.valid_rows is None:
                 out[g.rows.reshape(-1)] = o.reshape(-1, *o.shape[2:])
             else:
                 out[g.rows[g.valid_rows]] = o[g.valid_rows]
-        return out
+        return torch.empty_like(q) if out is None else out  # (no groups: a step of no rows)
 
 
 def explicit_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,

@@ -2,7 +2,7 @@
 compiled decode kernel) and in groups with lm_head (its tiled path); w8a8 with lm_head, and
 with SmoothQuant calibrated on text like the suite's prompts; int4-weight at groups 64 (torch's
 int4 kernel), 32 with lm_head (the tiled path) and 128 (a group wider than the tiny model's
-layers)."""
+layers); fp8 per channel, in blocks with lm_head, and with e4m3 activations (scaled_mm)."""
 
 from __future__ import annotations
 
@@ -64,3 +64,8 @@ class TestFp8Channel(QuantConformance):
 class TestFp8Block(QuantConformance):
     plugin = "fp8"
     options = {"granularity": "block", "block_size": 32, "quantize_lm_head": True}
+
+
+class TestFp8ScaledMm(QuantConformance):
+    plugin = "fp8"
+    options = {"matmul": "scaled_mm"}  # FP8 tensor cores' arithmetic, through torch's CPU kernel here

@@ -6,8 +6,9 @@
 - compressed-tensors ``float-quantized`` (llm-compressor's FP8 and FP8_DYNAMIC, FP8_BLOCK):
   ``weight`` e4m3 and ``weight_scale`` per tensor, channel or block.
 
-Activation scales (``input_scale``, static FP8 activations) are read past: the matmul runs in
-the model dtype over the dequantized weights.
+Activation scales (``input_scale``, static FP8 activations) are read past: under
+``matmul: scaled_mm`` the activations are scaled per token as they come (dynamic), otherwise
+the matmul runs in the model dtype over the dequantized weights.
 """
 
 from __future__ import annotations

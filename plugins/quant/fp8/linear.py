@@ -2,9 +2,16 @@
 
 The weight is ``weight_fp8 * scale`` with one scale for the whole tensor ([1, 1]), one per
 output channel ([N, 1]) or one per block of ``block`` = (rows, columns) ([ceil(N / rows),
-ceil(K / columns)]; DeepSeek-V3's 128 x 128). The matmul dequantizes ``TILE_ROWS`` output
-channels at a time into the activations' dtype and multiplies them with the BLAS (cuBLAS on
-a GPU): the weights cross memory as one byte each, the activations stay in the model dtype.
+ceil(K / columns)]; DeepSeek-V3's 128 x 128). Two matmuls:
+
+- dequantize (anywhere): ``TILE_ROWS`` output channels at a time into the activations' dtype,
+  then the BLAS (cuBLAS on a GPU): the weights cross memory as one byte each, the
+  activations stay in the model dtype;
+- ``scaled_mm`` (FP8 tensor cores, compute capability 8.9+): the activations are quantized
+  to e4m3 per row (token) on the fly, and ``torch._scaled_mm`` multiplies the two FP8
+  operands with the row scales and the weight's per-channel scales applied to its float32
+  accumulator (FP8_DYNAMIC's arithmetic). Tensor or channel scales only, N and K multiples
+  of 16 (``scaled_mm_unfit``).
 """
 
 from __future__ import annotations
@@ -16,6 +23,48 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 TILE_ROWS = 256
 """Output channels dequantized at once (a multiple of every block height used: 128, 64, 32)."""
+SCALED_MM_ALIGN = 16
+"""torch._scaled_mm's operands: K and N multiples of this."""
+
+
+def scaled_mm_unfit(n: int, k: int, block: tuple[int, int] | None) -> str | None:
+    """Why ``torch._scaled_mm`` cannot multiply by an [n, k] weight scaled per ``block``
+    (None: it can)."""
+    if not hasattr(torch, "_scaled_mm"):
+        return "this torch has no torch._scaled_mm"
+    if block is not None:
+        return f"its {block[0]}x{block[1]} block scales (torch._scaled_mm takes one scale per tensor or output channel)"
+    if n % SCALED_MM_ALIGN or k % SCALED_MM_ALIGN:
+        return f"its shape {n} x {k} (torch._scaled_mm needs multiples of {SCALED_MM_ALIGN})"
+    return None
+
+
+def fp8_matmul_unfit(device: torch.device) -> str | None:
+    """Why ``device`` has no FP8 tensor-core matmul (None: it has one)."""
+    if device.type != "cuda":
+        return f"the {device.type} device has no FP8 tensor cores"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return f"compute capability {major}.{minor} has no FP8 tensor cores (8.9+ has)"
+    return None
+
+
+def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 rows, float32 scales [M, 1]) of x [M, K]: each row's largest magnitude maps to
+    e4m3's largest value (dynamic per-token activation scales)."""
+    rows = x.float()
+    scale = (rows.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    return (rows / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+def scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale_row: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (float) @ (weight [N, K] e4m3 * weight_scale_row [1, N]).T through
+    ``torch._scaled_mm``, x quantized per row first; [M, N] in x's dtype (bfloat16 from the
+    tensor cores, whose row-scaled products write that)."""
+    q, scale = quantize_rows_fp8(x)
+    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
+    out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale_row, out_dtype=out_dtype)
+    return out.to(x.dtype)
 
 
 def expand_scale(scale: torch.Tensor, rows: slice, shape: tuple[int, int], block: tuple[int, int] | None
@@ -61,27 +110,39 @@ class Fp8Linear(nn.Module):
     """y = x @ (weight_fp8 * scale).T + bias in x's dtype; see the module docstring."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 block: tuple[int, int] | None):
+                 block: tuple[int, int] | None, *, use_scaled_mm: bool = False):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.block = None if block is None else (int(block[0]), int(block[1]))
         self.register_buffer("weight_fp8", weight)
         self.register_buffer("weight_scale", scale.float())
         self.register_buffer("bias", bias)
+        # [1, N]: _scaled_mm's per-channel scale (the caller checked scaled_mm_unfit)
+        row = self.weight_scale.reshape(1, -1).expand(1, self.out_features).contiguous() if use_scaled_mm else None
+        self.register_buffer("weight_scale_row", row, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        out = torch.empty(rows.shape[0], self.out_features, dtype=x.dtype, device=x.device)
-        shape = (self.out_features, self.in_features)
-        for start in range(0, self.out_features, TILE_ROWS):
-            part = slice(start, min(start + TILE_ROWS, self.out_features))
-            tile = self.weight_fp8[part].to(x.dtype) * expand_scale(self.weight_scale, part, shape, self.block).to(x.dtype)
-            torch.mm(rows, tile.T, out=out[:, part])
+        if self.weight_scale_row is not None:
+            out = scaled_mm(rows, self.weight_fp8, self.weight_scale_row)
+        else:
+            out = self._dequantized_matmul(rows)
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.view(*x.shape[:-1], self.out_features)
 
+    def _dequantized_matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(rows.shape[0], self.out_features, dtype=rows.dtype, device=rows.device)
+        shape = (self.out_features, self.in_features)
+        for start in range(0, self.out_features, TILE_ROWS):
+            part = slice(start, min(start + TILE_ROWS, self.out_features))
+            scale = expand_scale(self.weight_scale, part, shape, self.block).to(rows.dtype)
+            torch.mm(rows, (self.weight_fp8[part].to(rows.dtype) * scale).T, out=out[:, part])
+        return out
+
     def extra_repr(self) -> str:
         kind = "tensor" if self.weight_scale.numel() == 1 and self.block is None else \
             "channel" if self.block is None else f"block {self.block[0]}x{self.block[1]}"
-        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3, {kind} scales"
+        matmul = "torch._scaled_mm, activations e4m3 per token" if self.weight_scale_row is not None \
+            else "dequantized into the activations' dtype"
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3, {kind} scales, {matmul}"

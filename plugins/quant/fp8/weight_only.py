@@ -1,9 +1,12 @@
-"""Quant `fp8`: float8 e4m3 weights, activations in the model dtype.
+"""Quant `fp8`: float8 e4m3 weights; on a GPU with FP8 tensor cores, e4m3 activations too.
 
 Quantized at load from a float checkpoint (scales per output channel by default, per tensor,
 or per block), or read as stored from an FP8 checkpoint (checkpoints.py): every decoder-layer
-``nn.Linear`` becomes an ``Fp8Linear`` that dequantizes inside the matmul. Half the bytes of
-bfloat16; the activations are not quantized (no FP8 tensor-core matmul yet).
+``nn.Linear`` becomes an ``Fp8Linear``. Half the bytes of bfloat16. Where the device has
+FP8 tensor cores (compute capability 8.9+) a layer with tensor or channel scales quantizes
+its activations per token and runs ``torch._scaled_mm`` (``matmul: auto``); elsewhere, and
+for block scales, the weights are dequantized inside the matmul and the activations stay in
+the model dtype.
 """
 
 from __future__ import annotations
@@ -15,10 +18,12 @@ from pydantic import Field
 from torch import nn
 
 import tessellm
+from tessellm.core.errors import ConfigError
 from tessellm.core.interfaces.quantizer import Quantizer
 from tessellm.core.plugin import PluginOptions
 from tessellm.plugins.quant.fp8.checkpoints import checkpoint_support, read_fp8, shard_rule
-from tessellm.plugins.quant.fp8.linear import FP8, Fp8Linear, dequantize_fp8, quantize_fp8
+from tessellm.plugins.quant.fp8.linear import (FP8, Fp8Linear, dequantize_fp8, fp8_matmul_unfit, quantize_fp8,
+                                               scaled_mm_unfit)
 from tessellm.plugins.quant.int8.quantize import replace_linears
 from tessellm.plugins.quant.stored_linears import refuse_unread, replace_stored_linears
 
@@ -32,6 +37,13 @@ class Fp8Options(PluginOptions):
     """Rows and columns of a block (granularity block)."""
     quantize_lm_head: bool = False
     """Also quantize lm_head."""
+    matmul: Literal["auto", "scaled_mm", "dequantize"] = "auto"
+    """How a layer multiplies. ``scaled_mm``: activations quantized to e4m3 per token, then
+    ``torch._scaled_mm`` (FP8 tensor cores; torch's CPU kernel runs it too, slowly), for
+    layers with tensor or channel scales whose sizes are multiples of 16 (another layer is
+    refused at load). ``dequantize``: the weights widened into the activations' dtype, any
+    layer, any device. ``auto``: scaled_mm where the device has FP8 tensor cores (compute
+    capability 8.9+) and the layer fits, dequantize elsewhere and in float64."""
 
 
 class Fp8Quantizer(Quantizer):
@@ -39,7 +51,8 @@ class Fp8Quantizer(Quantizer):
 
     name = "fp8"
     api_version = "1.13"
-    description = "float8 e4m3 weights (tensor, channel or block scales), activations in the model dtype"
+    description = ("float8 e4m3 weights (tensor, channel or block scales); activations e4m3 per token through "
+                   "torch._scaled_mm on FP8 tensor cores, else in the model dtype")
     Options = Fp8Options
     auto_priority = None  # quantization changes results: only when named, or read from a checkpoint
     max_relative_error = 0.2
@@ -47,8 +60,25 @@ class Fp8Quantizer(Quantizer):
     @classmethod
     def error_bound(cls, options: PluginOptions) -> float:
         # e4m3 keeps 3 mantissa bits (~2-3% rms error a weight); the tiny conformance model's
-        # logits come out 11-13% off, a little more with lm_head quantized too
-        return 0.15 + (0.05 if options.quantize_lm_head else 0.0)
+        # logits come out 11-13% off, a little more with lm_head quantized too, and about 15%
+        # with the activations in e4m3 as well (scaled_mm, which auto picks on FP8 GPUs)
+        activations = 0.0 if options.matmul == "dequantize" else 0.05
+        return 0.15 + (0.05 if options.quantize_lm_head else 0.0) + activations
+
+    def use_scaled_mm(self, name: str, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
+        """Whether layer ``name`` (an [N, K] e4m3 ``weight`` scaled per ``block``) runs
+        ``torch._scaled_mm`` under the ``matmul`` option; a ConfigError where the option
+        demands it and the layer cannot."""
+        choice = self.options.matmul
+        if choice == "dequantize":
+            return False
+        unfit = scaled_mm_unfit(*weight.shape, block)
+        if choice == "scaled_mm":
+            if unfit is not None:
+                raise ConfigError(f"quant.options.matmul=scaled_mm: {name} cannot run torch._scaled_mm, because of "
+                                  f"{unfit}; allowed: matmul auto (scaled_mm where a layer fits) or dequantize")
+            return True
+        return unfit is None and fp8_matmul_unfit(self.device) is None and self.dtype != torch.float64
 
     def apply(self, model: nn.Module) -> nn.Module:
         options = self.options
@@ -57,7 +87,8 @@ class Fp8Quantizer(Quantizer):
         def make(full: str, linear: nn.Linear) -> nn.Module:
             weight, scale = quantize_fp8(linear.weight, options.granularity, block)
             bias = None if linear.bias is None else linear.bias.detach().clone()
-            return Fp8Linear(weight, scale, bias, block if options.granularity == "block" else None)
+            blocks = block if options.granularity == "block" else None
+            return Fp8Linear(weight, scale, bias, blocks, use_scaled_mm=self.use_scaled_mm(full, weight, blocks))
 
         return replace_linears(model, make, options.quantize_lm_head, self.name)
 
@@ -87,7 +118,8 @@ class Fp8Quantizer(Quantizer):
             weight, scale, block = read
             bias = state.pop(f"{name}.bias", None)
             return Fp8Linear(weight.to(self.device), scale.to(self.device),
-                             None if bias is None else bias.to(self.device, self.dtype), block)
+                             None if bias is None else bias.to(self.device, self.dtype), block,
+                             use_scaled_mm=self.use_scaled_mm(name, weight, block))
 
         replace_stored_linears(model, build)
         refuse_unread(state, self.name, "float8 tensors", lambda _, tensor: tensor.dtype == FP8)

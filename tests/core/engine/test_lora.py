@@ -359,10 +359,11 @@ def test_the_embedded_smollm2_with_a_random_adapter(smollm2_dir, tmp_path):
 
 
 def test_adapters_over_an_int8_base(llama):
-    """The wrapped projection's base may be a quantized layer: the adapter adds to its output."""
+    """The wrapped projection's base may be a quantized layer (q/k/v stacked before the
+    quantizer replaced them, their parts carried over): the adapter adds to its output."""
     base, adapters, _ = llama
     llm = LLM(config(base, {"all8": adapters["all8"]}, quant={"name": "int8-weight"}))
-    wrapped = llm.pipeline.lora.layers["model.layers.0.self_attn.q_proj"]
+    wrapped = llm.pipeline.lora.layers["model.layers.0.self_attn.qkv_proj"]
     assert type(wrapped.base).__name__ == "Int8WeightLinear"
     assert tokens(llm.generate(PROMPTS, GREEDY, lora="all8")) != tokens(llm.generate(PROMPTS, GREEDY))
 

@@ -131,6 +131,23 @@ def test_weights_load_in_requested_dtype(tiny_model, cpu_config):
     assert llm.generate([[5, 6, 7]], {"max_tokens": 3, "ignore_eos": True})[0].finish_reason == "length"
 
 
+def test_projections_stack_outside_float64(tiny_model, cpu_config):
+    """A float32 model on the CPU loads q/k/v and gate/up as one GEMM each (float64, the exact
+    reference, keeps them apart); a quantizer's replacement keeps the parts LoRA targets."""
+    from tessellm import LLM
+    from tessellm.plugins.quant.int4.linear import Int4WeightLinear
+
+    folder = tiny_model("qwen2")  # q/k/v biases
+    attn = LLM(cpu_config(folder)).pipeline.model.model.layers[0].self_attn
+    assert [name for name, _ in attn.qkv_proj.stacked_parts] == ["q_proj", "k_proj", "v_proj"]
+    assert not hasattr(attn, "q_proj")
+    exact = LLM(cpu_config(folder, dtype="float64")).pipeline.model.model.layers[0]
+    assert exact.self_attn.qkv_proj is None and exact.mlp.gate_up_proj is None
+    int4 = LLM(cpu_config(folder, quant={"name": "int4-weight"})).pipeline.model.model.layers[0]
+    assert type(int4.mlp.gate_up_proj) is Int4WeightLinear
+    assert [name for name, _ in int4.mlp.gate_up_proj.stacked_parts] == ["gate_proj", "up_proj"]
+
+
 def test_the_word_tokenizer_reads_whole_words(tmp_path):
     """The tiny models' tokenizer: a word is its own id, special tokens match whole words only
     (``t17`` is 17, not BOS and an unknown ``7``)."""

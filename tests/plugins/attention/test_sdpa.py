@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -53,3 +54,24 @@ def test_plan_is_shared_by_layers():
     first = backend.forward(0, case.q, case.k_new, case.v_new, case.storage, plan)
     second = backend.forward(1, case.q, case.k_new, case.v_new, case.storage, plan)
     assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("kv_lens,window,all_rows,masked", [
+    ([37], None, [True], [False]),
+    ([20, 20, 20], None, [True], [False]),
+    ([20, 20, 20], 6, [True], [True]),  # the window needs the mask
+    ([20, 17], None, [True], [True]),  # one bucket, two lengths: padding masked
+    ([20, 9], None, [False, False], [False, False]),  # two buckets, a sequence each
+])
+def test_decodes_of_one_length_skip_the_mask_and_the_row_scatter(kv_lens, window, all_rows, masked):
+    """Decodes whose contexts are equally long see every key: their group has no mask (unless
+    a window needs one); a group holding every row of the step in order is returned as SDPA
+    wrote it, without a gather or a scatter of rows. The reference's result either way."""
+    case = ref.make_case(kv_lens, [1] * len(kv_lens), 4, 2, 32, 4, torch.float64, seed=3)
+    backend = SdpaAttention(SdpaOptions(), ref.model_stub(32, window), torch.device("cpu"), torch.float64)
+    plan = backend.plan(case.batch, cache=None)
+    assert [g.all_rows for g in plan.groups] == all_rows
+    assert [g.mask is not None for g in plan.groups] == masked
+    out = backend.forward(0, case.q, case.k_new, case.v_new, case.storage, plan)
+    expected = ref.reference_packed(case, 32 ** -0.5, window)
+    assert (out - expected).abs().max().item() <= 1e-10

@@ -163,6 +163,8 @@ def test_olmo2_norms_the_outputs_and_whole_projections():
     assert not hasattr(layer, "input_layernorm") and hasattr(layer, "post_feedforward_layernorm")
     assert layer.self_attn.q_norm.weight.shape == (4 * 16,) and layer.self_attn.k_norm.weight.shape == (2 * 16,)
     assert not spec.qk_norm and model.supports_fused is False
+    model.fuse_projections()  # its attention's own forward reads q_proj: kept apart; its MLP is core's
+    assert layer.self_attn.qkv_proj is None and layer.mlp.gate_up_proj is not None
 
 
 def test_olmo3_spec_has_windows_and_rope_per_layer_type():

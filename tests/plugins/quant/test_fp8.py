@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 
 from tessellm import LLM
 from tessellm.plugins.quant.fp8.linear import FP8, Fp8Linear, dequantize_fp8, quantize_fp8
@@ -42,6 +42,84 @@ def test_the_layer_matches_the_float64_product(granularity, block):
     out = layer(x)
     assert out.shape == (2, 5, 600)
     assert (out.double() - expected).abs().max() <= 1e-5 * expected.abs().max()
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 12), st.integers(1, 12), st.sampled_from(["tensor", "channel"]),
+       st.booleans(), st.integers(0, 2**16))
+def test_scaled_mm_matches_the_float64_product_of_its_fp8_operands(rows, n16, k16, granularity, bias, seed):
+    """The tensor-core path (torch._scaled_mm; torch's CPU kernel here): activations quantized
+    to e4m3 per row, then multiplied by the e4m3 weight, both scales applied to the float32
+    accumulator. The reference quantizes the rows as FP8_DYNAMIC defines it and multiplies
+    the dequantized operands in float64."""
+    g = torch.Generator().manual_seed(seed)
+    n, k = 16 * n16, 16 * k16
+    w = torch.randn(n, k, generator=g) * 0.05
+    q, scale = quantize_fp8(w, granularity)
+    b = torch.randn(n, generator=g) if bias else None
+    layer = Fp8Linear(q, scale, b, None, use_scaled_mm=True)
+    x = torch.randn(rows, k, generator=g) * torch.rand(rows, 1, generator=g) * 10
+    expected = _scaled_mm_reference(x, q, scale, b)
+    out = layer(x)
+    assert out.dtype == x.dtype and out.shape == (rows, n)
+    assert (out.double() - expected).abs().max() <= 1e-5 * (expected.abs().max() + 1)
+
+
+def _scaled_mm_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None
+                         ) -> torch.Tensor:
+    """float64: x's rows in e4m3 as FP8_DYNAMIC defines them (each row's largest magnitude at
+    448; checked within e4m3's rounding) times the dequantized weight, plus the bias."""
+    x = x.float()
+    x_scale = (x.abs().amax(dim=1, keepdim=True) / 448.0).clamp(min=1e-12)
+    x_fp8 = (x / x_scale).clamp(-448.0, 448.0).to(FP8).double() * x_scale.double()
+    assert bool(((x_fp8 - x.double()).abs() <= x.double().abs() * 2 ** -4 + x_scale.double() * 2 ** -9).all())
+    out = x_fp8 @ dequantize_fp8(q, scale, None, torch.float64).T
+    return out if bias is None else out + bias.double()
+
+
+FP8_GPU = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.skipif(not FP8_GPU, reason="needs a GPU with FP8 tensor cores (compute capability 8.9+)")
+@pytest.mark.parametrize("rows", [1, 5, 64, 300])
+def test_auto_runs_the_fp8_tensor_cores_on_a_gpu_that_has_them(rows):
+    """``matmul: auto`` picks ``torch._scaled_mm`` for a bfloat16 model on an FP8 GPU, and not
+    for block scales; its product matches the float64 one of its e4m3 operands to bfloat16's
+    rounding of the output."""
+    from tessellm.plugins.quant.fp8.weight_only import Fp8Options, Fp8Quantizer
+
+    quantizer = Fp8Quantizer(Fp8Options(), torch.device("cuda"), torch.bfloat16)
+    g = torch.Generator().manual_seed(rows)
+    q, scale = quantize_fp8(torch.randn(512, 256, generator=g) * 0.05, "channel")
+    assert quantizer.use_scaled_mm("layer", q, None) and not quantizer.use_scaled_mm("layer", q, (128, 128))
+    layer = Fp8Linear(q.cuda(), scale.cuda(), None, None, use_scaled_mm=True)
+    x = torch.randn(rows, 256, generator=g).to("cuda", torch.bfloat16)
+    expected = _scaled_mm_reference(x.cpu(), q, scale, None)
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    assert (out.double().cpu() - expected).abs().max() <= 2 ** -7 * (expected.abs().max() + 1)
+
+
+def test_the_matmul_option_picks_scaled_mm_and_refuses_what_it_cannot_take(cpu_config, tiny_model):
+    """``auto`` dequantizes on a CPU (no FP8 tensor cores); ``scaled_mm`` forced runs there
+    too, as far from float32's logits as the weights' e4m3 rounding alone puts them (within
+    2x: the tiny random model is far more sensitive than a trained one); block scales it
+    cannot take are refused at load, naming the layer and what is allowed."""
+    from tessellm.core.errors import ConfigError
+
+    def llm(**options):
+        return LLM(cpu_config(tiny_model("llama"), quant={"name": "fp8", "options": options}))
+
+    auto, forced = llm(), llm(matmul="scaled_mm")
+    assert auto.pipeline.model.model.layers[0].mlp.down_proj.weight_scale_row is None
+    assert forced.pipeline.model.model.layers[0].mlp.down_proj.weight_scale_row is not None
+    ids = list(range(7, 40))
+    exact = LLM(cpu_config(tiny_model("llama"))).engine.score(ids)
+    weight_error, both_error = ((m.engine.score(ids) - exact).abs().max() for m in (auto, forced))
+    assert 0 < both_error <= 2 * weight_error
+    with pytest.raises(ConfigError, match=r"matmul=scaled_mm: model\.layers\.0\.\S+ cannot run torch\._scaled_mm, "
+                                          r"because of its 32x32 block scales .*allowed: matmul auto"):
+        llm(matmul="scaled_mm", granularity="block", block_size=32)
 
 
 @pytest.mark.parametrize("granularity", ["channel", "block"])
