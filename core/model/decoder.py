@@ -28,24 +28,34 @@ if TYPE_CHECKING:
     from tessellm.core.model.moe import MoE
 
 
-def _stacked(**linears: nn.Linear) -> nn.Linear:
-    """One Linear computing ``linears`` side by side (outputs concatenated in order); its
-    ``stacked_parts`` names each part and its width (a LoRA adapter targets the parts)."""
-    first = next(iter(linears.values()))
+def _stacked(**linears: nn.Module) -> nn.Module | None:
+    """One module computing ``linears`` side by side (outputs concatenated in order), its
+    ``stacked_parts`` naming each part and its width (a LoRA adapter targets the parts); None
+    where they cannot be one. Plain ``nn.Linear`` weights are concatenated; other modules of
+    one type go through that type's ``stack(modules)`` classmethod (a quantized linear's
+    packed weights and scales, as a pre-quantized checkpoint stores them), which returns None
+    for parts it cannot join; a type without one stays apart."""
+    modules = list(linears.values())
+    kind = type(modules[0])
+    if any(type(m) is not kind for m in modules):
+        return None
+    stack = _stack_float_linears if kind is nn.Linear else getattr(kind, "stack", None)
+    out = None if stack is None else stack(modules)
+    if out is not None:
+        out.stacked_parts = tuple((name, m.out_features) for name, m in linears.items())
+    return out
+
+
+def _stack_float_linears(linears: list[nn.Linear]) -> nn.Linear:
+    first = linears[0]
     bias = first.bias is not None
-    out = nn.Linear(first.in_features, sum(m.out_features for m in linears.values()), bias=bias,
+    out = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=bias,
                     device=first.weight.device, dtype=first.weight.dtype)
     with torch.no_grad():
-        out.weight.copy_(torch.cat([m.weight for m in linears.values()]))
+        out.weight.copy_(torch.cat([m.weight for m in linears]))
         if bias:
-            out.bias.copy_(torch.cat([m.bias for m in linears.values()]))
-    out.stacked_parts = tuple((name, m.out_features) for name, m in linears.items())
+            out.bias.copy_(torch.cat([m.bias for m in linears]))
     return out.requires_grad_(False)
-
-
-def _all_float_linears(*modules: nn.Module) -> bool:
-    """Whether every module is a plain ``nn.Linear`` (what ``_stacked`` can stack)."""
-    return all(type(m) is nn.Linear for m in modules)
 
 
 class RMSNorm(nn.Module):
@@ -122,11 +132,12 @@ class Attention(nn.Module):
     def fuse_projections(self) -> None:
         """Replace q/k/v_proj by one ``qkv_proj`` (their weights stacked): one GEMM, not three.
         A subclass with its own ``forward`` (which may read q_proj) keeps them apart."""
-        if self.qkv_proj is not None or type(self).forward is not Attention.forward or \
-                not _all_float_linears(self.q_proj, self.k_proj, self.v_proj):
-            return  # a pre-quantized checkpoint's projections stay apart too
-        self.qkv_proj = _stacked(q_proj=self.q_proj, k_proj=self.k_proj, v_proj=self.v_proj)
-        del self.q_proj, self.k_proj, self.v_proj
+        if self.qkv_proj is not None or type(self).forward is not Attention.forward:
+            return
+        stacked = _stacked(q_proj=self.q_proj, k_proj=self.k_proj, v_proj=self.v_proj)
+        if stacked is not None:  # else parts no stack joins stay apart
+            self.qkv_proj = stacked
+            del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 backend: AttentionBackend, cache: CacheManager, plan: Any, fused: bool = False) -> torch.Tensor:
@@ -205,11 +216,12 @@ class MLP(nn.Module):
     def fuse_projections(self) -> None:
         """Replace gate/up_proj by one ``gate_up_proj`` (their weights stacked); kept apart
         where a subclass has its own ``forward``."""
-        if self.gate_up_proj is not None or type(self).forward is not MLP.forward or \
-                not _all_float_linears(self.gate_proj, self.up_proj):
+        if self.gate_up_proj is not None or type(self).forward is not MLP.forward:
             return
-        self.gate_up_proj = _stacked(gate_proj=self.gate_proj, up_proj=self.up_proj)
-        del self.gate_proj, self.up_proj
+        stacked = _stacked(gate_proj=self.gate_proj, up_proj=self.up_proj)
+        if stacked is not None:
+            self.gate_up_proj = stacked
+            del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
         fused = fused and self.swiglu

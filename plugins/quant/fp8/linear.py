@@ -121,6 +121,24 @@ class Fp8Linear(nn.Module):
         row = self.weight_scale.reshape(1, -1).expand(1, self.out_features).contiguous() if use_scaled_mm else None
         self.register_buffer("weight_scale_row", row, persistent=False)
 
+    @classmethod
+    def stack(cls, parts: list["Fp8Linear"]) -> "Fp8Linear | None":
+        """One layer computing ``parts`` side by side (``fuse_projections`` on a checkpoint's
+        stored q/k/v or gate/up): weights and biases concatenated along the outputs, a scale
+        per tensor widened to one per channel; block scales join where every part's outputs
+        fill whole blocks. None where the parts differ in block shape, bias or matmul."""
+        first = parts[0]
+        key = [(p.in_features, p.block, p.bias is None, p.weight_scale_row is None) for p in parts]
+        if len(set(key)) > 1 or (first.block is not None and any(p.out_features % first.block[0] for p in parts)):
+            return None
+        if first.block is None:
+            scale = torch.cat([p.weight_scale.expand(p.out_features, 1) for p in parts])
+        else:
+            scale = torch.cat([p.weight_scale for p in parts])
+        bias = None if first.bias is None else torch.cat([p.bias for p in parts])
+        return cls(torch.cat([p.weight_fp8 for p in parts]), scale, bias, first.block,
+                   use_scaled_mm=first.weight_scale_row is not None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
         if self.weight_scale_row is not None:

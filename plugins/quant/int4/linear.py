@@ -9,6 +9,9 @@ from tessellm.plugins.quant.int4.cpu import Int4Pack, int4pack_matmul, int4pack_
 from tessellm.plugins.quant.int4.quantize import Int4Weight, quantize_int4
 
 
+_INT4PACK_MM = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
+
+
 class Int4WeightLinear(nn.Module):
     """y = x @ W.T + bias with W held as int4 (quantize.py's layout); the float weight is not
     kept. On CUDA a Triton kernel dequantizes inside its K loop (triton_matmul.py). On the
@@ -32,6 +35,10 @@ class Int4WeightLinear(nn.Module):
         pack = to_int4pack(weight) if use_int4pack else None
         self.register_buffer("int4pack_weight", None if pack is None else pack.weight)
         self.register_buffer("int4pack_scales", None if pack is None else pack.scales_and_zeros)
+        # decode's path in one call (forward): torch's kernel straight on the rows, which
+        # need no padding to whole groups, no permutation and no bias added after
+        self._int4pack_direct = pack is not None and self.in_features % self.group_size == 0 and \
+            input_perm is None and bias is None
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int, *, int4pack: bool, small_batch_rows: int
@@ -41,6 +48,24 @@ class Int4WeightLinear(nn.Module):
         weight = quantize_int4(linear.weight, group_size)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         return cls(weight, linear.out_features, bias, use_int4pack=int4pack, small_batch_rows=small_batch_rows)
+
+    @classmethod
+    def stack(cls, parts: list["Int4WeightLinear"]) -> "Int4WeightLinear | None":
+        """One layer computing ``parts`` side by side: their packed weights, scales, offsets
+        and biases concatenated along the outputs (what ``fuse_projections`` calls for a
+        checkpoint's stored q/k/v or gate/up); None where the parts differ in what the product
+        reads (group size, inputs, act-order permutation, a bias, the kernels held)."""
+        first = parts[0]
+        key = [(p.group_size, p.in_features, p.small_batch_rows, p.bias is None, p.int4pack_weight is None,
+                p.input_perm is None) for p in parts]
+        if len(set(key)) > 1 or (first.input_perm is not None and
+                                 not all(torch.equal(p.input_perm, first.input_perm) for p in parts)):
+            return None
+        weight = Int4Weight(torch.cat([p.weight_packed for p in parts]), torch.cat([p.weight_scale for p in parts]),
+                            torch.cat([p.weight_offset for p in parts]), first.group_size)
+        bias = None if first.bias is None else torch.cat([p.bias for p in parts])
+        return cls(weight, sum(p.out_features for p in parts), bias, use_int4pack=first.int4pack_weight is not None,
+                   small_batch_rows=first.small_batch_rows, input_perm=first.input_perm)
 
     @staticmethod
     def int4pack_unfit(linear: nn.Linear, group_size: int) -> str | None:
@@ -65,6 +90,9 @@ class Int4WeightLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
+        if self._int4pack_direct and rows.shape[0] <= self.small_batch_rows and not rows.is_cuda:
+            out = _INT4PACK_MM(rows.to(torch.bfloat16), self.int4pack_weight, self.group_size, self.int4pack_scales)
+            return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         out = self.matmul(rows if self.input_perm is None else rows.index_select(1, self.input_perm))
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)

@@ -177,6 +177,10 @@ def test_compressed_tensors_fp8_gives_transformers_logits(base, tmp_path, strate
                    **({"block_structure": [32, 32]} if strategy == "block" else {}))
     dynamic = dict(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True)  # FP8_DYNAMIC
     folder = build_compressed_tensors(base, tmp_path / "ct", weights, "float-quantized", input_activations=dynamic)
+    llm = LLM({"model": str(folder), "device": "cpu", "dtype": "float32"})
+    qkv = llm.pipeline.model.model.layers[0].self_attn.qkv_proj  # the stored q, k, v joined at load
+    assert isinstance(qkv, Fp8Linear) and qkv.weight_scale.shape[0] == (qkv.out_features if strategy != "block" else
+                                                                          qkv.out_features // 32)
     ours = _scores(folder)
     expected = _transformers(folder, CompressedTensorsConfig(dequantize=True))
     assert (ours - expected).abs().max() <= 1e-4 * expected.abs().max()

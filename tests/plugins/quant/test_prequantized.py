@@ -62,7 +62,7 @@ def test_w4a16_gives_the_logits_and_tokens_transformers_reads(w4a16, symmetric, 
     llm = LLM({"model": str(folder), "device": "cpu", "dtype": "float32", "quant": {"options": {"cpu_kernel": "tiled"}}})
     assert llm.pipeline.resolved.summary()["quant"]["name"] == "int4-weight"  # auto: the plugin that reads it
     layer = llm.pipeline.model.model.layers[0]
-    assert isinstance(layer.self_attn.q_proj, Int4WeightLinear) and layer.self_attn.q_proj.group_size == group_size
+    assert isinstance(layer.self_attn.qkv_proj, Int4WeightLinear) and layer.self_attn.qkv_proj.group_size == group_size
     assert type(llm.pipeline.model.lm_head) is torch.nn.Linear  # ignored by the checkpoint: float
     ours = llm.engine.score(PROMPT).double()
     assert (ours - expected).abs().max() <= 1e-4 * expected.abs().max()
@@ -70,7 +70,7 @@ def test_w4a16_gives_the_logits_and_tokens_transformers_reads(w4a16, symmetric, 
     assert llm.generate([PROMPT], params)[0].token_ids == hf_tokens
     # the default CPU path runs torch's int4 kernel for few rows, in bfloat16: near, not exact
     auto = LLM({"model": str(folder), "device": "cpu", "dtype": "float32"})
-    assert auto.pipeline.model.model.layers[0].self_attn.q_proj.int4pack_weight is not None
+    assert auto.pipeline.model.model.layers[0].self_attn.qkv_proj.int4pack_weight is not None
     step = auto.engine.score(PROMPT[:1]).double()[0]
     assert (step - expected[0]).abs().max() <= 0.02 * expected[0].abs().max()
 
@@ -218,17 +218,21 @@ def test_speculative_decoding_over_a_prequantized_model_keeps_its_greedy_tokens(
     assert out.token_ids == plain
 
 
-def test_stacking_projections_leaves_prequantized_ones_apart(w4a16):
-    """On a GPU the model stacks q/k/v and gate/up into one GEMM each (after loading): layers a
-    checkpoint stores quantized are no plain nn.Linear and stay apart, and the output holds."""
-    llm = LLM({"model": str(w4a16(True, 32)), "device": "cpu", "dtype": "float32",
-               "quant": {"options": {"cpu_kernel": "tiled"}}})
-    before = llm.engine.score(PROMPT)
-    llm.pipeline.model.fuse_projections()
-    layer = llm.pipeline.model.model.layers[0]
-    assert layer.self_attn.qkv_proj is None and isinstance(layer.self_attn.q_proj, Int4WeightLinear)
-    assert layer.mlp.gate_up_proj is None
-    assert torch.equal(llm.engine.score(PROMPT), before)
+def test_prequantized_projections_stack_and_act_order_ones_stay_apart(w4a16, tmp_path, tiny_model):
+    """At load a checkpoint's stored q/k/v and gate/up join into one int4 product each (packed
+    weights, scales and offsets concatenated; the logits are transformers', as above); GPTQ
+    act-order layers, each permuting its input its own way, stay apart with the same logits."""
+    from tessellm.testing.prequantized import build_gptq_or_awq
+
+    layer = LLM({"model": str(w4a16(True, 32)), "device": "cpu", "dtype": "float32"}).pipeline.model.model.layers[0]
+    assert [name for name, _ in layer.self_attn.qkv_proj.stacked_parts] == ["q_proj", "k_proj", "v_proj"]
+    assert isinstance(layer.mlp.gate_up_proj, Int4WeightLinear) and layer.mlp.gate_up_proj.int4pack_weight is not None
+    folder = build_gptq_or_awq(tiny_model("llama", vocab_size=512), tmp_path / "q", tmp_path / "ref",
+                               **GPTQ_AWQ["gptq-act-order"])
+    llm = LLM({"model": str(folder), "device": "cpu", "dtype": "float32", "quant": {"options": {"cpu_kernel": "tiled"}}})
+    attn = llm.pipeline.model.model.layers[0].self_attn
+    assert attn.qkv_proj is None and attn.q_proj.input_perm is not None
+    assert Int4WeightLinear.stack([attn.q_proj, attn.k_proj]) is None
 
 
 def test_lora_adapters_run_over_a_prequantized_model(tmp_path, tiny_model):
