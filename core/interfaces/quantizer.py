@@ -34,6 +34,16 @@ class Quantizer(Plugin):
     may keep a float copy of nothing it replaces. Quantized KV storage is a cache plugin's
     job, not a quantizer's.
 
+    The model stacks each layer's q/k/v and gate/up projections into one product each before
+    ``apply`` (``ModelArchitecture.after_load``, outside float64), so ``apply`` may meet
+    ``qkv_proj`` and ``gate_up_proj``, whose ``stacked_parts`` name the parts (core carries
+    that attribute over to the module put in their place). A checkpoint's stored quantized
+    projections (``load_quantized``) are built before that: a module type a quantizer makes
+    may define a classmethod ``stack(modules)``, which the stacking calls with one layer's
+    q/k/v (or gate/up) modules of that type and which returns one module computing them side
+    by side (outputs concatenated in order), or None where they cannot be joined; a type
+    without it stays apart (plugin API 1.14).
+
     ``max_relative_error`` is the forward error the quantizer promises: over a batch of
     prompts, ||logits_quantized - logits_float|| / ||logits_float|| (Frobenius norms over
     every position, the float model being the same pipeline with quant ``none``) stays at or
