@@ -141,8 +141,8 @@ class SdpaAttention(AttentionBackend):
             q_pos = q_pos[:, None].to(device)
             if q_max > min(q_lens):
                 valid = (q_idx[None, :] < torch.tensor(q_lens)[:, None]).to(device)
-        all_rows = valid is None and [qsl[i] + j for i, n in zip(seqs, q_lens) for j in range(n)] == \
-            list(range(qsl[-1]))
+        all_rows = valid is None and len(seqs) * q_max == qsl[-1] and \
+            [qsl[i] + j for i, n in zip(seqs, q_lens) for j in range(n)] == list(range(qsl[-1]))
         return _Group(rows.to(device), slots.to(device), mask, alone_causal, valid, q_pos, all_rows=all_rows)
 
     @property
