@@ -109,6 +109,7 @@ def test_requests_that_cannot_sample_on_the_device_run_synchronously(folder, cpu
               {"max_tokens": 9, "ignore_eos": True, "logprobs": 2}]
     expected, got = sync.generate(prompts, params), overlapped.generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
+    # bit for bit by construction: these requests keep every step synchronous, so both engines run the same batches
     assert got[2].outputs[0].logprobs == expected[2].outputs[0].logprobs
     only_greedy = overlapped.generate([prompts[0]] * 2, {"max_tokens": 9, "ignore_eos": True})
     assert only_greedy[0].token_ids == expected[0].token_ids

@@ -17,6 +17,7 @@ from hypothesis import given, settings, strategies as st
 from tessellm import LLM
 from tessellm.core.model.moe import MoE, Router, unstack_experts
 from tessellm.core.model.spec import ModelSpec, MoESpec
+from tessellm.testing.equivalence import assert_close_in_float32, greedy_divergence
 
 FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe"]
 VOCAB = 512
@@ -225,15 +226,21 @@ def stacked_copy(folder: Path, hf: torch.nn.Module, target: Path) -> Path:
 
 @pytest.mark.parametrize("model_type", FAMILIES)
 def test_stacked_checkpoint_loads_as_the_per_expert_one(families, model_type, tmp_path):
+    """The same weights read from 3-D expert stacks and from per-expert tensors give the same
+    logits within float32 rounding and the same greedy tokens (up to a near-tie). Not bit for
+    bit: the two files place the tensors at different offsets, and a CPU's matrix kernels may
+    block differently by alignment (seen on an AVX-512 EPYC)."""
     folder, hf = families[model_type]
     stacked = stacked_copy(folder, hf, tmp_path / "stacked")
     per_expert, from_stacks = (LLM({"model": str(f), "device": "cpu", "dtype": "float32"}) for f in (folder, stacked))
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in (1, 7, 19)]
-    assert torch.equal(from_stacks.engine.score(prompts[2]), per_expert.engine.score(prompts[2]))
+    assert_close_in_float32(from_stacks.engine.score(prompts[2]), per_expert.engine.score(prompts[2]), model_type)
     params = {"max_tokens": 8, "ignore_eos": True}
-    assert [o.token_ids for o in from_stacks.generate(prompts, params)] == \
-        [o.token_ids for o in per_expert.generate(prompts, params)]
+    got, expected = (llm.generate(prompts, params) for llm in (from_stacks, per_expert))
+    for prompt, ours, theirs in zip(prompts, got, expected):
+        greedy_divergence(ours.token_ids, theirs.token_ids, lambda done: per_expert.engine.score(prompt + done)[-1],
+                          f"{model_type}, prompt of {len(prompt)}")
 
 
 def test_stacks_are_let_go_when_a_quantizer_replaces_the_experts():

@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tessellm.testing.equivalence import NEAR_TIE
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -48,7 +50,6 @@ CHAT_PROMPTS = [
     "Summarize: The meeting was moved to Friday because the room was booked.",
 ]
 NEW_TOKENS = 32
-NEAR_TIE = 1e-4
 
 pytestmark = pytest.mark.slow
 

@@ -28,6 +28,7 @@ from tessellm.core.model.moe import MoE, Router
 from tessellm.core.registry import get_registry
 from tessellm.plugins.quant.int8.linear import Int8WeightLinear
 from tessellm.plugins.quant.int8.w8a8 import W8A8Linear, W8A8Options, W8A8Quantizer
+from tessellm.testing.equivalence import assert_close_in_float32
 from tessellm.testing.models import build_tiny
 
 MODELS = ["qwen3_moe", "qwen2_moe", "mixtral"]
@@ -205,4 +206,6 @@ def test_calibration_observes_the_experts_on_the_grouped_path(folders, cpu_confi
     assert all(m.grouped for m in blocks)  # back on the grouped path
     experts = [n for n, m in pipeline.model.named_modules() if ".experts." in n and type(m) is nn.Linear]
     assert sum(n in stacked for n in experts) >= len(experts) - 3  # an expert no token reached has no range
-    assert stacked.keys() == one_by_one.keys() and all(torch.equal(stacked[k], one_by_one[k]) for k in stacked)
+    assert stacked.keys() == one_by_one.keys()
+    for name in stacked:  # batched products against one Linear per expert: the same within float32 rounding
+        assert_close_in_float32(stacked[name], one_by_one[name], name)
