@@ -16,6 +16,8 @@ ceil(K / columns)]; DeepSeek-V3's 128 x 128). Two matmuls:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -57,13 +59,53 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (rows / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
+def round_e4m3(v: torch.Tensor) -> torch.Tensor:
+    """float64 ``v`` rounded as IEEE arithmetic rounds to e4m3 (the reference for every
+    conversion): 3 mantissa bits, to nearest with ties to even, subnormals in steps of 2^-9,
+    magnitudes past 448 saturated to 448 (what the clamp before each cast makes them)."""
+    a = v.double().abs()
+    _, exponent = torch.frexp(a)  # a = m 2^exponent, m in [0.5, 1)
+    step = torch.pow(2.0, ((exponent - 1).clamp(min=-6) - 3).double())
+    return torch.where(a == 0, a, (torch.round(a / step) * step).clamp(max=FP8_MAX)) * v.double().sign()
+
+
+def reference_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 (e4m3 values, scales [M, 1]) of ``quantize_rows_fp8(x)`` computed by hand:
+    the float32 scale and quotient, as IEEE float32 division gives them, then ``round_e4m3``."""
+    rows = x.detach().float().cpu()
+    scale = (rows.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
+    return round_e4m3((rows / scale).clamp(-FP8_MAX, FP8_MAX).double()), scale.double()
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_scaled_mm_takes_row_scales() -> bool:
+    """Whether this torch's CPU ``torch._scaled_mm`` takes a scale per row of the activations
+    and per output channel (torch 2.13's does; 2.11's refuses: "only supports per-tensor
+    scaling for CPU backend"). Probed once, on a 16 x 16 product."""
+    ones = torch.ones(16, 16).to(FP8)
+    try:
+        torch._scaled_mm(ones, ones.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
 def scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale_row: torch.Tensor) -> torch.Tensor:
     """x [M, K] (float) @ (weight [N, K] e4m3 * weight_scale_row [1, N]).T through
     ``torch._scaled_mm``, x quantized per row first; [M, N] in x's dtype (bfloat16 from the
-    tensor cores, whose row-scaled products write that)."""
+    tensor cores, whose row-scaled products write that). A CPU torch that takes only one
+    scale per tensor gets unit scales, and the row and channel scales multiply its float32
+    product afterwards: the same arithmetic (scales applied to the float32 accumulator)."""
     q, scale = quantize_rows_fp8(x)
-    out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
-    out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale_row, out_dtype=out_dtype)
+    if x.is_cuda:
+        out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale_row, out_dtype=torch.bfloat16,
+                               use_fast_accum=False)
+    elif cpu_scaled_mm_takes_row_scales():
+        out = torch._scaled_mm(q, weight.t(), scale_a=scale, scale_b=weight_scale_row, out_dtype=torch.float32)
+    else:
+        one = torch.ones((), dtype=torch.float32)
+        out = torch._scaled_mm(q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32) * scale \
+            * weight_scale_row
     return out.to(x.dtype)
 
 
