@@ -5,6 +5,14 @@ copies). A shape that spills or exceeds the 227 KB of shared memory is not worth
 GPU sweep (bench/kernels.py --sweep) times the rest.
 
     python bench/compile_hopper.py [--head-dims 64 128] [--json out.json] [--check]
+    python bench/compile_hopper.py --only quant mla decode    # the quantized matmuls, MLA's decode, flash's decode
+
+Groups (``--only``): ``prefill`` and ``decode`` (flash, bf16 and over an int8 cache),
+``quest``, ``fused`` (RoPE, RMSNorm, the KV store), ``quant`` (the Triton kernels of
+`int8-weight`, `int4-weight`, `w8a8` and `fp8` at 1 to 256 rows of Llama-3.2-1B's down
+projection) and ``mla`` (MLA's split-K decode at DeepSeek-V2-Lite's shape). Each row also
+counts the PTX's conversion instructions (``cvt``, and ``prmt`` byte shuffles, which is how
+Triton turns int8 into bf16), a static measure of a dequantizing loop's work.
 
 It runs the kernels' own Python wrappers on CPU tensors with launching replaced by
 recording, compiles each recorded launch with the installed Triton for GPUTarget("cuda",
@@ -75,13 +83,13 @@ def decode_launches(int8: bool = False):
     with recorded_launches() as launches:
         for splits in (1, 4):
             decode.paged_decode_attention(q, cache_k, cache_v, out, rows, tables, lens, 1024, d ** -0.5, 16,
-                                      num_splits=splits, config=decode.decode_config(d, torch.device("cuda")),
+                                      num_splits=splits, config=decode.decode_config(d, torch.device("cuda"), quant=int8),
                                       **int8_scales(64 * 1024, hkv, int8))
         # QUEST's sparse decode: per-KV-head tables of chosen blocks and per-head lengths
         per_head_tables = tables[:, None, :8].expand(64, hkv, 8).contiguous()
         per_head_lens = torch.full((64, hkv), 8 * 16, dtype=torch.int32)
         decode.paged_decode_attention(q, cache_k, cache_v, out, rows, per_head_tables, per_head_lens, 128, d ** -0.5, 16,
-                                      num_splits=4, config=decode.decode_config(d, torch.device("cuda")),
+                                      num_splits=4, config=decode.decode_config(d, torch.device("cuda"), quant=int8),
                                       **int8_scales(64 * 1024, hkv, int8))
     return launches
 
@@ -118,8 +126,51 @@ def fused_launches():
     return launches
 
 
+def quant_launches(rows: tuple[int, ...] = (1, 16, 64, 256)):
+    """The quantized matmuls' Triton kernels at ``rows`` (1, 16, 64, 256) rows of Llama-3.2-1B's down
+    projection (2048 x 8192): int8 per channel and in groups of 64, e4m3 per channel, int4 in
+    groups of 128 (bf16 activations), and w8a8's quantization and int8 x int8 product."""
+    from tessellm.plugins.quant.int4.triton_matmul import triton_int4_weight_matmul
+    from tessellm.plugins.quant.int8.triton_matmul import triton_int8_weight_matmul
+    from tessellm.plugins.quant.int8.triton_w8a8 import triton_w8a8_matmul
+
+    n, k = 2048, 8192
+    q = torch.zeros(n, k, dtype=torch.int8)
+    with recorded_launches() as launches:
+        for m in rows:
+            x = torch.zeros(m, k, dtype=torch.bfloat16)
+            triton_int8_weight_matmul(x, q, torch.zeros(n))
+            triton_int8_weight_matmul(x, q, torch.zeros(n, k // 64))
+            triton_int8_weight_matmul(x, q.view(torch.float8_e4m3fn), torch.zeros(n))
+            triton_int4_weight_matmul(x, torch.zeros(n, k // 2, dtype=torch.uint8), torch.zeros(n, k // 128),
+                                      torch.zeros(n, k // 128), 128)
+            triton_w8a8_matmul(x, q, torch.zeros(n))
+    return launches
+
+
+def mla_launches():
+    """MLA's split-K decode and merge at DeepSeek-V2-Lite's attention shape (16 heads, latent
+    576, rank 512), batch 32 at 4k, in its launch shape (and the merge's)."""
+    from tessellm.plugins.attention.mla import decode_kernel
+
+    b, heads, dim, rank = 32, 16, 576, 512
+    q = torch.zeros(b, heads, dim, dtype=torch.bfloat16)
+    cache = torch.zeros(b * 4096, dim, dtype=torch.bfloat16)
+    tables = torch.arange(b * 4096 // 64, dtype=torch.int32).view(b, -1)
+    lens = torch.full((b,), 4096, dtype=torch.int32)
+    with recorded_launches() as launches:
+        for splits in (1, 8):
+            decode_kernel.mla_decode(q, cache, tables, lens, 64, rank, 0.1, num_splits=splits,
+                                     config=decode_kernel.launch_config(torch.bfloat16, torch.device("cuda")))
+    return launches
+
+
+GROUPS = ("prefill", "decode", "quest", "fused", "quant", "mla")
+
+
 def describe(kernel, kwargs) -> str:
-    keys = ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "num_warps", "num_stages", "PACKED", "DIRECT", "QUANT")
+    keys = ("HEAD_DIM", "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP", "num_warps", "num_stages", "PACKED", "DIRECT",
+            "QUANT", "FLOAT_WEIGHTS")
     return kernel.fn.__name__ + " " + " ".join(f"{k}={kwargs[k]}" for k in keys if k in kwargs)
 
 
@@ -128,7 +179,9 @@ def main() -> int:
     ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--json")
     ap.add_argument("--check", action="store_true", help="a small set; exit 1 if any launch fails to compile")
+    ap.add_argument("--only", nargs="+", choices=GROUPS, help="compile these groups only (default: all)")
     args = ap.parse_args()
+    groups = set(args.only or GROUPS)
     if args.check:
         shapes = [prefill.prefill_config(128, torch.device("cuda")).__dict__]
         shapes = [(s["block_m"], s["block_n"], s["num_warps"], s["num_stages"]) for s in shapes]
@@ -136,9 +189,15 @@ def main() -> int:
     else:
         shapes = [(bm, bn, w, st) for bm in (64, 128) for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3)]
         head_dims = args.head_dims
-    launches = [launch for d in head_dims for packed in (False, True) for launch in prefill_launches(d, shapes, packed)]
-    launches += [launch for d in head_dims for launch in prefill_launches(d, shapes, False, int8=True)]
-    launches += decode_launches() + decode_launches(int8=True) + quest_launches() + fused_launches()
+    launches = []
+    if "prefill" in groups:
+        launches += [launch for d in head_dims for packed in (False, True)
+                     for launch in prefill_launches(d, shapes, packed)]
+        launches += [launch for d in head_dims for launch in prefill_launches(d, shapes, False, int8=True)]
+    launches += (decode_launches() + decode_launches(int8=True)) if "decode" in groups else []
+    launches += (quest_launches() if "quest" in groups else []) + (fused_launches() if "fused" in groups else [])
+    launches += (quant_launches((1, 64) if args.check else (1, 16, 64, 256)) if "quant" in groups else [])
+    launches += mla_launches() if "mla" in groups else []
     rows, failed = [], 0
     for kernel, largs, kwargs in launches:
         row = {"launch": describe(kernel, kwargs)}

@@ -26,12 +26,19 @@ How to run
 ----------
     python bench/kernels.py --out bench/results/kernels_h100.json     # on a GPU (about 5 min)
     python bench/kernels.py --sweep --out sweep.json                  # on a GPU: launch-shape search
+    python bench/kernels.py --sweep-int8 --out kv_int8.json           # on a GPU: int8 K/V decode's shapes
     TRITON_INTERPRET=1 python bench/kernels.py --smoke                # CPU: tiny shapes, code path only
 
 ``--sweep`` times the flash kernels alone over tile sizes, warps, pipeline stages, the prefill's
 K/V source (block table or packed rows) and (decode)
 the number of programs split-K aims for, at a few representative points; its best shapes are
 what ``prefill_config`` (flash/prefill.py), ``decode_config`` and ``DECODE_PROGRAMS`` (flash/decode.py) hold.
+
+``--sweep-int8`` times the split-K decode over an int8 cache at batch 16, 32 and 64 and
+contexts 4k and 16k (Llama-3.2-1B's attention shape) for a few launch shapes, the default
+(``decode_config(quant=True)``) first, beside bf16's default at the same point: the int8
+row's ``vs_bf16`` is bf16's time over its own (issue 59's target: at least 1.0), its
+``int8_gbps`` the int8 bytes (values and scales) read per second.
 
 Targets (issue 4, H100): prefill at or above SDPA-flash and FlexAttention everywhere and at
 least 0.8x cuDNN at 4k-16k, head dim 128; decode at least 80% of copy bandwidth for batch >=
@@ -270,6 +277,53 @@ def sweep(device, dtype, smoke: bool) -> dict:
     return found
 
 
+INT8_SHAPES = [None, (64, 2, 4), (64, 4, 3), (128, 4, 2), (128, 8, 3), (256, 8, 2)]
+"""Launch shapes (keys a tile, warps, stages) ``--sweep-int8`` times; None: the default."""
+
+
+def sweep_int8(device, dtype, smoke: bool, reps: int) -> dict:
+    """int8 K/V decode against bf16's at batch 16-64, contexts 4k and 16k, over launch shapes."""
+    from tessellm.plugins.attention.flash.decode import decode_config
+
+    hq, hkv, d = (32, 8, 64) if not smoke else (4, 2, 16)
+    points = [(b, c) for c in (4096, 16384) for b in (16, 32, 64)] if not smoke else [(2, 64)]
+    rows = []
+    for batch, ctx in points:
+        q = torch.randn(batch, hq, d, device=device, dtype=dtype)
+        k, v = (torch.randn(batch * ctx, hkv, d, device=device, dtype=dtype) for _ in range(2))
+        tables = torch.arange(batch * ctx // 16, dtype=torch.int32, device=device).view(batch, -1)
+        rows_idx = torch.arange(batch, dtype=torch.int32, device=device)
+        lens = torch.full((batch,), ctx, dtype=torch.int32, device=device)
+        (kq, ks), (vq, vs) = quantize_heads(k), quantize_heads(v)
+        out = torch.empty_like(q)
+        bf16 = timed_graph(lambda: paged_decode_attention(q, k, v, out, rows_idx, tables, lens, ctx, d ** -0.5, 16,
+                                                          block_n=16 if smoke else None), device, reps)
+        int8_bytes = 2 * batch * ctx * hkv * (d + ks.element_size())
+        for shape in INT8_SHAPES if not smoke else [None]:
+            cfg = decode_config(d, device, quant=True) if shape is None else KernelConfig(16, *shape)
+            row = {"batch": batch, "context": ctx, "default": shape is None, **cfg.__dict__,
+                   "bf16_us": round(bf16 * 1e6, 2)}
+            try:
+                t = timed_graph(lambda: paged_decode_attention(q, kq, vq, out, rows_idx, tables, lens, ctx, d ** -0.5,
+                                                               16, config=cfg if not smoke else None,
+                                                               block_n=16 if smoke else None, k_scale=ks, v_scale=vs),
+                                device, reps)
+                row.update(int8_us=round(t * 1e6, 2), vs_bf16=round(bf16 / t, 3),
+                           int8_gbps=round(int8_bytes / t / 1e9, 1))
+            except Exception as exc:  # noqa: BLE001 - a shape that does not fit
+                row["error"] = f"{type(exc).__name__}: {exc}"[:120]
+            rows.append(row)
+            print("int8", json.dumps(row), flush=True)
+    worst = {}
+    for r in rows:
+        if "vs_bf16" in r:
+            key = (r["block_n"], r["num_warps"], r["num_stages"])
+            worst[key] = min(worst.get(key, float("inf")), r["vs_bf16"])
+    best = max(worst, key=worst.get) if worst else None
+    return {"int8_decode": rows, "best_worst_case": None if best is None else
+            {"block_n": best[0], "num_warps": best[1], "num_stages": best[2], "min_vs_bf16": worst[best]}}
+
+
 def copy_bandwidth(device, reps: int, smoke: bool) -> float:
     src = torch.empty(2**28 if not smoke else 2**20, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
@@ -282,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes (CPU under TRITON_INTERPRET=1)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="search the kernels' launch shapes instead")
+    ap.add_argument("--sweep-int8", action="store_true", help="the int8 K/V decode's launch shapes against bf16")
     ap.add_argument("--only", choices=["prefill", "decode"], help="measure one half")
     ap.add_argument("--min-context", type=int, default=0, help="decode points from this context on")
     ap.add_argument("--no-graph-sdpa", action="store_true",
@@ -297,6 +352,15 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     reps = args.reps if not args.smoke else 2
+    if args.sweep_int8:
+        report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
+                  "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",
+                  "copy_gbps": copy_bandwidth(device, reps, args.smoke), **sweep_int8(device, dtype, args.smoke, reps)}
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(json.dumps(report, indent=2) + "\n")
+        print(json.dumps(report["best_worst_case"]))
+        return 0
     if args.sweep:
         report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
                   "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (interpreter)",

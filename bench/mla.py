@@ -35,6 +35,12 @@ requests of ``--prompt-len`` random prompt tokens, each generating ``--new-token
 (EOS ignored), all submitted at once; reported: output tokens/s over the whole run,
 time per output token and the decode rate it implies (batch / tpot).
 
+``--sweep`` (with ``--part attention``): at each point, ``mla_decode`` alone over launch
+shapes (keys a tile, warps, stages) and split counts (the automatic one, one full wave of
+programs, and the count the kernel used before, two programs an SM rounded up), each with
+its bandwidth and share of the copy bandwidth: ``sweep`` in the report, the best per point
+in ``sweep_best``.
+
 ``--smoke``: tiny shapes on the CPU in seconds (contexts 64, batches 1 and 2; a 2-layer tiny
 DeepSeek-V2 for ``--part model``), to check the script runs.
 
@@ -44,6 +50,7 @@ How to run
     python bench/mla.py --part attention --json mla_gpu.json                 # GPU: batches 16,32,64 x contexts 4k-16k
     python bench/mla.py --part model --json mla_model.json                   # GPU: whole model, batch 1 and 64
     python bench/mla.py --part model --layers 4                              # GPU: a 4-layer cut, faster to build
+    python bench/mla.py --part attention --batches 32,64 --sweep --json s.json   # GPU: launch shapes, splits
     python bench/mla.py --part attention --smoke                             # CPU: tiny, code path only
 """
 
@@ -212,6 +219,62 @@ def kernel_call(spec: ModelSpec, step: DecodeStep) -> tuple[Callable[[], torch.T
     return call, torch.einsum("bhr,hvr->bhv", call(), step.up.w_uv)
 
 
+SWEEP_CONFIGS = [(32, 4, 2), (32, 8, 2), (32, 8, 3), (16, 4, 3), (16, 8, 3), (64, 8, 2)]
+"""(keys a tile, warps, stages) that ``--sweep`` times: the kernel's first shape, its
+default now, and neighbours that compile for sm_90 without spilling."""
+
+
+def split_candidates(spec: ModelSpec, batch: int, context: int, block_n: int, device: torch.device) -> dict:
+    """Split counts to compare: the automatic choice, the one before it (two programs an SM,
+    rounded up: a tail wave), and one and two whole waves."""
+    from tessellm.plugins.attention.mla import decode_kernel as dk
+
+    sms = dk._sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 2
+    work = batch * -(-spec.num_heads // dk.BLOCK_H)
+    cap = max(1, context // (dk.MIN_TILES_PER_SPLIT * block_n))
+    return {"auto": dk.default_num_splits(batch, spec.num_heads, context, block_n, device),
+            "before": max(1, min(-(-2 * sms // work), dk.MAX_AUTO_SPLITS, cap)),
+            "one_wave": max(1, min(dk.PROGRAMS_PER_SM * sms // work, cap)),
+            "two_waves": max(1, min(2 * dk.PROGRAMS_PER_SM * sms // work, cap))}
+
+
+def sweep_point(spec: ModelSpec, step: DecodeStep, args: argparse.Namespace, device: torch.device,
+                copy_bps: float | None) -> list[dict]:
+    """``mla_decode`` at one point over ``SWEEP_CONFIGS`` x ``split_candidates``, each against
+    the default's output."""
+    from tessellm.plugins.attention.mla.decode_kernel import LaunchConfig, mla_decode
+
+    q_lat = torch.einsum("bhn,hnr->bhr", step.q_nope, step.up.w_uk)
+    q = torch.cat((q_lat, step.q_pe), dim=-1).contiguous()
+    tables, lens = step.batch.block_tables.to(torch.int32), step.batch.seq_lens.to(torch.int32)
+    cache = step.storage.latent_tensor()
+    batch, context = int(lens.numel()), int(lens.max())
+    read = batch * context * spec.mla.latent_dim * cache.element_size()
+    args_ = (q, cache, tables, lens, step.batch.block_size, spec.mla.kv_lora_rank, spec.attention_scale)
+    reference = mla_decode(*args_)
+    inner, warmup = (args.inner, 3) if device.type == "cuda" else (1, 0)
+    configs = SWEEP_CONFIGS if device.type == "cuda" else [(16, 4, 1)]
+    rows = []
+    for block_n, warps, stages in configs:
+        cfg = LaunchConfig(block_n, warps, stages)
+        for rule, splits in split_candidates(spec, batch, context, block_n, device).items():
+            row = {"batch": batch, "context": context, "block_n": block_n, "num_warps": warps, "num_stages": stages,
+                   "split_rule": rule, "splits": splits}
+            try:
+                fn = lambda: mla_decode(*args_, num_splits=splits, config=cfg)  # noqa: E731
+                row["max_abs_diff"] = float(f"{max_abs_diff(fn(), reference):.3g}")
+                ms = median_ms(fn, device, args.reps, inner, warmup)
+                row.update(ms=round(ms, 4), gbps=round(read / (ms / 1e3) / 1e9, 1))
+                if copy_bps:
+                    row["of_copy_bw"] = round(read / (ms / 1e3) / copy_bps, 3)
+            except Exception as exc:  # noqa: BLE001 - a shape that does not fit: recorded
+                row["error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:120]}"
+            rows.append(row)
+            print("sweep", json.dumps(row), file=sys.stderr, flush=True)
+    return rows
+
+
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max())
 
@@ -257,6 +320,13 @@ def attention_point(spec: ModelSpec, batch: int, context: int, args: argparse.Na
         ok &= agrees(diff, scale, dtype)
         point["reference_max_abs_diff"] = float(f"{diff:.3g}")
     point["agree"] = ok
+    if args.sweep:
+        point["sweep"] = sweep_point(spec, step, args, device, copy_bps)
+        timed = [r for r in point["sweep"] if "gbps" in r]
+        if timed:
+            best = max(timed, key=lambda r: r["gbps"])
+            point["sweep_best"] = {k: best[k] for k in ("block_n", "num_warps", "num_stages", "split_rule", "splits",
+                                                        "gbps", "of_copy_bw") if k in best}
     del step, arms, naive
     gc.collect()
     if cuda:
@@ -445,6 +515,8 @@ def parse_args(argv: list[str] | None, cuda: bool) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--form", choices=["auto", "naive", "absorbed"], default="auto", help="--part model: mla's form")
     ap.add_argument("--workdir", default=None, help="--part model: where the model folder is written (default: $TMPDIR)")
+    ap.add_argument("--sweep", action="store_true", help="--part attention: also time the kernel's launch shapes and "
+                    "split counts at each point")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, seconds: checks the code path")
     ap.add_argument("--json", help="write the report here too")
     args = ap.parse_args(argv)

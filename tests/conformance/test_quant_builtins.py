@@ -2,13 +2,16 @@
 compiled decode kernel) and in groups with lm_head (its tiled path); w8a8 with lm_head, and
 with SmoothQuant calibrated on text like the suite's prompts; int4-weight at groups 64 (torch's
 int4 kernel), 32 with lm_head (the tiled path) and 128 (a group wider than the tiny model's
-layers); fp8 per channel, in blocks with lm_head, and with e4m3 activations (scaled_mm)."""
+layers); fp8 per channel, in blocks with lm_head, and with e4m3 activations (scaled_mm); then each
+quantizer's CUDA kernels named (Triton interpreted; the torch.compile'd ones extended)."""
 
 from __future__ import annotations
 
 import random
 import tempfile
 from pathlib import Path
+
+import pytest
 
 from tessellm.testing.conformance import QuantConformance
 
@@ -69,3 +72,51 @@ class TestFp8Block(QuantConformance):
 class TestFp8ScaledMm(QuantConformance):
     plugin = "fp8"
     options = {"matmul": "scaled_mm"}  # FP8 tensor cores' arithmetic, through torch's CPU kernel here
+
+
+# Each quantizer's kernels named through the whole model (the CUDA ones run here as they can:
+# the Triton kernels interpreted, the compiled ones through Inductor's CPU code). Interpreted
+# or compiled on a CPU each class takes one to several minutes: extended (`make test-all`;
+# the GPU's quant stage runs them compiled). tests/plugins/quant/test_kernel_variants.py holds
+# every kernel to the float64 product by default.
+
+@pytest.mark.extended
+class TestInt8WeightTriton(QuantConformance):
+    plugin = "int8-weight"
+    options = {"kernel": "triton"}
+
+
+@pytest.mark.extended
+class TestInt4WeightTriton(QuantConformance):
+    plugin = "int4-weight"
+    options = {"kernel": "triton", "group_size": 32}
+
+
+@pytest.mark.extended
+class TestW8A8Triton(QuantConformance):
+    plugin = "w8a8"
+    options = {"kernel": "triton"}
+
+
+@pytest.mark.extended
+class TestFp8Triton(QuantConformance):
+    plugin = "fp8"
+    options = {"matmul": "triton"}
+
+
+@pytest.mark.extended
+class TestInt4WeightCompiled(QuantConformance):
+    plugin = "int4-weight"
+    options = {"kernel": "compiled", "group_size": 32}
+
+
+@pytest.mark.extended
+class TestW8A8IntMmCompiled(QuantConformance):
+    plugin = "w8a8"
+    options = {"kernel": "int_mm_compiled"}
+
+
+@pytest.mark.extended
+class TestFp8Compiled(QuantConformance):
+    plugin = "fp8"
+    options = {"matmul": "compiled"}

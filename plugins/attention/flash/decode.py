@@ -3,6 +3,15 @@ paged context. Each program attends one KV head's query heads over one split of 
 a merge kernel combines the splits by their log-sum-exps (one split writes its result in place).
 A layer's attention sinks join the softmax once, where the splits are combined (in the merge,
 or in the single split's own normalisation).
+
+Over an int8 cache the per-token scales never touch the K/V tiles: a token's K scale is
+constant along head_dim, so it factors out of its score (s[g, n] = k_scale[n] * q[g] .
+k_int8[n]), and its V scale folds into that token's softmax weight (sum_n p[g, n] v_scale[n]
+v_int8[n]). The int8 tiles convert straight to the compute dtype (exact: |q| <= 127), one
+conversion an element and no float32 tile, and the scales cost [BLOCK_N] loads and [G,
+BLOCK_N] multiplies a tile instead of [BLOCK_N, D]. With half the bytes a token, the int8
+path takes its own launch shape (``decode_config(quant=True)``): twice the keys a tile, so a
+tile moves as many bytes as bfloat16's, and more warps to convert them.
 """
 
 from __future__ import annotations
@@ -11,19 +20,36 @@ import torch
 import triton
 import triton.language as tl
 
-from tessellm.plugins.attention.flash.common import (LOG2E, TL_DTYPES, KernelConfig, _add_sink, _dequantize, _dot,
-                                                     _fold, _softcap, interpreting, scale_args, sink_args,
-                                                     softcap_log2)
+from tessellm.plugins.attention.flash.common import (LOG2E, TL_DTYPES, KernelConfig, _add_sink, _dot, _fold,
+                                                     _softcap, interpreting, scale_args, sink_args, softcap_log2)
 
 
-def decode_config(head_dim: int, device: torch.device, block_n: int | None = None) -> KernelConfig:
+def decode_config(head_dim: int, device: torch.device, block_n: int | None = None, quant: bool = False
+                  ) -> KernelConfig:
     """The split-K decode kernel's launch shape (block_m is unused: a program holds one KV
-    head's query heads)."""
+    head's query heads); ``quant``: over an int8 cache."""
     if device.type != "cuda":
         return KernelConfig(16, block_n or 32, 4, 1)
+    if quant:
+        # 128 int8 keys a tile move bfloat16's 64 keys' bytes; 4 warps convert them (no spills
+        # and 4-5 programs an SM on sm_90, bench/compile_hopper.py; `bench/kernels.py
+        # --sweep-int8` times the alternatives on a GPU)
+        return KernelConfig(16, block_n or 128, 4, 3)
     # the best worst case over batch 16 at 4k and batch 64 at 16k of `python bench/kernels.py
     # --sweep` (head dim 64, GQA 4, bf16; docs/benchmarks.md, "Decode")
     return KernelConfig(16, block_n or 64, 2, 4)
+
+
+@triton.jit
+def _fold_scaled(acc, l_i, m_i, s, m_safe, v, v_scale, FP32_DOT: tl.constexpr):
+    """``_fold`` over int8 values ``v`` (converted, unscaled) whose per-token scales
+    ``v_scale`` [BLOCK_N] weigh each token's softmax weight instead: the sum ``l_i`` takes the
+    plain weights, the output their scaled ones."""
+    p = tl.math.exp2(s - m_safe[:, None])
+    alpha = tl.math.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot((p * v_scale[None, :]).to(v.dtype), v, FP32_DOT)
+    return acc, l_i
 
 
 @triton.jit(do_not_specialize=["stride_bt", "stride_bh"])
@@ -78,19 +104,28 @@ def _paged_decode_split(
         kv_ptr = slot[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
         k = tl.load(K + kv_ptr, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
         v = tl.load(V + kv_ptr, mask=key_ok[:, None] & d_ok[None, :], other=0.0)
-        if QUANT:
-            scale_ptr = slot * stride_st + kv_head * stride_sh
-            k = _dequantize(k, tl.load(KScale + scale_ptr, mask=key_ok, other=0.0), COMPUTE, UPCAST)
-            v = _dequantize(v, tl.load(VScale + scale_ptr, mask=key_ok, other=0.0), COMPUTE, UPCAST)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = _dot(q, tl.trans(k), FP32_DOT) * scale_log2
+        elif QUANT:  # exact: int8 values are integers up to 127
+            k = k.to(COMPUTE)
+            v = v.to(COMPUTE)
+        if QUANT:  # the scales factor out of the scores and into the softmax weights
+            scale_ptr = slot * stride_st + kv_head * stride_sh
+            k_scale = tl.load(KScale + scale_ptr, mask=key_ok, other=0.0).to(tl.float32)
+            v_scale = tl.load(VScale + scale_ptr, mask=key_ok, other=0.0).to(tl.float32)
+            s = _dot(q, tl.trans(k), FP32_DOT) * (k_scale * scale_log2)[None, :]
+        else:
+            s = _dot(q, tl.trans(k), FP32_DOT) * scale_log2
         if SOFTCAP > 0:  # after the scale, before the mask
             s = _softcap(s, SOFTCAP)
         s = tl.where(key_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        acc, l_i = _fold(acc, l_i, m_i, s, tl.where(m_new == float("-inf"), 0.0, m_new), v, FP32_DOT)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        if QUANT:
+            acc, l_i = _fold_scaled(acc, l_i, m_i, s, m_safe, v, v_scale, FP32_DOT)
+        else:
+            acc, l_i = _fold(acc, l_i, m_i, s, m_safe, v, FP32_DOT)
         m_i = m_new
     if SINKS and DIRECT:
         acc, l_i = _add_sink(acc, l_i, m_i, tl.load(Sinks + heads, mask=g_ok, other=0.0))
@@ -184,7 +219,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    cfg = config or decode_config(head_dim, q.device, block_n)
+    cfg = config or decode_config(head_dim, q.device, block_n, quant=k_scale is not None)
     splits = num_splits or default_num_splits(num_seqs, num_kv_heads, max_kv_len, cfg.block_n)
     block_d = triton.next_power_of_2(head_dim)
     upcast = q.dtype == torch.bfloat16 and interpreting()

@@ -27,6 +27,7 @@ a small merge kernel combines the splits (a single split writes the output direc
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -46,35 +47,57 @@ little next to the latent tiles it reads."""
 MAX_AUTO_SPLITS = 32
 """The most splits the automatic choice makes."""
 
+PROGRAMS_PER_SM = 2
+"""Split programs of the CUDA launch shape one SM runs at once (registers: 104 a thread at
+8 warps, 56 KB of shared memory, on sm_90; bench/compile_hopper.py)."""
+
+WAVES = 1
+"""Whole waves of programs the automatic split count aims for. Rounding the program count up
+past a wave leaves a tail: 288 programs on the 264 an H200 runs at once take two program
+times, at 55% of the work's share of the machine (the H200's 40-50% of copy bandwidth at
+batch 32-64)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """The split kernel's launch shape: keys a tile, warps, software-pipeline stages."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _launch_config(dtype: torch.dtype, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages). On CUDA, 32-token tiles of 16-bit latents (36 KiB
-    per 576-wide tile, two in flight); float32 tiles are twice as wide in bytes, so 16 tokens.
-    Interpreted on the CPU, 16-token tiles, so short test contexts still span several tiles."""
+def launch_config(dtype: torch.dtype, device: torch.device) -> LaunchConfig:
+    """On CUDA, 32-token tiles of 16-bit latents (36 KiB per 576-wide tile, two in flight) over
+    8 warps (104 registers a thread, against 192 at 4: the same two programs an SM, twice the
+    warps to hide the loads' latency); float32 tiles are twice as wide in bytes, so 16 tokens.
+    Interpreted on the CPU, 16-token tiles, so short test contexts still span several tiles.
+    ``bench/mla.py --sweep`` times the alternatives on a GPU."""
     if device.type != "cuda":
-        return 16, 4, 1
-    return (16 if dtype == torch.float32 else 32), 4, 2
+        return LaunchConfig(16, 4, 1)
+    return LaunchConfig(16 if dtype == torch.float32 else 32, 8, 2)
 
 
 def default_num_splits(num_seqs: int, num_heads: int, max_context: int, block_n: int,
                        device: torch.device) -> int:
     """How many ways to split the context when the caller does not say.
 
-    Split only as far as needed to fill the machine: on CUDA, about two programs per SM
-    (``num_seqs * head_blocks * splits``), on the CPU (the interpreter runs programs one
-    after another) about four programs in all. Each split keeps at least
-    ``MIN_TILES_PER_SPLIT`` tiles of ``block_n`` tokens, at most ``MAX_AUTO_SPLITS``; the
-    count is then clamped so that a context of ``max_context`` tokens leaves no split empty
-    (each split covers a whole number of tiles)."""
+    Split only as far as fills the machine in whole waves: on CUDA ``WAVES`` times the
+    programs it runs at once (``PROGRAMS_PER_SM`` an SM), rounded down, so no wave runs a
+    handful of programs alone (``num_seqs * head_blocks * splits`` programs); on the CPU (the
+    interpreter runs programs one after another) about four programs in all. Each split
+    keeps at least ``MIN_TILES_PER_SPLIT`` tiles of ``block_n`` tokens, at most
+    ``MAX_AUTO_SPLITS``; the count is then clamped so that a context of ``max_context``
+    tokens leaves no split empty (each split covers a whole number of tiles)."""
     head_blocks = triton.cdiv(num_heads, BLOCK_H)
-    target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" else 4
-    want = triton.cdiv(target, max(num_seqs * head_blocks, 1))
+    slots = WAVES * PROGRAMS_PER_SM * _sm_count(device.index if device.index is not None
+                                                else torch.cuda.current_device()) if device.type == "cuda" else 4
+    want = slots // max(num_seqs * head_blocks, 1)
     splits = max(1, min(want, MAX_AUTO_SPLITS, max_context // (MIN_TILES_PER_SPLIT * block_n)))
     per_split = triton.cdiv(triton.cdiv(max_context, splits), block_n) * block_n
     return max(1, triton.cdiv(max_context, per_split))
@@ -188,7 +211,8 @@ def _mla_decode_merge(
 
 
 def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-               block_size: int, kv_lora_rank: int, scale: float, num_splits: int | None = None) -> torch.Tensor:
+               block_size: int, kv_lora_rank: int, scale: float, num_splits: int | None = None,
+               config: LaunchConfig | None = None) -> torch.Tensor:
     """Absorbed-MLA decode attention of one query row per sequence over its paged latent cache.
 
     ``q`` [B, H, D]: the absorbed queries (``q_nope @ W_UK`` then the rotated ``q_pe``), with
@@ -205,7 +229,8 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
     split past the end of a short context is empty and costs only its launch). ``None`` picks
     it with ``default_num_splits`` from the batch, the head count and the context bound
     ``max_blocks * block_size`` (the table's width, not ``seq_lens``: nothing is read back to
-    the host, so the launch depends only on shapes and a CUDA graph can replay it)."""
+    the host, so the launch depends only on shapes and a CUDA graph can replay it).
+    ``config``: the launch shape (default ``launch_config``; benchmarks sweep it)."""
     if q.dim() != 3 or cache.dim() != 2:
         raise ValueError(f"q must be [B, H, D] and cache [num_slots, D], got {tuple(q.shape)} and {tuple(cache.shape)}")
     num_seqs, num_heads, dim = q.shape
@@ -225,7 +250,8 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
     if q.stride(2) != 1:
         q = q.contiguous()
     rope_dim = dim - kv_lora_rank
-    block_n, num_warps, num_stages = _launch_config(q.dtype, q.device)
+    cfg = config or launch_config(q.dtype, q.device)
+    block_n = cfg.block_n
     if num_splits is None:
         num_splits = default_num_splits(num_seqs, num_heads, block_tables.shape[1] * block_size, block_n, q.device)
     if num_splits < 1:
@@ -250,7 +276,7 @@ def mla_decode(q: torch.Tensor, cache: torch.Tensor, block_tables: torch.Tensor,
         NUM_HEADS=num_heads, KV_LORA=kv_lora_rank, ROPE=rope_dim, KV_BLOCK=block_size,
         BLOCK_H=BLOCK_H, BLOCK_C=block_c, BLOCK_R=max(16, triton.next_power_of_2(max(rope_dim, 1))),
         BLOCK_N=block_n, FP32_DOT=q.dtype == torch.float32 or upcast, UPCAST=upcast, DIRECT=direct,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if not direct:
         _mla_decode_merge[(num_seqs, num_heads)](

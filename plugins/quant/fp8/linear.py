@@ -2,16 +2,20 @@
 
 The weight is ``weight_fp8 * scale`` with one scale for the whole tensor ([1, 1]), one per
 output channel ([N, 1]) or one per block of ``block`` = (rows, columns) ([ceil(N / rows),
-ceil(K / columns)]; DeepSeek-V3's 128 x 128). Two matmuls:
+ceil(K / columns)]; DeepSeek-V3's 128 x 128). Matmuls (``KERNELS``):
 
-- dequantize (anywhere): ``TILE_ROWS`` output channels at a time into the activations' dtype,
-  then the BLAS (cuBLAS on a GPU): the weights cross memory as one byte each, the
-  activations stay in the model dtype;
+- ``dequantize`` (anywhere): ``TILE_ROWS`` output channels at a time into the activations'
+  dtype, then the BLAS (cuBLAS on a GPU): the activations stay in the model dtype;
 - ``scaled_mm`` (FP8 tensor cores, compute capability 8.9+): the activations are quantized
   to e4m3 per row (token) on the fly, and ``torch._scaled_mm`` multiplies the two FP8
   operands with the row scales and the weight's per-channel scales applied to its float32
   accumulator (FP8_DYNAMIC's arithmetic). Tensor or channel scales only, N and K multiples
-  of 16 (``scaled_mm_unfit``).
+  of 16 (``scaled_mm_unfit``);
+- ``triton``: `int8-weight`'s Triton kernel, which converts any 8-bit weight tile to the
+  activations' dtype inside its K loop (e4m3 is exact in bfloat16, float16 and float32) and
+  splits K for few rows; tensor or channel scales;
+- ``compiled``: a ``torch.compile``d dequantize-in-the-reduction (the weights read once as
+  bytes, converted in registers): the fused GEMV of few rows; tensor or channel scales.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import functools
 
 import torch
 from torch import nn
+
+from tessellm.plugins.quant.kernel_table import KernelChoice, RowDispatch
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -109,6 +115,23 @@ def scaled_mm(x: torch.Tensor, weight: torch.Tensor, weight_scale_row: torch.Ten
     return out.to(x.dtype)
 
 
+def _dequantize_reduce(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # x [M, K], weight [N, K] e4m3, scale [N]: sum_k x[m, k] * weight[n, k], scaled per channel
+    return (x.unsqueeze(1) * weight.unsqueeze(0).to(x.dtype)).sum(dim=-1) * scale.to(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled():
+    return torch.compile(_dequantize_reduce, dynamic=True, fullgraph=True)
+
+
+def compiled_fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, compiled: bool = True
+                        ) -> torch.Tensor:
+    """x [M, K] @ (weight [N, K] e4m3 * scale [N]).T by the ``torch.compile``d reduction
+    (``compiled`` False: eagerly, a test reference that materialises [M, N, K])."""
+    return (_compiled() if compiled else _dequantize_reduce)(x, weight, scale)
+
+
 def expand_scale(scale: torch.Tensor, rows: slice, shape: tuple[int, int], block: tuple[int, int] | None
                  ) -> torch.Tensor:
     """The scale of every weight in output channels ``rows`` of an [N, K] weight: [R, K] or a
@@ -149,19 +172,47 @@ def quantize_fp8(weight: torch.Tensor, granularity: str, block: tuple[int, int] 
 
 
 class Fp8Linear(nn.Module):
-    """y = x @ (weight_fp8 * scale).T + bias in x's dtype; see the module docstring."""
+    """y = x @ (weight_fp8 * scale).T + bias in x's dtype; see the module docstring. Which
+    kernel runs: ``kernel_choice`` names one, or (auto) on CUDA its table picks per row count;
+    without a choice, ``use_scaled_mm`` names scaled_mm or dequantize."""
+
+    KERNELS = ("scaled_mm", "dequantize", "triton", "compiled")
+    """Every kernel the ``matmul`` option names."""
 
     def __init__(self, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                 block: tuple[int, int] | None, *, use_scaled_mm: bool = False):
+                 block: tuple[int, int] | None, *, use_scaled_mm: bool = False,
+                 kernel_choice: KernelChoice | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.block = None if block is None else (int(block[0]), int(block[1]))
         self.register_buffer("weight_fp8", weight)
         self.register_buffer("weight_scale", scale.float())
         self.register_buffer("bias", bias)
-        # [1, N]: _scaled_mm's per-channel scale (the caller checked scaled_mm_unfit)
-        row = self.weight_scale.reshape(1, -1).expand(1, self.out_features).contiguous() if use_scaled_mm else None
+        self.kernel_choice = kernel_choice or KernelChoice("fp8", "scaled_mm" if use_scaled_mm else "dequantize")
+        # [1, N]: one scale per output channel (tensor scales widened), what scaled_mm, triton
+        # and compiled read; None for block scales, which only dequantize takes
+        row = self.weight_scale.reshape(1, -1).expand(1, self.out_features).contiguous() if block is None else None
         self.register_buffer("weight_scale_row", row, persistent=False)
+        self._cuda_dispatch: RowDispatch | None = None
+
+    def unfit(self, kernel: str) -> str | None:
+        """Why this layer cannot run ``kernel`` (None: it can)."""
+        if kernel == "scaled_mm":
+            return scaled_mm_unfit(self.out_features, self.in_features, self.block)
+        if kernel in ("triton", "compiled") and self.block is not None:
+            return f"its {self.block[0]}x{self.block[1]} block scales ({kernel} takes tensor or channel scales)"
+        return None
+
+    def kernel_for(self, rows: torch.Tensor) -> str:
+        """The kernel a step of ``rows`` runs."""
+        if self.kernel_choice.named is not None:
+            return self.kernel_choice.named
+        if not rows.is_cuda:
+            return "dequantize"
+        if self._cuda_dispatch is None:
+            self._cuda_dispatch = self.kernel_choice.cuda_dispatch(self.out_features, self.in_features, self.unfit,
+                                                                   "dequantize")
+        return self._cuda_dispatch.pick(rows.shape[0])
 
     @classmethod
     def stack(cls, parts: list["Fp8Linear"]) -> "Fp8Linear | None":
@@ -170,7 +221,7 @@ class Fp8Linear(nn.Module):
         per tensor widened to one per channel; block scales join where every part's outputs
         fill whole blocks. None where the parts differ in block shape, bias or matmul."""
         first = parts[0]
-        key = [(p.in_features, p.block, p.bias is None, p.weight_scale_row is None) for p in parts]
+        key = [(p.in_features, p.block, p.bias is None, p.kernel_choice) for p in parts]
         if len(set(key)) > 1 or (first.block is not None and any(p.out_features % first.block[0] for p in parts)):
             return None
         if first.block is None:
@@ -179,12 +230,19 @@ class Fp8Linear(nn.Module):
             scale = torch.cat([p.weight_scale for p in parts])
         bias = None if first.bias is None else torch.cat([p.bias for p in parts])
         return cls(torch.cat([p.weight_fp8 for p in parts]), scale, bias, first.block,
-                   use_scaled_mm=first.weight_scale_row is not None)
+                   kernel_choice=first.kernel_choice)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self.weight_scale_row is not None:
+        kernel = self.kernel_for(rows)
+        if kernel == "scaled_mm":
             out = scaled_mm(rows, self.weight_fp8, self.weight_scale_row)
+        elif kernel == "triton":
+            from tessellm.plugins.quant.int8.triton_matmul import triton_int8_weight_matmul  # reads any 8-bit weight
+
+            out = triton_int8_weight_matmul(rows, self.weight_fp8, self.weight_scale_row.view(-1))
+        elif kernel == "compiled":
+            out = compiled_fp8_matmul(rows, self.weight_fp8, self.weight_scale_row.view(-1))
         else:
             out = self._dequantized_matmul(rows)
         if self.bias is not None:
@@ -203,6 +261,7 @@ class Fp8Linear(nn.Module):
     def extra_repr(self) -> str:
         kind = "tensor" if self.weight_scale.numel() == 1 and self.block is None else \
             "channel" if self.block is None else f"block {self.block[0]}x{self.block[1]}"
-        matmul = "torch._scaled_mm, activations e4m3 per token" if self.weight_scale_row is not None \
-            else "dequantized into the activations' dtype"
+        matmul = {"scaled_mm": "torch._scaled_mm, activations e4m3 per token",
+                  "dequantize": "dequantized into the activations' dtype"}.get(self.kernel_choice.named,
+                                                                              self.kernel_choice.named or "auto")
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3, {kind} scales, {matmul}"

@@ -11,7 +11,7 @@ the model dtype.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import torch
 from pydantic import Field
@@ -25,6 +25,7 @@ from tessellm.plugins.quant.fp8.checkpoints import checkpoint_support, read_fp8,
 from tessellm.plugins.quant.fp8.linear import (FP8, Fp8Linear, dequantize_fp8, fp8_matmul_unfit, quantize_fp8,
                                                scaled_mm_unfit)
 from tessellm.plugins.quant.int8.quantize import replace_linears
+from tessellm.plugins.quant.kernel_table import KernelChoice, check_named, choose
 from tessellm.plugins.quant.stored_linears import refuse_unread, replace_stored_linears
 
 
@@ -37,13 +38,18 @@ class Fp8Options(PluginOptions):
     """Rows and columns of a block (granularity block)."""
     quantize_lm_head: bool = False
     """Also quantize lm_head."""
-    matmul: Literal["auto", "scaled_mm", "dequantize"] = "auto"
+    matmul: Literal["auto", "scaled_mm", "dequantize", "triton", "compiled"] = "auto"
     """How a layer multiplies. ``scaled_mm``: activations quantized to e4m3 per token, then
     ``torch._scaled_mm`` (FP8 tensor cores; torch's CPU kernel runs it too, slowly), for
-    layers with tensor or channel scales whose sizes are multiples of 16 (another layer is
-    refused at load). ``dequantize``: the weights widened into the activations' dtype, any
-    layer, any device. ``auto``: scaled_mm where the device has FP8 tensor cores (compute
-    capability 8.9+) and the layer fits, dequantize elsewhere and in float64."""
+    layers with tensor or channel scales whose sizes are multiples of 16. ``dequantize``: the
+    weights widened into the activations' dtype, any layer, any device. ``triton`` (CUDA, or
+    TRITON_INTERPRET=1) and ``compiled`` (``torch.compile``): weight-only kernels that convert
+    e4m3 in registers, tensor or channel scales. A layer a named kernel cannot run is refused
+    at load. ``auto``: on a GPU with FP8 tensor cores (compute capability 8.9+), per layer
+    shape and row count from ``kernel_table``; dequantize elsewhere and in float64."""
+    kernel_table: Optional[str] = None
+    """A kernel table written by ``bench/quant_kernels.py --table`` (JSON); None: the default
+    for Hopper (plugins/quant/kernel_tables/sm_90.json)."""
 
 
 class Fp8Quantizer(Quantizer):
@@ -66,11 +72,12 @@ class Fp8Quantizer(Quantizer):
         return 0.15 + (0.05 if options.quantize_lm_head else 0.0) + activations
 
     def use_scaled_mm(self, name: str, weight: torch.Tensor, block: tuple[int, int] | None) -> bool:
-        """Whether layer ``name`` (an [N, K] e4m3 ``weight`` scaled per ``block``) runs
-        ``torch._scaled_mm`` under the ``matmul`` option; a ConfigError where the option
-        demands it and the layer cannot."""
+        """Whether layer ``name`` (an [N, K] e4m3 ``weight`` scaled per ``block``) may run
+        ``torch._scaled_mm`` under the ``matmul`` option (auto: on an FP8 GPU, for the row
+        counts its table gives it); a ConfigError where the option demands it and the layer
+        cannot."""
         choice = self.options.matmul
-        if choice == "dequantize":
+        if choice not in ("auto", "scaled_mm"):
             return False
         unfit = scaled_mm_unfit(*weight.shape, block)
         if choice == "scaled_mm":
@@ -80,15 +87,32 @@ class Fp8Quantizer(Quantizer):
             return True
         return unfit is None and fp8_matmul_unfit(self.device) is None and self.dtype != torch.float64
 
+    def kernel_choice(self) -> KernelChoice:
+        """The layers' kernel choice: the named ``matmul``; auto reads the table on an FP8 GPU
+        outside float64, and is dequantize elsewhere."""
+        matmul = self.options.matmul
+        if matmul == "auto" and (fp8_matmul_unfit(self.device) is not None or self.dtype == torch.float64):
+            matmul = "dequantize"
+        return choose(self.name, matmul, self.options.kernel_table, self.device, triton_kernels=("triton",),
+                      option="matmul")
+
+    def _layer(self, name: str, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+               block: tuple[int, int] | None, choice: KernelChoice) -> Fp8Linear:
+        self.use_scaled_mm(name, weight, block)  # the refusal of a named scaled_mm, with its message
+        layer = Fp8Linear(weight, scale, bias, block, kernel_choice=choice)
+        check_named(choice.named, name, layer.unfit, Fp8Linear.KERNELS, option="matmul")
+        return layer
+
     def apply(self, model: nn.Module) -> nn.Module:
         options = self.options
         block = (options.block_size, options.block_size)
 
+        choice = self.kernel_choice()
+
         def make(full: str, linear: nn.Linear) -> nn.Module:
             weight, scale = quantize_fp8(linear.weight, options.granularity, block)
             bias = None if linear.bias is None else linear.bias.detach().clone()
-            blocks = block if options.granularity == "block" else None
-            return Fp8Linear(weight, scale, bias, blocks, use_scaled_mm=self.use_scaled_mm(full, weight, blocks))
+            return self._layer(full, weight, scale, bias, block if options.granularity == "block" else None, choice)
 
         return replace_linears(model, make, options.quantize_lm_head, self.name)
 
@@ -111,15 +135,16 @@ class Fp8Quantizer(Quantizer):
                 if read is not None:
                     state[f"{name}.weight"] = dequantize_fp8(*read)
 
+        choice = self.kernel_choice()
+
         def build(name: str, linear: nn.Linear) -> nn.Module | None:
             read = read_fp8(state, name, quantization_config)
             if read is None:
                 return None
             weight, scale, block = read
             bias = state.pop(f"{name}.bias", None)
-            return Fp8Linear(weight.to(self.device), scale.to(self.device),
-                             None if bias is None else bias.to(self.device, self.dtype), block,
-                             use_scaled_mm=self.use_scaled_mm(name, weight, block))
+            return self._layer(name, weight.to(self.device), scale.to(self.device),
+                               None if bias is None else bias.to(self.device, self.dtype), block, choice)
 
         replace_stored_linears(model, build)
         refuse_unread(state, self.name, "float8 tensors", lambda _, tensor: tensor.dtype == FP8)

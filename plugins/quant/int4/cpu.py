@@ -52,9 +52,15 @@ def to_int4pack(weight: Int4Weight) -> Int4Pack:
     q = unpack_nibbles(weight.packed).to(torch.int32)
     q = torch.nn.functional.pad(q, (0, -q.shape[1] % weight.group_size))  # zero columns meet zero rows
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    offset = weight.offset + 8.0 * weight.scale  # q * s + offset == (q - 8) * s + (offset + 8 s)
-    scales_and_zeros = torch.stack((weight.scale, offset), dim=-1).transpose(0, 1).contiguous()
-    return Int4Pack(packed, scales_and_zeros.to(torch.bfloat16), weight.group_size, weight.in_features)
+    return Int4Pack(packed, int4pack_scales(weight), weight.group_size, weight.in_features)
+
+
+def int4pack_scales(weight: Int4Weight) -> torch.Tensor:
+    """torch's int4 kernels' (CPU and CUDA) scales and zeros [G, N, 2] in bfloat16: their
+    weight is (q - 8) * scale + zero, so zero = offset + 8 scale (q * s + offset == (q - 8) * s
+    + (offset + 8 s))."""
+    zero = weight.offset + 8.0 * weight.scale
+    return torch.stack((weight.scale, zero), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
 
 
 def int4pack_matmul(x: torch.Tensor, pack: Int4Pack) -> torch.Tensor:

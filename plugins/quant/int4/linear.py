@@ -7,6 +7,9 @@ from torch import nn
 
 from tessellm.plugins.quant.int4.cpu import Int4Pack, int4pack_matmul, int4pack_unfit, tiled_matmul, to_int4pack
 from tessellm.plugins.quant.int4.quantize import Int4Weight, quantize_int4
+from tessellm.plugins.quant.int4.torch_kernels import (TinygemmPack, compiled_int4_matmul, tinygemm_matmul,
+                                                       tinygemm_unfit, to_tinygemm)
+from tessellm.plugins.quant.kernel_table import KernelChoice, RowDispatch
 
 
 _INT4PACK_MM = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
@@ -14,14 +17,24 @@ _INT4PACK_MM = getattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu", None)
 
 class Int4WeightLinear(nn.Module):
     """y = x @ W.T + bias with W held as int4 (quantize.py's layout); the float weight is not
-    kept. On CUDA a Triton kernel dequantizes inside its K loop (triton_matmul.py). On the
-    CPU, up to ``small_batch_rows`` rows run torch's int4 kernel where the layer fits it (and
-    ``use_int4pack``); more rows, and layers it cannot take, dequantize a tile of output
-    channels at a time before the BLAS (cpu.py). ``input_perm`` (act-order checkpoints)
-    reorders the input's channels to the weight's."""
+    kept. ``input_perm`` (act-order checkpoints) reorders the input's channels to the weight's.
+
+    Kernels (``KERNELS``): ``triton``, which unpacks nibbles inside its K loop and splits K for
+    few rows (triton_matmul.py); ``tinygemm``, torch's CUDA int4 kernel over its own layout,
+    held beside the packed one when the layer's choice uses it (torch_kernels.py);
+    ``int4pack``, torch's CPU int4 kernel (cpu.py; held where ``use_int4pack``); ``compiled``,
+    a ``torch.compile``d dequantize-and-reduce; ``tiled``, dequantize a tile of output channels
+    at a time before the BLAS / cuBLAS. Which runs: ``kernel_choice`` names one, or (auto) on
+    CUDA its table picks per row count (tinygemm only for bfloat16 activations, else
+    triton); on the CPU up to ``small_batch_rows`` rows run int4pack where the layer holds it,
+    the tiles otherwise."""
+
+    KERNELS = ("triton", "tinygemm", "int4pack", "compiled", "tiled")
+    """Every kernel the ``kernel`` option names."""
 
     def __init__(self, weight: Int4Weight, out_features: int, bias: torch.Tensor | None, *,
-                 use_int4pack: bool, small_batch_rows: int, input_perm: torch.Tensor | None = None):
+                 use_int4pack: bool, small_batch_rows: int, input_perm: torch.Tensor | None = None,
+                 kernel_choice: KernelChoice | None = None):
         super().__init__()
         self.in_features, self.out_features = weight.in_features, out_features
         self.group_size = weight.group_size
@@ -39,15 +52,25 @@ class Int4WeightLinear(nn.Module):
         # need no padding to whole groups, no permutation and no bias added after
         self._int4pack_direct = pack is not None and self.in_features % self.group_size == 0 and \
             input_perm is None and bias is None
+        self.kernel_choice = kernel_choice or KernelChoice("int4-weight", None)
+        self._cuda_dispatch: RowDispatch | None = None
+        tinygemm = None
+        if weight.packed.is_cuda:
+            self._cuda_dispatch = self.kernel_choice.cuda_dispatch(out_features, self.in_features, self.unfit, "triton")
+            if "tinygemm" in self._cuda_dispatch.kernels():
+                tinygemm = to_tinygemm(weight)
+        self.register_buffer("tinygemm_weight", None if tinygemm is None else tinygemm.weight)
+        self.register_buffer("tinygemm_scales", None if tinygemm is None else tinygemm.scales_and_zeros)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int, *, int4pack: bool, small_batch_rows: int
-                    ) -> "Int4WeightLinear":
+    def from_linear(cls, linear: nn.Linear, group_size: int, *, int4pack: bool, small_batch_rows: int,
+                    kernel_choice: KernelChoice | None = None) -> "Int4WeightLinear":
         """Quantize ``linear``'s weight with ``group_size``; ``int4pack``: also hold torch's
         CPU layout (only where ``int4pack_unfit`` finds nothing against it)."""
         weight = quantize_int4(linear.weight, group_size)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(weight, linear.out_features, bias, use_int4pack=int4pack, small_batch_rows=small_batch_rows)
+        return cls(weight, linear.out_features, bias, use_int4pack=int4pack, small_batch_rows=small_batch_rows,
+                   kernel_choice=kernel_choice)
 
     @classmethod
     def stack(cls, parts: list["Int4WeightLinear"]) -> "Int4WeightLinear | None":
@@ -65,7 +88,8 @@ class Int4WeightLinear(nn.Module):
                             torch.cat([p.weight_offset for p in parts]), first.group_size)
         bias = None if first.bias is None else torch.cat([p.bias for p in parts])
         return cls(weight, sum(p.out_features for p in parts), bias, use_int4pack=first.int4pack_weight is not None,
-                   small_batch_rows=first.small_batch_rows, input_perm=first.input_perm)
+                   small_batch_rows=first.small_batch_rows, input_perm=first.input_perm,
+                   kernel_choice=first.kernel_choice)
 
     @staticmethod
     def int4pack_unfit(linear: nn.Linear, group_size: int) -> str | None:
@@ -76,21 +100,50 @@ class Int4WeightLinear(nn.Module):
     def int4(self) -> Int4Weight:
         return Int4Weight(self.weight_packed, self.weight_scale, self.weight_offset, self.group_size)
 
-    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        """rows [M, in_features] @ W.T in rows' dtype."""
-        if rows.device.type == "cuda":
+    def unfit(self, kernel: str) -> str | None:
+        """Why this layer cannot run ``kernel`` (None: it can)."""
+        if kernel == "tinygemm":
+            return tinygemm_unfit(self.out_features, self.in_features, self.group_size, self.weight_packed.device)
+        if kernel == "int4pack" and self.int4pack_weight is None:
+            return "it holds no int4pack layout (torch's CPU kernel: CPU only, and the layer must fit it)"
+        if kernel == "compiled" and self.in_features % self.group_size:
+            return f"compiled takes whole groups ({self.in_features} input channels in groups of {self.group_size})"
+        return None
+
+    def run(self, kernel: str, rows: torch.Tensor) -> torch.Tensor:
+        """rows [M, in_features] (already permuted) @ W.T through ``kernel``, in rows' dtype."""
+        if kernel == "triton":
             from tessellm.plugins.quant.int4.triton_matmul import triton_int4_weight_matmul
 
             return triton_int4_weight_matmul(rows, self.weight_packed, self.weight_scale, self.weight_offset,
                                              self.group_size)
+        if kernel == "tinygemm":
+            if self.tinygemm_weight is None:  # named, so not built at load: built now, once
+                pack = to_tinygemm(self.int4)
+                self.tinygemm_weight, self.tinygemm_scales = pack.weight, pack.scales_and_zeros
+            return tinygemm_matmul(rows, TinygemmPack(self.tinygemm_weight, self.tinygemm_scales, self.group_size))
+        if kernel == "int4pack":
+            return int4pack_matmul(rows, Int4Pack(self.int4pack_weight, self.int4pack_scales, self.group_size,
+                                                  self.in_features))
+        if kernel == "compiled":
+            return compiled_int4_matmul(rows, self.int4)
+        return tiled_matmul(rows, self.int4)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [M, in_features] @ W.T in rows' dtype."""
+        if self.kernel_choice.named is not None:
+            return self.run(self.kernel_choice.named, rows)
+        if rows.device.type == "cuda":
+            kernel = self._cuda_dispatch.pick(rows.shape[0])
+            return self.run("triton" if kernel == "tinygemm" and rows.dtype != torch.bfloat16 else kernel, rows)
         if self.int4pack_weight is not None and rows.shape[0] <= self.small_batch_rows:
-            pack = Int4Pack(self.int4pack_weight, self.int4pack_scales, self.group_size, self.in_features)
-            return int4pack_matmul(rows, pack)
+            return self.run("int4pack", rows)
         return tiled_matmul(rows, self.int4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)
-        if self._int4pack_direct and rows.shape[0] <= self.small_batch_rows and not rows.is_cuda:
+        if self._int4pack_direct and rows.shape[0] <= self.small_batch_rows and not rows.is_cuda and \
+                self.kernel_choice.named in (None, "int4pack"):
             out = _INT4PACK_MM(rows.to(torch.bfloat16), self.int4pack_weight, self.group_size, self.int4pack_scales)
             return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
         out = self.matmul(rows if self.input_perm is None else rows.index_select(1, self.input_perm))
@@ -100,4 +153,5 @@ class Int4WeightLinear(nn.Module):
 
     def extra_repr(self) -> str:
         cpu = ", torch int4pack for few rows" if self.int4pack_weight is not None else ""
+        cpu += f", kernel {self.kernel_choice.named}" if self.kernel_choice.named else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 group_size={self.group_size}{cpu}"

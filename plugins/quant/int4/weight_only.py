@@ -8,7 +8,7 @@ scale and an offset. Embeddings stay in the model dtype, and so does ``lm_head``
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, Optional
 
 import torch
 from pydantic import Field
@@ -23,6 +23,7 @@ from tessellm.plugins.quant.int4.cpu import int4pack_unfit
 from tessellm.plugins.quant.int4.linear import Int4WeightLinear
 from tessellm.plugins.quant.int4.quantize import Int4Weight
 from tessellm.plugins.quant.int8.quantize import replace_linears
+from tessellm.plugins.quant.kernel_table import KernelChoice, check_named, choose
 from tessellm.plugins.quant.stored_linears import refuse_unread, replace_stored_linears
 
 
@@ -35,6 +36,17 @@ class Int4WeightOptions(PluginOptions):
     quantize_lm_head: bool = False
     """Also quantize lm_head (the largest matrix of a small model; its error reaches every
     logit directly)."""
+    kernel: Literal["auto", "triton", "tinygemm", "int4pack", "compiled", "tiled"] = "auto"
+    """The matmul. ``auto``: on CUDA per layer shape and row count from ``kernel_table``; on the
+    CPU ``cpu_kernel``. A named kernel runs every step on any device that can run it:
+    ``triton`` (CUDA, or TRITON_INTERPRET=1), ``tinygemm`` (torch's CUDA int4 kernel,
+    bfloat16 inside; CUDA only), ``int4pack`` (torch's CPU int4 kernel, bfloat16 inside),
+    ``compiled`` (a ``torch.compile``d dequantize-and-reduce; whole groups), ``tiled``
+    (dequantize tiles, then the BLAS / cuBLAS). A layer the named kernel cannot run is
+    refused at load."""
+    kernel_table: Optional[str] = None
+    """A kernel table written by ``bench/quant_kernels.py --table`` (JSON); None: the default
+    for Hopper (plugins/quant/kernel_tables/sm_90.json)."""
     cpu_kernel: Literal["auto", "int4pack", "tiled"] = "auto"
     """On the CPU, for few rows: ``int4pack`` torch's int4 kernel (bfloat16 activations inside;
     every quantized layer must fit it), ``tiled`` dequantize-then-BLAS, ``auto`` int4pack
@@ -62,20 +74,36 @@ class Int4WeightQuantizer(Quantizer):
         bound = {32: 0.4, 64: 0.45, 128: 0.5}.get(options.group_size, 0.55)
         return bound + (0.2 if options.quantize_lm_head else 0.0)
 
+    def kernel_choice(self) -> KernelChoice:
+        """The layers' kernel choice from the ``kernel`` and ``kernel_table`` options."""
+        return choose(self.name, self.options.kernel, self.options.kernel_table, self.device,
+                      triton_kernels=("triton",), cuda_kernels=("tinygemm",))
+
+    def _int4pack(self, out_features: int, in_features: int, group_size: int, layer: str) -> bool:
+        """Whether a CPU layer holds torch's int4pack layout too (a ConfigError where it is
+        named, by ``cpu_kernel`` or ``kernel``, and the layer cannot take it)."""
+        options = self.options
+        unfit = int4pack_unfit(out_features, in_features, group_size)
+        which = "kernel" if options.kernel == "int4pack" else "cpu_kernel" if options.cpu_kernel == "int4pack" else None
+        if self.device.type == "cpu" and which and unfit:
+            raise ConfigError(f"quant.options.{which} 'int4pack': torch's CPU int4 kernel cannot run {layer} "
+                              f"({unfit}); use auto or tiled")
+        return self.device.type == "cpu" and options.cpu_kernel != "tiled" and not unfit and \
+            options.kernel in ("auto", "int4pack")
+
     def apply(self, model: nn.Module) -> nn.Module:
         options = self.options
-        on_cpu = self.device.type == "cpu"
+        choice = self.kernel_choice()
 
         def make(full: str, linear: nn.Linear) -> nn.Module:
             if linear.in_features % 2:
                 raise ConfigError(f"quant 'int4-weight': {full} has an odd in_features ({linear.in_features}); "
                                   f"int4 packs two values a byte")
-            unfit = Int4WeightLinear.int4pack_unfit(linear, options.group_size)
-            if on_cpu and options.cpu_kernel == "int4pack" and unfit:
-                raise ConfigError(f"quant.options.cpu_kernel 'int4pack': torch's CPU int4 kernel cannot run "
-                                  f"{full} ({unfit}); use cpu_kernel auto or tiled")
-            return Int4WeightLinear.from_linear(linear, options.group_size, small_batch_rows=options.small_batch_rows,
-                                                int4pack=on_cpu and options.cpu_kernel != "tiled" and not unfit)
+            layer = Int4WeightLinear.from_linear(
+                linear, options.group_size, small_batch_rows=options.small_batch_rows, kernel_choice=choice,
+                int4pack=self._int4pack(linear.out_features, linear.in_features, options.group_size, full))
+            check_named(choice.named, full, layer.unfit, Int4WeightLinear.KERNELS)
+            return layer
 
         return replace_linears(model, make, options.quantize_lm_head, self.name)
 
@@ -93,6 +121,7 @@ class Int4WeightQuantizer(Quantizer):
         becomes an ``Int4WeightLinear`` with the checkpoint's groups (``group_size`` is not
         used)."""
         options = self.options
+        choice = self.kernel_choice()
 
         def build(name: str, linear: nn.Linear) -> nn.Module | None:
             read = read_linear(state, name, linear.out_features, linear.in_features, quantization_config)
@@ -102,11 +131,13 @@ class Int4WeightQuantizer(Quantizer):
             weight = Int4Weight(*(t.to(self.device) for t in (weight.packed, weight.scale, weight.offset)),
                                 weight.group_size)
             bias = state.pop(f"{name}.bias", None)
-            fits = self.device.type == "cpu" and options.cpu_kernel != "tiled" and \
-                int4pack_unfit(linear.out_features, linear.in_features, weight.group_size) is None
-            return Int4WeightLinear(weight, linear.out_features, None if bias is None else bias.to(self.device, self.dtype),
-                                    use_int4pack=fits, small_batch_rows=options.small_batch_rows,
-                                    input_perm=None if perm is None else perm.to(self.device))
+            fits = self._int4pack(linear.out_features, linear.in_features, weight.group_size, name)
+            layer = Int4WeightLinear(weight, linear.out_features,
+                                     None if bias is None else bias.to(self.device, self.dtype), use_int4pack=fits,
+                                     small_batch_rows=options.small_batch_rows, kernel_choice=choice,
+                                     input_perm=None if perm is None else perm.to(self.device))
+            check_named(choice.named, name, layer.unfit, Int4WeightLinear.KERNELS)
+            return layer
 
         replace_stored_linears(model, build)
         refuse_unread(state, self.name, "packed 4-bit tensors",

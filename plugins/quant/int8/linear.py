@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from tessellm.plugins.quant.int8.cpu import int8_weight_matmul, int8pack_matmul, tiled_matmul
+from tessellm.plugins.quant.kernel_table import KernelChoice, RowDispatch
 from tessellm.plugins.quant.int8.quantize import quantize_per_channel
 
 
@@ -43,6 +44,22 @@ class Int8Linear(nn.Module):
         own kernel choice (the base class has none)."""
         raise NotImplementedError(f"{type(self).__name__} must define matmul(rows)")
 
+    kernel_choice: KernelChoice
+    """How the subclass picks its kernel (set at construction)."""
+    _cuda_dispatch: RowDispatch | None = None
+
+    def unfit(self, kernel: str) -> str | None:
+        """Why this layer cannot run ``kernel`` (None: it can); subclasses name their limits."""
+        return None
+
+    def cuda_dispatch(self) -> RowDispatch:
+        """The kernel per row count on CUDA (worked out once, from the layer's shape)."""
+        if self._cuda_dispatch is None:
+            self._cuda_dispatch = self.kernel_choice.cuda_dispatch(self.out_features, self.in_features, self.unfit,
+                                                                   "triton")
+        return self._cuda_dispatch
+
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.matmul(x.reshape(-1, self.in_features))
         if self.bias is not None:
@@ -52,43 +69,61 @@ class Int8Linear(nn.Module):
 
 class Int8WeightLinear(Int8Linear):
     """``nn.Linear``'s forward over int8 weights: y = x @ (q * scale).T + bias, in x's dtype.
-
     The weight is quantized once, at construction (symmetric, per output channel or per group
-    of ``group_size`` input channels), and the float weight is not kept. On CUDA a Triton
-    kernel dequantizes weight tiles inside its K loop (triton_matmul.py). On the CPU, up to
-    ``small_batch_rows`` rows run ``small_kernel``: the compiled dequantize-in-the-reduction
-    kernel (unless ``compile`` is off), torch's int8pack kernel or the tiles (the quantizer
-    picks it); more rows, and other devices, dequantize a tile of output channels at a time
-    before the matmul (cpu.py).
+    of ``group_size`` input channels), and the float weight is not kept.
+
+    Kernels (``KERNELS``): ``triton``, a Triton kernel that converts weight tiles inside its K
+    loop and splits K for few rows (triton_matmul.py); ``int8pack``, torch's
+    ``_weight_int8pack_mm`` (per-channel scales); ``compiled``, a ``torch.compile``d
+    dequantize-in-the-reduction (one loop nest reading each int8 weight once); ``tiled``,
+    dequantize a tile of output channels at a time into cuBLAS / BLAS (cpu.py). Which runs:
+    ``kernel_choice`` names one for every step, or (auto) on CUDA its table picks per row
+    count (kernel_table.py); on the CPU up to ``small_batch_rows`` rows run ``small_kernel``
+    (the quantizer times the CPU's candidates at load), more rows the tiles.
     """
 
     SMALL_KERNELS = ("compiled", "int8pack", "tiled")
     """The CPU's few-rows paths: the compiled reduction, torch's int8pack kernel, tiles + BLAS."""
+    KERNELS = ("triton", "int8pack", "compiled", "tiled")
+    """Every kernel the ``kernel`` option names."""
 
-    def __init__(self, linear: nn.Linear, group_size: int | None, small_batch_rows: int, compile: bool):
+    def __init__(self, linear: nn.Linear, group_size: int | None, small_batch_rows: int, compile: bool,
+                 kernel_choice: KernelChoice | None = None):
         super().__init__(linear, group_size)
         self.small_batch_rows = small_batch_rows
         self.compile = compile
         self.small_kernel = "compiled" if compile else "tiled"
+        self.kernel_choice = kernel_choice or KernelChoice("int8-weight", None)
+        self._cuda_dispatch: RowDispatch | None = None
 
     def small_rows(self, kernel: str, rows: torch.Tensor) -> torch.Tensor:
-        """``rows`` through the few-rows path ``kernel`` (one of ``SMALL_KERNELS``)."""
+        """``rows`` through ``kernel`` (one of ``KERNELS``)."""
+        if kernel == "triton":
+            from tessellm.plugins.quant.int8.triton_matmul import triton_int8_weight_matmul
+
+            return triton_int8_weight_matmul(rows, self.weight_int8, self.scale)
         if kernel == "compiled":
             return int8_weight_matmul(rows, self.weight_int8, self.scale)
         if kernel == "int8pack":
             return int8pack_matmul(rows, self.weight_int8, self.scale)
         return tiled_matmul(rows, self.weight_int8, self.scale)
 
-    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        if rows.device.type == "cuda":
-            from tessellm.plugins.quant.int8.triton_matmul import triton_int8_weight_matmul
+    def unfit(self, kernel: str) -> str | None:
+        """Why this layer cannot run ``kernel`` (None: it can)."""
+        if kernel == "int8pack" and self.group_size is not None:
+            return f"int8pack takes per-channel scales only (group_size {self.group_size})"
+        return None
 
-            return triton_int8_weight_matmul(rows, self.weight_int8, self.scale)
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.kernel_choice.named is not None:
+            return self.small_rows(self.kernel_choice.named, rows)
+        if rows.device.type == "cuda":
+            return self.small_rows(self.cuda_dispatch().pick(rows.shape[0]), rows)
         if rows.device.type == "cpu" and rows.shape[0] <= self.small_batch_rows:
             return self.small_rows(self.small_kernel, rows)
         return tiled_matmul(rows, self.weight_int8, self.scale)
 
     def extra_repr(self) -> str:
         group = "per channel" if self.group_size is None else f"group_size={self.group_size}"
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 {group}, " \
-               f"few rows: {self.small_kernel}"
+        kernel = f"kernel {self.kernel_choice.named}" if self.kernel_choice.named else f"few rows: {self.small_kernel}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 {group}, {kernel}"

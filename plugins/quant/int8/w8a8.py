@@ -17,15 +17,19 @@ Which path runs, by measurement (bench/int8_linear.py, docs/benchmarks.md): on t
 products), and elsewhere (an AVX2-only CPU, where ``_int_mm`` at a few rows is slower than
 float32) the fastest of `int8-weight`'s few-rows paths (activations in the model dtype),
 timed on the largest layer at load. The choice follows the CPU's features, so every rank of
-a tensor-parallel run on one machine makes the same one. On CUDA
-``torch._int_mm`` needs more than 16 rows and both feature counts multiples of 8, so
-decode-sized steps (16 rows or fewer), and every step of a linear whose shape it cannot take
-(logged once at load), take `int8-weight`'s Triton kernel with activations in the model
-dtype instead.
+a tensor-parallel run on one machine makes the same one. On CUDA the ``kernel`` option
+chooses among ``int_mm`` (``torch._int_mm``; both feature counts multiples of 8, steps of
+16 rows or fewer padded to 17, as it needs more than 16), ``int_mm_compiled`` (the same,
+``torch.compile``d so the quantization and the scaling fuse around it), ``triton`` (the
+int8 x int8 Triton kernel, any shape; triton_w8a8.py) and ``triton_weight_only``
+(`int8-weight`'s Triton kernel on activations in the model dtype, what decode-sized steps
+gain from: no quantization pass); ``auto`` picks per layer shape and row count from the kernel
+table (kernel_table.py).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -44,10 +48,11 @@ from tessellm.plugins.quant.int8.linear import Int8Linear
 from tessellm.plugins.quant.int8.quantize import replace_linears
 from tessellm.plugins.quant.int8.smooth import (DEFAULT_CALIBRATION_TEXT, calibration_chunks, experts_one_at_a_time,
                                                 observe_input_ranges, smoothing_scales)
+from tessellm.plugins.quant.kernel_table import KernelChoice, check_named, choose
 from tessellm.plugins.quant.stored_linears import refuse_unread, replace_stored_linears
 
 CUDA_MIN_ROWS = 17
-"""torch._int_mm on CUDA takes only more than 16 rows."""
+"""torch._int_mm on CUDA takes only more than 16 rows (fewer are padded with zero rows)."""
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +67,22 @@ def w8a8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.
     """x [M, K] float @ (q [N, K] int8 * scale [N]).T with x quantized per token: an exact
     int32 product of the int8 operands, scaled back; [M, N] in x's dtype."""
     xq, x_scale = quantize_per_token(x)
-    acc = torch._int_mm(xq, q.T)  # [M, N] int32
+    m = xq.shape[0]
+    if xq.is_cuda and m < CUDA_MIN_ROWS:
+        xq = torch.nn.functional.pad(xq, (0, 0, 0, CUDA_MIN_ROWS - m))
+    acc = torch._int_mm(xq, q.T)[:m]  # [M, N] int32
     return (acc.float() * x_scale * scale[None, :]).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_w8a8():
+    return torch.compile(w8a8_matmul, dynamic=True)
+
+
+def compiled_w8a8_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``w8a8_matmul`` through ``torch.compile``: the per-token quantization and the scaling
+    become one fused kernel each around ``torch._int_mm``."""
+    return _compiled_w8a8()(x, q, scale)
 
 
 def int8_dot_products() -> bool:
@@ -84,51 +103,68 @@ class W8A8Linear(Int8Linear):
     factor per input channel) it holds the int8 of ``W * s`` and divides its input by s
     before quantizing it (SmoothQuant)."""
 
-    def __init__(self, linear: nn.Linear, smooth: torch.Tensor | None = None):
+    def __init__(self, linear: nn.Linear, smooth: torch.Tensor | None = None, kernel_choice: KernelChoice | None = None):
         weight = None if smooth is None else linear.weight * smooth.to(linear.weight)[None, :]
         super().__init__(linear, None, weight)
         self.register_buffer("inv_smooth", None if smooth is None else (1.0 / smooth).to(linear.weight))
-        self._check_int_mm_shape()
+        self._choose(kernel_choice)
 
     @classmethod
-    def from_quantized(cls, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> "W8A8Linear":
+    def from_quantized(cls, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                       kernel_choice: KernelChoice | None = None) -> "W8A8Linear":
         module = super().from_quantized(q, scale, bias)
         module.register_buffer("inv_smooth", None)
-        module._check_int_mm_shape()
+        module._choose(kernel_choice)
         return module
 
-    def _check_int_mm_shape(self) -> None:
+    def _choose(self, kernel_choice: KernelChoice | None) -> None:
         self.int_mm_shape = self.in_features % 8 == 0 and self.out_features % 8 == 0
-        if not self.int_mm_shape and self.weight_int8.device.type == "cuda":
-            logger.warning("w8a8: a %dx%d linear is not a multiple of 8 as torch._int_mm on CUDA needs; "
-                           "it runs int8 weights x float activations (the Triton kernel)",
-                           self.out_features, self.in_features)
+        self.kernel_choice = kernel_choice or KernelChoice("w8a8", None)
+        self._cuda_dispatch = None
 
     SMALL_KERNELS = ("int_mm", "compiled", "int8pack", "tiled")
     """The CPU's few-rows paths: w8a8's own int8 x int8 product, or `int8-weight`'s paths
     (the compiled reduction, torch's int8pack kernel, tiles + BLAS) on float activations."""
+    KERNELS = ("int_mm", "int_mm_compiled", "triton", "triton_weight_only")
+    """Every kernel the ``kernel`` option names (see the module's docstring)."""
     small_kernel = "int_mm"
     small_batch_rows = 0
 
     def small_rows(self, kernel: str, rows: torch.Tensor) -> torch.Tensor:
-        """``rows`` (smoothing applied) through the few-rows path ``kernel``."""
+        """``rows`` (smoothing applied) through ``kernel``: one of ``KERNELS`` or ``SMALL_KERNELS``."""
         if kernel == "int_mm":
             return w8a8_matmul(rows, self.weight_int8, self.scale)
+        if kernel == "int_mm_compiled":
+            return compiled_w8a8_matmul(rows, self.weight_int8, self.scale)
+        if kernel == "triton":
+            from tessellm.plugins.quant.int8.triton_w8a8 import triton_w8a8_matmul
+
+            return triton_w8a8_matmul(rows, self.weight_int8, self.scale)
+        if kernel == "triton_weight_only":
+            from tessellm.plugins.quant.int8.triton_matmul import triton_int8_weight_matmul
+
+            return triton_int8_weight_matmul(rows, self.weight_int8, self.scale)
         if kernel == "compiled":
             return int8_weight_matmul(rows, self.weight_int8, self.scale)
         if kernel == "int8pack":
             return int8pack_matmul(rows, self.weight_int8, self.scale)
         return tiled_matmul(rows, self.weight_int8, self.scale)
 
+    def unfit(self, kernel: str) -> str | None:
+        """Why this layer cannot run ``kernel`` (None: it can)."""
+        if kernel.startswith("int_mm") and not self.int_mm_shape:
+            return f"torch._int_mm needs both feature counts multiples of 8 ({self.out_features} x {self.in_features})"
+        return None
+
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self.inv_smooth is not None:
             rows = rows * self.inv_smooth
+        if self.kernel_choice.named is not None:
+            return self.small_rows(self.kernel_choice.named, rows)
         if rows.device.type == "cpu" and rows.shape[0] <= self.small_batch_rows:
             return self.small_rows(self.small_kernel, rows)
-        if rows.device.type == "cuda" and (rows.shape[0] < CUDA_MIN_ROWS or not self.int_mm_shape):
-            from tessellm.plugins.quant.int8.triton_matmul import triton_int8_weight_matmul
-
-            return triton_int8_weight_matmul(rows, self.weight_int8, self.scale)
+        if rows.device.type == "cuda":
+            return self.small_rows(self.cuda_dispatch().pick(rows.shape[0]), rows)
         return w8a8_matmul(rows, self.weight_int8, self.scale)
 
     def extra_repr(self) -> str:
@@ -153,6 +189,14 @@ class W8A8Options(PluginOptions):
     """Tokens of the calibration text run through the float model."""
     small_batch_rows: int = Field(6, ge=0, le=256)
     """On the CPU, steps of up to this many rows take ``cpu_kernel``'s path."""
+    kernel: Literal["auto", "int_mm", "int_mm_compiled", "triton", "triton_weight_only"] = "auto"
+    """The matmul. ``auto``: on CUDA per layer shape and row count from ``kernel_table``; on the
+    CPU ``cpu_kernel`` up to ``small_batch_rows`` rows and ``int_mm`` above. A named kernel
+    runs every step on any device that can run it (the Triton ones on CUDA, or under
+    TRITON_INTERPRET=1); see the module's docstring. A layer it cannot run is refused at load."""
+    kernel_table: Optional[str] = None
+    """A kernel table written by ``bench/quant_kernels.py --table`` (JSON); None: the default
+    for Hopper (plugins/quant/kernel_tables/sm_90.json)."""
     cpu_kernel: Literal["auto", "int_mm", "compiled", "int8pack", "tiled"] = "auto"
     """The CPU's path for up to ``small_batch_rows`` rows: ``int_mm`` (int8 activations, as
     above), or `int8-weight`'s ``compiled``, ``int8pack`` or ``tiled`` (activations in the
@@ -207,19 +251,28 @@ class W8A8Quantizer(Quantizer):
             raise ConfigError(f"quant plugin {self.name!r} with smoothquant_alpha needs calibrate(model, ctx) before "
                               f"apply (a Pipeline calls it)")
 
+        choice = self.kernel_choice()
+
         def make(name: str, linear: nn.Linear) -> nn.Module:
             seen = self.input_ranges.get(name) if alpha is not None else None
-            return W8A8Linear(linear, None if seen is None else smoothing_scales(seen, linear.weight, alpha))
+            layer = W8A8Linear(linear, None if seen is None else smoothing_scales(seen, linear.weight, alpha), choice)
+            check_named(choice.named, name, layer.unfit, W8A8Linear.KERNELS)
+            return layer
 
         model = replace_linears(model, make, self.options.quantize_lm_head, self.name)
         self._choose_small_kernel(model)
         return model
 
+    def kernel_choice(self) -> KernelChoice:
+        """The layers' kernel choice from the ``kernel`` and ``kernel_table`` options."""
+        return choose(self.name, self.options.kernel, self.options.kernel_table, self.device,
+                      triton_kernels=("triton", "triton_weight_only"))
+
     def _choose_small_kernel(self, model: nn.Module) -> None:
         """On the CPU, the few-rows path of every layer: the option, or (auto) the fastest at
         one row on the largest layer, logged."""
         layers = [m for m in model.modules() if isinstance(m, W8A8Linear)]
-        if self.device.type != "cpu" or not layers or not self.options.small_batch_rows:
+        if self.device.type != "cpu" or not layers or not self.options.small_batch_rows or self.options.kernel != "auto":
             return
         kernel = self.options.cpu_kernel
         if kernel == "auto" and int8_dot_products():
@@ -270,14 +323,18 @@ class W8A8Quantizer(Quantizer):
                        quantization_config: dict[str, Any]) -> None:
         """Every linear whose weight the checkpoint stores as int8 becomes a ``W8A8Linear``
         with the checkpoint's weights and scales."""
+        choice = self.kernel_choice()
+
         def build(name: str, linear: nn.Linear) -> nn.Module | None:
             weight = state.get(f"{name}.weight")
             if weight is None or weight.dtype != torch.int8:
                 return None
             q, scale = state.pop(f"{name}.weight").to(self.device), state.pop(f"{name}.weight_scale")
             bias = state.pop(f"{name}.bias", None)
-            return W8A8Linear.from_quantized(q, scale.float().reshape(-1).to(self.device),
-                                             None if bias is None else bias.to(self.device, self.dtype))
+            layer = W8A8Linear.from_quantized(q, scale.float().reshape(-1).to(self.device),
+                                              None if bias is None else bias.to(self.device, self.dtype), choice)
+            check_named(choice.named, name, layer.unfit, W8A8Linear.KERNELS)
+            return layer
 
         replace_stored_linears(model, build)
         refuse_unread(state, self.name, "int8 tensors", lambda _, tensor: tensor.dtype == torch.int8)

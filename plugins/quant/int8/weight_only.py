@@ -23,6 +23,7 @@ from tessellm.core.plugin import PluginOptions
 from tessellm.plugins.quant.int8.cpu import fastest
 from tessellm.plugins.quant.int8.linear import Int8WeightLinear
 from tessellm.plugins.quant.int8.quantize import replace_linears
+from tessellm.plugins.quant.kernel_table import choose
 
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,16 @@ class Int8WeightOptions(PluginOptions):
     compile: bool = True
     """Use torch.compile for the CPU small-batch kernel (needs a C++ compiler); off: the tiled
     path for every batch."""
+    kernel: Literal["auto", "triton", "int8pack", "compiled", "tiled"] = "auto"
+    """The matmul. ``auto``: on CUDA per layer shape and row count from ``kernel_table``; on the
+    CPU ``cpu_kernel`` up to ``small_batch_rows`` rows and ``tiled`` above. A named kernel runs
+    every step on any device that can run it: ``triton`` (CUDA, or TRITON_INTERPRET=1),
+    ``int8pack`` (torch's ``_weight_int8pack_mm``; per-channel scales), ``compiled`` (the
+    ``torch.compile``d dequantize-in-the-reduction), ``tiled`` (dequantize tiles, then the
+    BLAS / cuBLAS)."""
+    kernel_table: Optional[str] = None
+    """A kernel table written by ``bench/quant_kernels.py --table`` (JSON); None: the default
+    for Hopper (plugins/quant/kernel_tables/sm_90.json)."""
     cpu_kernel: Literal["auto", "compiled", "int8pack", "tiled"] = "auto"
     """The CPU's path for up to ``small_batch_rows`` rows: ``auto`` times the candidates on the
     largest layer at load and keeps the fastest on this CPU (the compiled reduction wins on
@@ -62,19 +73,21 @@ class Int8WeightQuantizer(Quantizer):
 
     def apply(self, model: nn.Module) -> nn.Module:
         options = self.options
-        if options.cpu_kernel == "int8pack" and options.group_size is not None:
-            raise ConfigError(f"quant.options.cpu_kernel 'int8pack' takes per-channel scales only; "
-                              f"group_size {options.group_size} needs cpu_kernel auto, compiled or tiled")
+        if "int8pack" in (options.cpu_kernel, options.kernel) and options.group_size is not None:
+            which = "kernel" if options.kernel == "int8pack" else "cpu_kernel"
+            raise ConfigError(f"quant.options.{which} 'int8pack' takes per-channel scales only; "
+                              f"group_size {options.group_size} needs auto, compiled or tiled")
+        choice = choose(self.name, options.kernel, options.kernel_table, self.device, triton_kernels=("triton",))
 
         def make(full: str, linear: nn.Linear) -> nn.Module:
             if options.group_size is not None and linear.in_features % options.group_size:
                 raise ConfigError(f"quant.options.group_size: {options.group_size} does not divide "
                                   f"{full}'s in_features {linear.in_features}; choose a divisor or null")
-            return Int8WeightLinear(linear, options.group_size, options.small_batch_rows, options.compile)
+            return Int8WeightLinear(linear, options.group_size, options.small_batch_rows, options.compile, choice)
 
         model = replace_linears(model, make, options.quantize_lm_head, self.name)
         layers = [m for m in model.modules() if isinstance(m, Int8WeightLinear)]
-        if self.device.type == "cpu" and options.compile and layers:
+        if self.device.type == "cpu" and options.compile and layers and choice.named is None:
             kernel = options.cpu_kernel if options.cpu_kernel != "auto" else self._fastest_small_kernel(layers)
             for layer in layers:
                 layer.small_kernel = kernel

@@ -138,8 +138,9 @@ def compile_launch(kernel: Any, args: tuple, kwargs: dict, arch: int = 90) -> An
 
 def resources(compiled: Any) -> dict[str, int]:
     """Registers per thread, stack (spilled) bytes, shared memory, and the PTX's counts of
-    wgmma and mma.sync tensor-core instructions, TMA bulk copies and cp.async copies, read
-    from the cubin with Triton's bundled cuobjdump."""
+    wgmma and mma.sync tensor-core instructions, TMA bulk copies, cp.async copies and
+    conversions (``cvt`` and ``prmt``, Triton's byte shuffle for int8 -> 16-bit), read from
+    the cubin with Triton's bundled cuobjdump."""
     import triton
 
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -154,4 +155,5 @@ def resources(compiled: Any) -> dict[str, int]:
     return {"registers": int(usage.get("REG", -1)), "stack_bytes": int(usage.get("STACK", -1)),
             "shared_bytes": compiled.metadata.shared,
             "wgmma": ptx.count("wgmma.mma_async"), "mma_sync": ptx.count("mma.sync"),
-            "tma_loads": ptx.count("cp.async.bulk.tensor"), "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca")}
+            "tma_loads": ptx.count("cp.async.bulk.tensor"), "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+            "conversions": len(re.findall(r"^\s*(?:cvt|prmt)\.", ptx, re.M))}

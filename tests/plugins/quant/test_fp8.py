@@ -159,8 +159,8 @@ def test_the_matmul_option_picks_scaled_mm_and_refuses_what_it_cannot_take(cpu_c
         return LLM(cpu_config(tiny_model("llama"), quant={"name": "fp8", "options": options}))
 
     auto, forced = llm(), llm(matmul="scaled_mm")
-    assert auto.pipeline.model.model.layers[0].mlp.down_proj.weight_scale_row is None
-    assert forced.pipeline.model.model.layers[0].mlp.down_proj.weight_scale_row is not None
+    assert auto.pipeline.model.model.layers[0].mlp.down_proj.kernel_choice.named == "dequantize"
+    assert forced.pipeline.model.model.layers[0].mlp.down_proj.kernel_choice.named == "scaled_mm"
     ids = list(range(7, 40))
     exact = LLM(cpu_config(tiny_model("llama"))).engine.score(ids)
     weight_error, both_error = ((m.engine.score(ids) - exact).abs().max() for m in (auto, forced))
@@ -168,6 +168,9 @@ def test_the_matmul_option_picks_scaled_mm_and_refuses_what_it_cannot_take(cpu_c
     with pytest.raises(ConfigError, match=r"matmul=scaled_mm: model\.layers\.0\.\S+ cannot run torch\._scaled_mm, "
                                           r"because of its 32x32 block scales .*allowed: matmul auto"):
         llm(matmul="scaled_mm", granularity="block", block_size=32)
+    with pytest.raises(ConfigError, match=r"matmul 'compiled' cannot run model\.layers\.0\.\S+: its 32x32 block "
+                                          r"scales \(compiled takes tensor or channel scales\)"):
+        llm(matmul="compiled", granularity="block", block_size=32)
 
 
 @pytest.mark.parametrize("granularity", ["channel", "block"])
