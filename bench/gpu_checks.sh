@@ -2,7 +2,8 @@
 # The GPU checks in one command, for a device machine with no package registry:
 #   bench/gpu_checks.sh STAGE...   (stages: env tests sweep kernels e2e e2e-sync e2e-512 e2e-512-sync e2e-eager
 #   e2e-before profile profile-async e2e-smoke moe window quest-pages lora-kernels kernels-decode int8 quest mla
-#   structured e2e-int8 kv-tiers; e2e runs the defaults, async scheduling included; the -sync
+#   structured e2e-int8 kv-tiers kv-int8 mla-bw e2e-profile quant-layers quant-e2e mla-model quant-tests;
+#   e2e runs the defaults, async scheduling included; the -sync
 #   stages turn it off; e2e-before runs an earlier commit's wheel and e2e_gpu.py from .whl/old/ on the same
 #   workload, for an A/B of two commits in one lease)
 # Expects the wheels tessellm needs beyond the image (pydantic and its parts, and tessellm's
@@ -96,6 +97,31 @@ for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
 PY
                 limit python3 bench/structured_outputs.py --model /tmp/smol --set device=cuda \
                   --json "$OUT/structured.json" > "$OUT/structured.log" 2>&1; tail -30 "$OUT/structured.log" ;;
+    # issue 59 (about 4 minutes in all, in this order of priority; each writes one JSON):
+    kv-int8) limit python3 bench/kernels.py --sweep-int8 --out "$OUT/kv_int8.json" > "$OUT/kv_int8.log" 2>&1  # ~20 s
+             for kv in auto int8; do  # the same K/V bytes (1.4% of free memory) for both: int8 holds twice the tokens
+               limit python3 bench/e2e_gpu.py --skip-hf --out "$OUT/e2e_kv_$kv.json" --set cache.options.kv_dtype=$kv \
+                 --set cache.options.gpu_memory_fraction=0.014 --set scheduler.options.max_num_seqs=512 \
+                 > "$OUT/e2e_kv_$kv.log" 2>&1; tail -3 "$OUT/e2e_kv_$kv.log"; done
+             tail -3 "$OUT/kv_int8.log" ;;
+    mla-bw) limit python3 bench/mla.py --part attention --batches 32,64 --contexts 4096,16384 --sweep --reps 10 \
+              --json "$OUT/mla_bw.json" > "$OUT/mla_bw.log" 2>&1; tail -12 "$OUT/mla_bw.log" ;;  # ~40 s
+    e2e-profile) limit python3 bench/e2e_gpu.py --skip-hf --profile-steps 30 --out "$OUT/e2e_profile.json" \
+                   > "$OUT/e2e_profile.log" 2>&1; tail -5 "$OUT/e2e_profile.log" ;;  # ~45 s
+    quant-layers) limit python3 bench/quant_kernels.py --rows 1,16,64,256,1024 --out "$OUT/quant_kernels.json" \
+                    --table "$OUT/quant_table.json" > "$OUT/quant_kernels.log" 2>&1; tail -c 2500 "$OUT/quant_kernels.log" ;;
+    quant-e2e) table=""; [ -f "$OUT/quant_table.json" ] && table="--kernel-table $OUT/quant_table.json"  # quant-layers' table
+               limit python3 bench/quant_e2e.py --rounds 1 --new-tokens 64 $table --out "$OUT/quant_e2e.json" \
+                 > "$OUT/quant_e2e.log" 2>&1; tail -c 3000 "$OUT/quant_e2e.log" ;;  # ~2-3 min
+    mla-model) limit python3 bench/mla.py --part model --layers 4 --model-batches 1,64 --new-tokens 64 \
+                 --json "$OUT/mla_model.json" > "$OUT/mla_model.log" 2>&1; tail -8 "$OUT/mla_model.log" ;;  # ~1 min
+    quant-tests) [ -d .whl/tok ] && export TESSELLM_TEST_TOKENIZER_DIR=$PWD/.whl/tok  # tiny models' tokenizer
+                 workers=""; python3 -c "import xdist" 2>/dev/null && workers="-n ${QUANT_WORKERS:-4}"
+                 limit python3 -m pytest -q -p no:cacheprovider $workers tests/plugins/quant/test_kernel_variants.py \
+                   tests/plugins/quant/test_fp8.py -k "not transformers and not checkpoint" \
+                   "tests/plugins/quant/test_int4_weight.py::test_the_triton_kernel_matches_the_reference" \
+                   "tests/plugins/quant/test_int8_weight.py::test_the_triton_kernel_matches_the_reference" \
+                   --tb=short -rfE > "$OUT/quant_tests.log" 2>&1; tail -25 "$OUT/quant_tests.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
 done

@@ -23,7 +23,7 @@ w8a8 and fp8 at batch 256 1.1x. The JSON is written after every variant (a run c
 keeps what it measured).
 
     python bench/quant_e2e.py --out quant_e2e.json --kernel-table quant_table.json   # GPU
-    TRITON_INTERPRET=1 python bench/quant_e2e.py --smoke --out /tmp/qe.json          # CPU: tiny, code path
+    python bench/quant_e2e.py --smoke --out /tmp/qe.json                             # CPU: tiny, code path
 """
 
 from __future__ import annotations
@@ -61,11 +61,12 @@ VARIANTS = {
 
 def config(folder: Path, quant: dict | None, table: str | None, max_seqs: int, cuda: bool, max_len: int) -> dict:
     """tessellm's default CUDA pipeline for these runs, ``max_seqs`` sequences at once (graphs
-    captured up to that batch), a quarter of the GPU's free memory for K/V."""
+    captured up to that batch), a quarter of the GPU's free memory for K/V (on the CPU, for
+    ``--smoke``, sdpa rather than flash interpreted)."""
     quant = None if quant is None else {**quant, "options": {**quant.get("options", {}),
                                                              **({"kernel_table": table} if table else {})}}
     return {"model": str(folder), "device": "cuda" if cuda else "cpu", "dtype": "bfloat16" if cuda else "float32",
-            "max_model_len": max_len, "attention": {"name": "flash"},
+            "max_model_len": max_len, "attention": {"name": "flash" if cuda else "sdpa"},  # CPU: no interpreter
             "cache": {"name": "paged", "options": {"gpu_memory_fraction": 0.25, "prefix_caching": False}},
             "scheduler": {"name": "continuous", "options": {"max_num_seqs": max_seqs,
                                                              "max_num_batched_tokens": 8192}},

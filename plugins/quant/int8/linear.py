@@ -117,8 +117,9 @@ class Int8WeightLinear(Int8Linear):
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self.kernel_choice.named is not None:
             return self.small_rows(self.kernel_choice.named, rows)
-        if rows.device.type == "cuda":
-            return self.small_rows(self.cuda_dispatch().pick(rows.shape[0]), rows)
+        if rows.device.type == "cuda":  # torch's CUDA int8pack takes float32 activations only
+            kernel = self.cuda_dispatch().pick(rows.shape[0])
+            return self.small_rows("triton" if kernel == "int8pack" and rows.dtype != torch.float32 else kernel, rows)
         if rows.device.type == "cpu" and rows.shape[0] <= self.small_batch_rows:
             return self.small_rows(self.small_kernel, rows)
         return tiled_matmul(rows, self.weight_int8, self.scale)

@@ -77,6 +77,9 @@ class Int8WeightQuantizer(Quantizer):
             which = "kernel" if options.kernel == "int8pack" else "cpu_kernel"
             raise ConfigError(f"quant.options.{which} 'int8pack' takes per-channel scales only; "
                               f"group_size {options.group_size} needs auto, compiled or tiled")
+        if options.kernel == "int8pack" and self.device.type == "cuda" and self.dtype != torch.float32:
+            raise ConfigError(f"quant.options.kernel 'int8pack' on CUDA takes float32 activations only (torch's CUDA "
+                              f"_weight_int8pack_mm), not {self.dtype}; use auto, triton, compiled or tiled")
         choice = choose(self.name, options.kernel, options.kernel_table, self.device, triton_kernels=("triton",))
 
         def make(full: str, linear: nn.Linear) -> nn.Module:

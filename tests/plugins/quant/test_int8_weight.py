@@ -132,17 +132,18 @@ def test_a_pipeline_runs_it_by_config(cpu_config, tiny_model):
 
 
 @settings(max_examples=5)
-@given(case=weights(group_sizes=(None, 32)), rows=st.sampled_from([1, 3, 17]))
-def test_the_triton_kernel_matches_the_reference(case, rows):
+@given(case=weights(group_sizes=(None, 32)), rows=st.sampled_from([1, 3, 17]), splits=st.sampled_from([None, 1, 3]))
+def test_the_triton_kernel_matches_the_reference(case, rows, splits):
     """Compiled on a GPU, under the interpreter on a CPU (conftest sets TRITON_INTERPRET=1
-    without a GPU)."""
+    without a GPU); K split among programs as the device would, or one or three ways (more
+    splits than K tiles: each split keeps one)."""
     from tessellm.plugins.quant.int8.triton_matmul import triton_int8_weight_matmul
 
     w, group, seed = case
     q, scale = quantize_per_channel(w, group)
     x = torch.randn(rows, w.shape[1], generator=torch.Generator().manual_seed(seed + 1))
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    out = triton_int8_weight_matmul(x.to(device), q.to(device), scale.to(device)).cpu()
+    out = triton_int8_weight_matmul(x.to(device), q.to(device), scale.to(device), splits=splits).cpu()
     assert out.shape == (rows, w.shape[0])
     assert bool(((out.double() - reference_matmul(x, q, scale)).abs() <= matmul_bound(x, q, scale) * 10).all())
 
