@@ -267,7 +267,9 @@ class Engine:
         return finished
 
     def _step(self) -> None:
+        start = time.perf_counter()
         out = self._schedule()
+        self.stats.add_phase("schedule", start)
         if out.is_empty:
             self._check_idle()
         else:
@@ -367,16 +369,19 @@ class Engine:
             raise contracts.broken(self.decoder, f"propose returned more drafts than num_lookahead_tokens "
                                                  f"({self.decoder.num_lookahead_tokens}), the slots reserved")
         plan = self._pack(out, drafts, self._plan_forks(out))
+        self.stats.add_phase("prepare", start)
         result = self._run_isolating_faults(plan)
         if result is None:  # every request of the step failed alone
             self.stats.steps += 1
             return
+        processing = time.perf_counter()
         plan, logits, tokens = result
         self._advance(plan)
         if plan.batch.prompt_rows:
             record_prompt_logprobs(logits, plan.batch)
         self._append_tokens(plan.batch, logits, tokens)
         self._end_step(out, plan.batch, start)
+        self.stats.add_phase("process", processing)
 
     def _pack(self, out: SchedulerOutput, drafts: dict[int, list[int]],
               forks: dict[int, list[Sequence]]) -> StepPlan:
@@ -456,7 +461,9 @@ class Engine:
         """The batch's logits (as the model gave them: logprobs read these) and each sample
         slot's accepted tokens (the decoder's side of the contract checked); ``parts``, its
         micro-batches on a pipeline stage."""
+        start = time.perf_counter()
         logits = self._forward(batch, parts=parts) if parts else self._forward(batch)
+        start = self.stats.add_phase("forward", start)
         # the decoder reads the sample rows only; prompt-scoring rows follow them
         sampled = logits[:batch.num_sample_rows] if batch.prompt_rows else logits
         sampled = self.processors.apply(sampled, self.processors.plan(batch))
@@ -465,6 +472,7 @@ class Engine:
         if self.sync is not None and batch.samples:
             tokens = self.sync.tokens(tokens)
         contracts.check_decoded(self.decoder, tokens, batch, logits.shape[-1])
+        self.stats.add_phase("sample", start)
         return logits, tokens
 
     def _forward(self, batch: BatchMetadata, **kwargs: Any) -> torch.Tensor:

@@ -132,8 +132,10 @@ class OverlappedEngine(Engine):
         if previous is not None:
             self._inputs_from(previous, batch, decodes)
         plan = self.processors.plan(batch)
+        phase = self.stats.add_phase("prepare", start)
         # processors run on float32 logits, as in the synchronous step, so both pick the same tokens
         logits = self._forward(batch, native_logits=self.decoder.device_tokens_any_dtype and not plan)
+        phase = self.stats.add_phase("forward", phase)
         tokens = self.decoder.device_tokens(self.processors.apply(logits, plan), batch)
         contracts.check_device_tokens(self.decoder, tokens, batch)
         host, ready = tokens, None
@@ -150,6 +152,7 @@ class OverlappedEngine(Engine):
         self.processors.accept_on_device(batch, tokens)
         for seq in continuing:
             seq.num_pending += 1
+        self.stats.add_phase("sample", phase)
         return LaunchedStep(out, batch, tokens, host, ready, {s.seq_id for s in continuing}, start)
 
     @staticmethod
@@ -180,6 +183,7 @@ class OverlappedEngine(Engine):
 
     def _collect(self, step: LaunchedStep) -> None:
         """Wait for a launched step's tokens and absorb them as a synchronous step would."""
+        collecting = time.perf_counter()
         if step.ready is not None:
             waited = time.perf_counter()
             step.ready.synchronize()
@@ -204,6 +208,7 @@ class OverlappedEngine(Engine):
         self.stats.sample_slots += appended
         self.stats.generated_tokens += appended
         self._end_step(step.out, step.batch, step.start)
+        self.stats.add_phase("process", collecting)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         self._device_ok.pop(seq.seq_id, None)

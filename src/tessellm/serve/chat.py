@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from tessellm.core.errors import InvalidRequestError
 from tessellm.core.interfaces.grammar import GrammarSpec
 from tessellm.serve.context import ServerContext
-from tessellm.serve.engine_thread import StepOutput
+from tessellm.serve.engine_client import StepOutput
 from tessellm.serve.http_errors import RequestError
 from tessellm.serve.sampling import check_model, sampling_params
 from tessellm.serve.schema import ChatCompletionRequest
@@ -33,7 +33,7 @@ async def chat(ctx: ServerContext, body: ChatCompletionRequest, request: Request
     lora = check_model(ctx, body.model)
     if body.top_logprobs and not body.logprobs:
         raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    if not getattr(ctx.llm.tokenizer, "chat_template", None):
+    if not getattr(ctx.tokenizer, "chat_template", None):
         raise RequestError(400, f"model {ctx.model_name!r} has no chat template; use /v1/completions",
                            param="messages")
     calling, constraint = output_constraint(body)
@@ -72,7 +72,7 @@ def output_constraint(body: ChatCompletionRequest) -> tuple[ToolCalling | None, 
 
 def chat_prompt(ctx: ServerContext, body: ChatCompletionRequest, calling: ToolCalling | None) -> list[int]:
     """The messages rendered with the chat template (and the tools offered), as token ids."""
-    tokenizer = ctx.llm.tokenizer
+    tokenizer = ctx.tokenizer
     try:
         with ctx.engine.tokenizer_lock:
             text = render_chat([m.model_dump() for m in body.messages], tokenizer, calling)

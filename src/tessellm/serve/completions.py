@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 
 from tessellm.core.errors import InvalidRequestError
 from tessellm.serve.context import ServerContext
-from tessellm.serve.engine_thread import SampleDelta, StepOutput
+from tessellm.serve.engine_client import SampleDelta, StepOutput
 from tessellm.serve.http_errors import RequestError
 from tessellm.serve.sampling import check_model, sampling_params
 from tessellm.serve.schema import CompletionRequest
@@ -36,7 +36,7 @@ async def complete(ctx: ServerContext, body: CompletionRequest, request: Request
                                 "prompt)", param="max_tokens")
     try:
         given = body.prompts()
-        prompts = [ctx.engine.with_tokenizer(ctx.llm.encode, p) if isinstance(p, str) else list(p) for p in given]
+        prompts = [ctx.engine.encode(p) if isinstance(p, str) else list(p) for p in given]
     except InvalidRequestError as exc:
         raise RequestError(400, str(exc), param="prompt") from None
     try:
@@ -50,7 +50,7 @@ async def complete(ctx: ServerContext, body: CompletionRequest, request: Request
     echo = None
     if body.echo:  # a token-id prompt's text is decoded once the engine has admitted its ids
         echo = Echo(given, prompts, body.max_tokens == 0,
-                    lambda ids: ctx.engine.with_tokenizer(ctx.llm.tokenizer.decode, ids))
+                    lambda ids: ctx.engine.with_tokenizer(ctx.tokenizer.decode, ids))
     admitted = await admit(ctx, request, new_request_id("cmpl"), prompts, params, body, prompt_param="prompt",
                            lora=lora)
     if body.stream:

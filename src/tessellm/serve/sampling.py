@@ -30,7 +30,7 @@ def sampling_params(ctx: ServerContext, body: Any, *, max_tokens: int | None, lo
     maps a ``SamplingParams`` field to the request's name for it where the two differ
     (chat's ``top_logprobs`` is the engine's ``logprobs``)."""
     if max_tokens is None:
-        max_tokens = max(1, ctx.llm.pipeline.resolved.max_model_len // 2)
+        max_tokens = max(1, ctx.engine.info.max_model_len // 2)
     if body.use_beam_search:
         _check_beams(ctx, body)
     try:
@@ -55,9 +55,9 @@ def sampling_params(ctx: ServerContext, body: Any, *, max_tokens: int | None, lo
 
 def _check_beams(ctx: ServerContext, body: Any) -> None:
     """``use_beam_search`` needs a decoder that runs joint requests, and no stream."""
-    decoder = ctx.llm.engine.decoder
-    if type(decoder).joint is Decoder.joint:
-        raise RequestError(400, f"use_beam_search: this server decodes with {decoder.name!r}, which does not search "
+    info = ctx.engine.info
+    if not info.joint_decoding:
+        raise RequestError(400, f"use_beam_search: this server decodes with {info.decoder!r}, which does not search "
                                 f"beams; start it with --set decoding.name=beam", param="use_beam_search")
     if body.stream:
         raise RequestError(400, "use_beam_search: beam search results are known only at its end, so they are not "

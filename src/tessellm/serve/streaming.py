@@ -23,7 +23,8 @@ from starlette.requests import ClientDisconnect
 from tessellm.core.errors import InvalidRequestError, LoraAdapterError, RequestRejectedError
 from tessellm.core.interfaces.sequence import SamplingParams
 from tessellm.serve.context import ServerContext
-from tessellm.serve.engine_thread import RequestFailed, SampleDelta, ServerBusy, StepOutput
+from tessellm.serve.engine_client import SampleDelta, ServerBusy, StepOutput
+from tessellm.serve.engine_protocol import EngineDead, RequestFailed
 from tessellm.serve.http_errors import RequestError
 from tessellm.serve.sampling import admission_param
 
@@ -178,6 +179,9 @@ async def admit(ctx: ServerContext, request: Request, request_id: str, prompts: 
     except LoraAdapterError as exc:
         await close_streams(streams)
         raise RequestError(404, str(exc), param="model", code="model_not_found") from None
+    except EngineDead as exc:
+        await close_streams(streams)
+        raise RequestError(503, str(exc), kind="server_error", code="engine_unavailable") from None
     except RequestFailed as exc:
         await close_streams(streams)
         raise RequestError(500, str(exc), kind="server_error") from None
@@ -335,7 +339,7 @@ def choices_of(outputs: list[list[StepOutput]], n: int) -> list[Choice]:
 
 def token_piece(ctx: ServerContext, token: int) -> str:
     """One token's text, as log-probabilities show it."""
-    return ctx.engine.with_tokenizer(ctx.llm.tokenizer.decode, [token])
+    return ctx.engine.with_tokenizer(ctx.tokenizer.decode, [token])
 
 
 def logprob_pairs(deltas: list[SampleDelta]) -> list[tuple[int, Any]] | None:
