@@ -12,8 +12,10 @@ For each client count N (64, 256, 512), rounds alternate:
   prompt and length, sent at once over raw sockets (the client parses no event: it counts
   bytes, takes the time of the first event and reads the usage of the last).
 
-Reported per N (medians over ``--rounds``): output tokens/s of each and their ratio, TTFT
-(p50, p99), and the host time per engine step by phase (the engine's own counters, from the
+Reported per N (medians over ``--rounds``): output tokens/s of each and their ratio (the
+whole run: the server admits its N requests over HTTP while it steps the first ones, the
+offline engine all at once), the decode rate (each stream's tokens after its first over its
+time, summed: the aggregate rate while they all decode) and its ratio, TTFT (p50, p99), and the host time per engine step by phase (the engine's own counters, from the
 server's /metrics: schedule, prepare, forward with the stub's sleep, sample, process, output
 to the streams) with the CPU seconds per step of the engine loop and of the API side.
 
@@ -40,7 +42,10 @@ from pathlib import Path
 
 import httpx
 
-STUB_ENV = {"TESSELLM_PLUGINS": "tessellm.testing.stub_model", "TRITON_INTERPRET": "1"}
+# one torch thread everywhere: the stub's own tensors are tiny, and the processes (this one's
+# engine or client, the server's API side and its engine core) share the cores
+STUB_ENV = {"TESSELLM_PLUGINS": "tessellm.testing.stub_model", "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1"}
 os.environ.update(STUB_ENV)  # this process's offline engine loads the stub too
 
 from tessellm import LLM  # noqa: E402
@@ -67,15 +72,22 @@ def offline_round(llm: LLM, n: int, prompt_len: int, max_tokens: int) -> dict:
     outs = llm.generate(prompts(n, prompt_len), params, progress=False)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
-    return {"tok_s": tokens / elapsed, "ttft_ms": sorted(o.ttft_s * 1e3 for o in outs)}
+    return {"tok_s": tokens / elapsed, "ttft_ms": sorted(o.ttft_s * 1e3 for o in outs),
+            "decode_tok_s": decode_rate([(o.ttft_s, o.e2e_s, len(o.token_ids)) for o in outs])}
+
+
+def decode_rate(streams: list[tuple[float, float, int]]) -> float:
+    """The sum of every stream's own token rate after its first token ((tokens - 1) over
+    (end - first token)): the aggregate rate while they all decode, whatever their start."""
+    return sum((n - 1) / (end - first) for first, end, n in streams if n > 1 and end > first)
 
 
 # ---------------------------------------------------------------------------- the server's client
 
 
-async def one_stream(port: int, body: bytes, sent: float) -> tuple[float, int]:
-    """POST ``body`` and read the stream to its end: (time to the first event, completion
-    tokens from the final usage chunk)."""
+async def one_stream(port: int, body: bytes, sent: float) -> tuple[float, float, int]:
+    """POST ``body`` and read the stream to its end: (time to the first event, time to its
+    end, completion tokens from the final usage chunk)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
@@ -88,11 +100,12 @@ async def one_stream(port: int, body: bytes, sent: float) -> tuple[float, int]:
         if first is None and b"data: {" in chunk:
             first = time.perf_counter() - sent
         tail = (tail + chunk)[-4096:]
+    end = time.perf_counter() - sent
     writer.close()
     usage = re.findall(rb'"completion_tokens": (\d+)', tail)
     if first is None or not usage:
         raise RuntimeError(f"a stream ended without events or usage: {tail[-300:]!r}")
-    return first, int(usage[-1])
+    return first, end, int(usage[-1])
 
 
 async def server_round_async(port: int, n: int, prompt_len: int, max_tokens: int) -> dict:
@@ -102,7 +115,8 @@ async def server_round_async(port: int, n: int, prompt_len: int, max_tokens: int
     start = time.perf_counter()
     results = await asyncio.gather(*(one_stream(port, b, start) for b in bodies))
     elapsed = time.perf_counter() - start
-    return {"tok_s": sum(t for _, t in results) / elapsed, "ttft_ms": sorted(f * 1e3 for f, _ in results)}
+    return {"tok_s": sum(t for _, _, t in results) / elapsed, "ttft_ms": sorted(f * 1e3 for f, _, _ in results),
+            "decode_tok_s": decode_rate(results)}
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -169,6 +183,7 @@ def percentile(values: list[float], q: float) -> float:
 def summary(rounds: list[dict]) -> dict:
     return {"tok_s": round(statistics.median(r["tok_s"] for r in rounds), 1),
             "tok_s_rounds": [round(r["tok_s"], 1) for r in rounds],
+            "decode_tok_s": round(statistics.median(r["decode_tok_s"] for r in rounds), 1),
             "ttft_ms_p50": round(statistics.median(percentile(r["ttft_ms"], 0.5) for r in rounds), 2),
             "ttft_ms_p99": round(statistics.median(percentile(r["ttft_ms"], 0.99) for r in rounds), 2)}
 
@@ -227,9 +242,12 @@ def run(args: argparse.Namespace, llm: LLM, server: Server) -> list[dict]:
             steps.append(per_step(before, scrape(server.url)))
         a, b = summary(offline), summary(served)
         ratios = [s["tok_s"] / o["tok_s"] for s, o in zip(served, offline)]
+        decode_ratios = [s["decode_tok_s"] / o["decode_tok_s"] for s, o in zip(served, offline)]
         host = {k: round(statistics.median(s.get(k, 0.0) for s in steps), 3) for k in steps[-1]}
         results.append({"clients": n, "offline": a, "server": b, "server_over_offline": round(statistics.median(ratios), 3),
-                        "ratio_rounds": [round(r, 3) for r in ratios], "server_ms_per_step": host})
+                        "ratio_rounds": [round(r, 3) for r in ratios],
+                        "decode_server_over_offline": round(statistics.median(decode_ratios), 3),
+                        "server_ms_per_step": host})
         print(json.dumps(results[-1]), flush=True)
     return results
 

@@ -88,7 +88,46 @@ def _generate_output(record: list[Any]) -> StepOutput:
     return StepOutput(request_id, deltas, finished, prompt_tokens, completion, cached, decode_logprobs(prompt_lps))
 
 
-GENERATE = register_kind(RequestKind("generate", _generate_payload, _generate_output))
+def _merge_outputs(earlier: StepOutput, later: StepOutput) -> StepOutput:
+    """Two steps' outputs of one request as one: each sample's tokens (and logprobs) joined."""
+    samples = {d.index: d for d in earlier.samples}
+    for d in later.samples:
+        before = samples.get(d.index)
+        if before is None:
+            samples[d.index] = d
+            continue
+        lps = None if before.logprobs is None and d.logprobs is None else (before.logprobs or []) + (d.logprobs or [])
+        samples[d.index] = SampleDelta(d.index, before.token_ids + d.token_ids, "", d.finish_reason, lps,
+                                       d.stop_text_len)
+    return StepOutput(later.request_id, list(samples.values()), later.finished, later.prompt_tokens,
+                      later.completion_tokens, later.cached_tokens, earlier.prompt_logprobs)
+
+
+GENERATE = register_kind(RequestKind("generate", _generate_payload, _generate_output, _merge_outputs))
+
+
+class _Inbox:
+    """A request's outputs waiting for its reader (on the event loop)."""
+
+    def __init__(self) -> None:
+        self.items: deque[Any] = deque()
+        self.ready = asyncio.Event()
+
+    def put_nowait(self, item: Any) -> None:
+        self.items.append(item)
+        self.ready.set()
+
+    async def take(self, merge: Callable[[Any, Any], Any] | None) -> Any:
+        """The next output; with ``merge``, every output waiting joined into one (a reader
+        that fell behind catches up in one event)."""
+        while not self.items:
+            self.ready.clear()
+            await self.ready.wait()
+        item = self.items.popleft()
+        while merge is not None and self.items and not isinstance(item, BaseException) \
+                and not isinstance(self.items[0], BaseException):
+            item = merge(item, self.items.popleft())
+        return item
 
 
 @dataclass
@@ -97,7 +136,7 @@ class _Request:
     outputs go (None once its reader left), and its times for the metrics."""
 
     kind: RequestKind
-    queue: asyncio.Queue | None
+    queue: _Inbox | None
     arrival: float
     admitted: bool = False
     first: dict[int, float] = field(default_factory=dict)  # sample -> time its first token arrived
@@ -234,13 +273,13 @@ class EngineClient:
                              f"(limit {self.max_waiting}); retry later")
         if request_id in self.requests:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
-        q: asyncio.Queue = asyncio.Queue()
-        self.requests[request_id] = _Request(kind, q, time.perf_counter())
+        inbox = _Inbox()
+        self.requests[request_id] = _Request(kind, inbox, time.perf_counter())
         self.transport.send(pack(["add", request_id, kind.name, payload]))
         finished = False
         try:
             while True:
-                item = await q.get()
+                item = await inbox.take(kind.merge)
                 if isinstance(item, BaseException):
                     finished = True  # the core already dropped it
                     raise item

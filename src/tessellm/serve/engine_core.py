@@ -94,6 +94,17 @@ class GenerateKind:
         state = core.engine.requests.get(request_id)
         if state is None:
             return None
+        seqs = state.seqs
+        if progress.started and len(seqs) == 1 and not state.finished:  # the common case, spelled out
+            seq = seqs[0]
+            sent = progress.emitted.get(0, 0)
+            held = len(seq.token_ids) - seq.num_prompt_tokens
+            if held == sent:
+                return None
+            if seq.params.logprobs is None and not seq.joint:
+                progress.emitted[0] = held
+                return [request_id, False, [[0, seq.token_ids[seq.num_prompt_tokens + sent:], None, None, None]],
+                        seq.num_prompt_tokens, held, seq.num_cached_tokens or 0, None]
         if state.seqs[0].joint and not state.finished:
             return None  # beams are regrouped every step: their tokens are final only at the end
         samples = [s for s in (self._sample(progress, seq) for seq in state.seqs) if s is not None]

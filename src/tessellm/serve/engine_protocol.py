@@ -144,11 +144,16 @@ class RequestKind:
     """How one kind of request crosses: ``encode`` makes its payload on the API side
     (``encode(*args, **kwargs)``); the core's ``EngineCore`` admits and reports it with the
     handler registered under the same name (serve/engine_core.py ``CORE_KINDS``), and
-    ``decode`` turns each of its records back into what the API side hands out."""
+    ``decode`` turns each of its records back into what the API side hands out (an object
+    with a ``finished`` flag)."""
 
     name: str
     encode: Callable[..., dict[str, Any]]
     decode: Callable[[list[Any]], Any]
+    merge: Callable[[Any, Any], Any] | None = None
+    """``merge(earlier, later)``: two outputs of one request as one, when its reader is
+    behind (one event for several steps: the API side keeps up at any step rate); None: each
+    output is handed out alone."""
 
 
 REQUEST_KINDS: dict[str, RequestKind] = {}
