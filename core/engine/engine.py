@@ -132,19 +132,20 @@ class Engine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
-            raise InvalidRequestError("prompt is empty; give at least one token")
+            raise InvalidRequestError("prompt is empty; give at least one token", field="prompt")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                                      field="prompt")
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(f"prompt has {len(prompt_token_ids)} tokens; the context window "
-                                      f"(max_model_len) is {self.max_model_len}, leaving no room to generate")
+                                      f"(max_model_len) is {self.max_model_len}, leaving no room to generate", field="prompt")
         self.decoder.validate_request_fields(params)
         self.decoder.validate_request_args(params)
         self.decoder.check(params)
         if params.structured_output is not None and params.min_tokens:
             raise InvalidRequestError("min_tokens cannot be combined with structured output: the grammar decides "
-                                      "where the output ends")
+                                      "where the output ends", field="min_tokens")
         salt = self._lora_salt(lora, cache_salt)
         binding = self.processors.bind(params)  # compiles a grammar; refuses bad processor arguments
         seq = Sequence(request_id, prompt_token_ids, params, priority=priority, cache_salt=salt)
@@ -177,7 +178,7 @@ class Engine:
         if self.lora is None:
             raise InvalidRequestError(f"request names LoRA adapter {lora!r}, but this pipeline serves no adapters; "
                                       f"start it with lora.adapters (tessellm serve --lora NAME=PATH) or "
-                                      f"lora.enabled=true")
+                                      f"lora.enabled=true", field="lora")
         adapter = self.lora.get(lora)  # LoraAdapterError naming the loaded ones
         return f"{cache_salt or ''}\x1flora:{adapter.digest()}"
 

@@ -305,16 +305,28 @@ class DecoderForCausalLM(nn.Module):
     for the requested rows only. With ``fused`` set (on CUDA, by ``build_model``) the norms,
     residual adds, RoPE and SwiGLU run as fused Triton kernels (core/fused_ops.py).
 
-    Model plugins for other decoder-only families change ``layer_cls`` (and set
-    ``supports_fused`` False where the fused kernels do not apply)."""
+    Model plugins for other decoder-only families change ``layer_cls``; whether the fused
+    path applies is found from what they override (``supports_fused``)."""
 
     layer_cls: type[DecoderLayer] = DecoderLayer
 
     @property
     def supports_fused(self) -> bool:
-        """The fused kernels rotate whole heads on every layer: not for partial rotary or
-        layers without RoPE (families with their own blocks set this False)."""
-        return None not in self.layer_rope and self.spec.rope_dim == self.spec.head_dim
+        """Whether the fused kernels run this model as its own forward would: the fused path
+        replaces ``DecoderLayer.forward`` (norms and residual adds) and calls its blocks with
+        ``fused`` (RoPE, SwiGLU), so it applies only where every layer keeps that forward and
+        core's attention and MLP (or MoE) forwards, and rotates whole heads. A family that
+        overrides any of them runs its own forward on every device, CUDA included."""
+        from tessellm.core.model.moe import MoE
+
+        if None in self.layer_rope or self.spec.rope_dim != self.spec.head_dim:
+            return False
+        for layer in self.held_layers():
+            if type(layer).forward is not DecoderLayer.forward or type(layer).forward_fused is not \
+                    DecoderLayer.forward_fused or type(layer.self_attn).forward is not Attention.forward or \
+                    type(layer.mlp).forward not in (MLP.forward, MoE.forward):
+                return False
+        return True
 
     def __init__(self, spec: ModelSpec):
         super().__init__()

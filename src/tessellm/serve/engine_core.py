@@ -79,7 +79,7 @@ class GenerateKind:
         (the request is added when it is done)."""
         params = decode_params(payload["params"])
         if params.structured_output is not None and core.engine.grammar.backend is not None:
-            return core.pool.submit(core.engine.grammar.compile, params.structured_output)
+            return core.pool.submit(_compile, core.engine.grammar, params.structured_output)
         self.add(core, request_id, payload, params)
         return None
 
@@ -135,6 +135,16 @@ class GenerateKind:
             reason, cut = (seq.finish_reason.value if seq.finish_reason else None), seq.stop_text_len
         lps = encode_logprobs(seq.logprobs[sent:sent + len(new)]) if seq.params.logprobs is not None else None
         return [index, new, reason, lps, cut]
+
+
+def _compile(grammar: Any, spec: Any) -> Any:
+    """A request's grammar compiled (on a worker thread); a refusal is about its ``structured_output``."""
+    try:
+        return grammar.compile(spec)
+    except InvalidRequestError as exc:
+        if exc.field is None:
+            exc.field = "structured_output"
+        raise
 
 
 CORE_KINDS: dict[str, Any] = {"generate": GenerateKind()}

@@ -37,7 +37,7 @@ from tessellm.serve.context import ServerContext
 from tessellm.serve.engine_client import StepOutput
 from tessellm.serve.engine_protocol import RequestFailed
 from tessellm.serve.http_errors import RequestError
-from tessellm.serve.sampling import check_model
+from tessellm.serve.sampling import BODY_NAMES, check_model
 from tessellm.serve.streaming import EngineStream, MergedOutputs, admit
 from tessellm.serve.structured import JsonSchemaFormat, ResponseFormat, grammar_of
 from tessellm.serve.tools import (FunctionDefinition, FunctionName, NamedToolChoice, StreamedChoice, Tool,
@@ -419,7 +419,7 @@ def add_routes(app: FastAPI, ctx: ServerContext, capacity: int = 1000) -> None:
             admitted = await admit(ctx, request, turn.id, [turn.prompt], turn.params, body, prompt_param="input",
                                    lora=turn.lora)
         except RequestError as exc:
-            if exc.param is None and "grammar" in str(exc):  # a schema the grammar backend cannot compile
+            if exc.param in BODY_NAMES["structured_output"]:  # a schema the grammar backend cannot compile
                 param = "tools" if turn.calling and turn.calling.grammar() else "text.format"
                 raise RequestError(400, f"{param}: {exc}", param=param) from None
             raise

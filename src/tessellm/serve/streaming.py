@@ -175,7 +175,7 @@ async def admit(ctx: ServerContext, request: Request, request_id: str, prompts: 
         raise RequestError(429, str(exc), kind="rate_limit_error", code="server_busy") from None
     except InvalidRequestError as exc:  # RequestRejectedError too: it can never run
         await close_streams(streams)
-        raise RequestError(400, str(exc), param=admission_param(str(exc), body, prompt_param)) from None
+        raise RequestError(400, str(exc), param=admission_param(exc, body, prompt_param)) from None
     except LoraAdapterError as exc:
         await close_streams(streams)
         raise RequestError(404, str(exc), param="model", code="model_not_found") from None
@@ -197,7 +197,7 @@ async def _first_outputs(streams: list[EngineStreamT]) -> list[StepOutput]:
             return await stream.__anext__()
         except (InvalidRequestError, RequestRejectedError) as exc:
             if len(streams) > 1 and not isinstance(exc, ServerBusy):
-                raise type(exc)(f"prompt {p}: {exc}") from exc
+                raise type(exc)(f"prompt {p}: {exc}", field=exc.field) from exc
             raise
 
     results = await asyncio.gather(*(first_of(p, s) for p, s in enumerate(streams)), return_exceptions=True)
