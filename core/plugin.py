@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 if TYPE_CHECKING:
     from tessellm.core.interfaces.kv import KVLayout
-    from tessellm.core.model.spec import ModelSpec
+    from tessellm.core.interfaces.spec import ModelSpec
 
 KINDS = ("attention", "cache", "scheduler", "decoding", "quant", "grammar", "model", "logits", "lora", "routing")
 """The kinds of part, named as their plugins/ folders and (but for ``model``) their config

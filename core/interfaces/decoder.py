@@ -14,7 +14,7 @@ from tessellm.core.errors import InvalidRequestError, validation_problems
 from tessellm.core.interfaces.batch import BatchMetadata, ScheduledSeq, SchedulerOutput
 from tessellm.core.interfaces.cache import CacheManager
 from tessellm.core.interfaces.sequence import SamplingParams, Sequence
-from tessellm.core.model.spec import ModelSpec
+from tessellm.core.interfaces.spec import ModelSpec
 from tessellm.core.plugin import Plugin, PluginOptions
 from tessellm.core.version import api_minor
 
