@@ -176,12 +176,9 @@ def tokenize_ids(ctx: ServerContext, body: TokenizeRequest) -> list[int]:
         raise RequestError(400, f"model {ctx.model_name!r} has no chat template; send prompt instead of messages",
                            param="messages")
     calling = ToolCalling(body.tools, None, None) if body.tools else None
-    generation_prompt = body.add_generation_prompt and not body.continue_final_message
     try:
         with ctx.engine.tokenizer_lock:
-            text = render_chat([m.model_dump() for m in body.messages], tokenizer, calling,
-                               add_generation_prompt=generation_prompt,
-                               continue_final_message=body.continue_final_message)
+            text = render_chat([m.model_dump() for m in body.messages], tokenizer, calling, **body.template_ending())
             return tokenizer(text, add_special_tokens=bool(body.add_special_tokens))["input_ids"]
     except Exception as exc:  # a template that rejects these messages (roles out of order, ...)
         raise RequestError(400, f"messages could not be rendered with the chat template: {exc}",

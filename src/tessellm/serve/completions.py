@@ -54,8 +54,7 @@ async def complete(ctx: ServerContext, body: CompletionRequest, request: Request
     admitted = await admit(ctx, request, new_request_id("cmpl"), prompts, params, body, prompt_param="prompt",
                            lora=lora)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return completion_stream(request, admitted, echo, include_usage)
+        return completion_stream(request, admitted, echo, body.stream_options)
     return completion_body(admitted, await admitted.rest(request), echo)
 
 
@@ -75,8 +74,9 @@ def completion_body(admitted: Admitted, outputs: list[list[StepOutput]], echo: "
             "usage": usage([outs[-1] for outs in outputs], bool(echo and echo.score_only))}
 
 
-def completion_stream(request: Request, admitted: Admitted, echo: "Echo | None", include_usage: bool) -> EngineStream:
-    """The streamed answer: ``text_completion`` chunks."""
+def completion_stream(request: Request, admitted: Admitted, echo: "Echo | None", options: Any) -> EngineStream:
+    """The streamed answer: ``text_completion`` chunks (``options``: the request's
+    ``stream_options``)."""
     created = int(time.time())
 
     def chunk(choices: list[dict], **extra: Any) -> dict:
@@ -86,8 +86,7 @@ def completion_stream(request: Request, admitted: Admitted, echo: "Echo | None",
     def final_usage(lasts: list[StepOutput]) -> dict:
         return usage(lasts, bool(echo and echo.score_only))
 
-    return event_stream(request, admitted, CompletionChunks(admitted, echo), chunk,
-                        final_usage if include_usage else None)
+    return event_stream(request, admitted, CompletionChunks(admitted, echo), chunk, final_usage, options)
 
 
 class CompletionChunks:

@@ -268,24 +268,32 @@ StepChoices = Callable[[int, StepOutput], list[dict]]
 
 
 def event_stream(request: Request, admitted: Admitted, step_choices: StepChoices, chunk: Callable[..., dict],
-                 final_usage: Callable[[list[StepOutput]], dict] | None) -> EngineStream:
+                 usage_of: Callable[[list[StepOutput]], dict], options: Any = None) -> EngineStream:
     """A streamed answer of server-sent events: a chunk for each output that has choices to
     show (``step_choices(prompt index, output)``, shaped by ``chunk(choices, **extra)``),
-    then, when asked for, a last chunk with ``final_usage(each prompt's last output)``, then
-    ``[DONE]``. An engine failure ends it with an error event; a client that leaves ends it
-    (its requests are aborted, and it is logged once)."""
+    then, with ``stream_options.include_usage``, a last chunk with ``usage_of(each prompt's
+    last output)``, then ``[DONE]``; with ``stream_options.continuous_usage_stats`` every
+    chunk carries the usage so far. An engine failure ends it with an error event; a client
+    that leaves ends it (its requests are aborted, and it is logged once)."""
     outputs = admitted.merged()
-    body = sse_events(outputs, step_choices, chunk, final_usage)
+    final = usage_of if options is not None and options.include_usage else None
+    running = usage_of if options is not None and options.continuous_usage_stats else None
+    body = sse_events(outputs, step_choices, chunk, final, running)
     return EngineStream(body, request, admitted.request_id, release=outputs.close)
 
 
 async def sse_events(outputs: MergedOutputs, step_choices: StepChoices, chunk: Callable[..., dict],
-                     final_usage: Callable[[list[StepOutput]], dict] | None) -> AsyncIterator[str]:
+                     final_usage: Callable[[list[StepOutput]], dict] | None,
+                     running_usage: Callable[[list[StepOutput]], dict] | None = None) -> AsyncIterator[str]:
+    latest: dict[int, StepOutput] = {}
     try:
         while not outputs.done:
             p, out = await outputs.next()
+            latest[p] = out
             choices = step_choices(p, out)
-            if choices:
+            if choices and running_usage is not None:
+                yield sse(chunk(choices, usage=running_usage([latest[q] for q in sorted(latest)])))
+            elif choices:
                 yield sse(chunk(choices))
         if final_usage is not None:
             yield sse(chunk([], usage=final_usage([outputs.lasts[p] for p in sorted(outputs.lasts)])))
