@@ -131,6 +131,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tessellm.extras import require
 
     uvicorn = require("uvicorn", "serve")  # every server library is checked before a model loads
+    for module in ("fastapi", "zmq", "msgpack", "prometheus_client"):
+        require(module, "serve")
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     if args.data_parallel < 1:

@@ -25,9 +25,10 @@ import threading
 import time
 from typing import Any, Callable
 
-import zmq
-
 from tessellm.core.errors import TessellmError
+from tessellm.extras import require
+
+zmq = require("zmq", "serve")
 from tessellm.serve.engine_protocol import EngineInfo, pack, unpack
 
 logger = logging.getLogger("tessellm.server")

@@ -30,8 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-import msgpack
+from tessellm.extras import require
 
+msgpack = require("msgpack", "serve")
 from tessellm.core.errors import ConfigError, InvalidRequestError, LoraAdapterError, RequestRejectedError
 from tessellm.core.interfaces.sequence import SamplingParams, TokenLogprob
 
