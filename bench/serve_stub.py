@@ -14,8 +14,7 @@ For each client count N (64, 256, 512), rounds alternate:
 
 Reported per N (medians over ``--rounds``): output tokens/s of each and their ratio (the
 whole run: the server admits its N requests over HTTP while it steps the first ones, the
-offline engine all at once), the decode rate (each stream's tokens after its first over its
-time, summed: the aggregate rate while they all decode) and its ratio, TTFT (p50, p99), and the host time per engine step by phase (the engine's own counters, from the
+offline engine all at once), TTFT (p50, p99), and the host time per engine step by phase (the engine's own counters, from the
 server's /metrics: schedule, prepare, forward with the stub's sleep, sample, process, output
 to the streams) with the CPU seconds per step of the engine loop and of the API side.
 
@@ -72,14 +71,7 @@ def offline_round(llm: LLM, n: int, prompt_len: int, max_tokens: int) -> dict:
     outs = llm.generate(prompts(n, prompt_len), params, progress=False)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
-    return {"tok_s": tokens / elapsed, "ttft_ms": sorted(o.ttft_s * 1e3 for o in outs),
-            "decode_tok_s": decode_rate([(o.ttft_s, o.e2e_s, len(o.token_ids)) for o in outs])}
-
-
-def decode_rate(streams: list[tuple[float, float, int]]) -> float:
-    """The sum of every stream's own token rate after its first token ((tokens - 1) over
-    (end - first token)): the aggregate rate while they all decode, whatever their start."""
-    return sum((n - 1) / (end - first) for first, end, n in streams if n > 1 and end > first)
+    return {"tok_s": tokens / elapsed, "ttft_ms": sorted(o.ttft_s * 1e3 for o in outs)}
 
 
 # ---------------------------------------------------------------------------- the server's client
@@ -115,8 +107,7 @@ async def server_round_async(port: int, n: int, prompt_len: int, max_tokens: int
     start = time.perf_counter()
     results = await asyncio.gather(*(one_stream(port, b, start) for b in bodies))
     elapsed = time.perf_counter() - start
-    return {"tok_s": sum(t for _, _, t in results) / elapsed, "ttft_ms": sorted(f * 1e3 for f, _, _ in results),
-            "decode_tok_s": decode_rate(results)}
+    return {"tok_s": sum(t for _, _, t in results) / elapsed, "ttft_ms": sorted(f * 1e3 for f, _, _ in results)}
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -183,7 +174,6 @@ def percentile(values: list[float], q: float) -> float:
 def summary(rounds: list[dict]) -> dict:
     return {"tok_s": round(statistics.median(r["tok_s"] for r in rounds), 1),
             "tok_s_rounds": [round(r["tok_s"], 1) for r in rounds],
-            "decode_tok_s": round(statistics.median(r["decode_tok_s"] for r in rounds), 1),
             "ttft_ms_p50": round(statistics.median(percentile(r["ttft_ms"], 0.5) for r in rounds), 2),
             "ttft_ms_p99": round(statistics.median(percentile(r["ttft_ms"], 0.99) for r in rounds), 2)}
 
@@ -242,12 +232,9 @@ def run(args: argparse.Namespace, llm: LLM, server: Server) -> list[dict]:
             steps.append(per_step(before, scrape(server.url)))
         a, b = summary(offline), summary(served)
         ratios = [s["tok_s"] / o["tok_s"] for s, o in zip(served, offline)]
-        decode_ratios = [s["decode_tok_s"] / o["decode_tok_s"] for s, o in zip(served, offline)]
         host = {k: round(statistics.median(s.get(k, 0.0) for s in steps), 3) for k in steps[-1]}
         results.append({"clients": n, "offline": a, "server": b, "server_over_offline": round(statistics.median(ratios), 3),
-                        "ratio_rounds": [round(r, 3) for r in ratios],
-                        "decode_server_over_offline": round(statistics.median(decode_ratios), 3),
-                        "server_ms_per_step": host})
+                        "ratio_rounds": [round(r, 3) for r in ratios], "server_ms_per_step": host})
         print(json.dumps(results[-1]), flush=True)
     return results
 
