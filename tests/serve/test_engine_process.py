@@ -249,3 +249,41 @@ def test_a_core_that_cannot_build_its_pipeline_says_why(tmp_path):
             transport.start()
     finally:
         transport.stop()
+
+
+@pytest.mark.extended
+def test_serve_without_restarts_exits_1_when_its_core_dies(folders, tmp_path):
+    """``tessellm serve --no-restart``: a killed core ends the server with status 1 and a line
+    saying why (``--keep-running`` would keep it up answering 503)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tessellm.serve.router.launcher import free_port
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config(folders[0])))
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tessellm", "serve", "--config", str(path), "--port", str(port),
+                             "--no-restart"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None and time.time() < deadline, "the server did not start"
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
+                if health.get("status") == "ok":
+                    break
+            except (httpx.TransportError, ValueError):
+                pass
+            time.sleep(0.3)
+        os.kill(health["engine_core"]["pid"], signal.SIGKILL)
+        assert proc.wait(timeout=120) == 1
+        err = proc.stderr.read()
+        assert "exited with status -9" in err and "tessellm: stopped:" in err and "restarts are off" in err, err
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
