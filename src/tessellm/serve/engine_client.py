@@ -274,8 +274,8 @@ class EngineClient:
         if request_id in self.requests:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
         inbox = _Inbox()
+        self.transport.send(pack(["add", request_id, kind.name, payload]))  # EngineDead if it cannot reach the core
         self.requests[request_id] = _Request(kind, inbox, time.perf_counter())
-        self.transport.send(pack(["add", request_id, kind.name, payload]))
         finished = False
         try:
             while True:
@@ -298,7 +298,10 @@ class EngineClient:
             return
         request.queue = None  # its reader is gone; the core's answer (aborted, or finished) ends it
         if self.alive:
-            self.transport.send(pack(["abort", [request_id], int(self.gauges.get("steps", 0))]))
+            try:
+                self.transport.send(pack(["abort", [request_id], int(self.gauges.get("steps", 0))]))
+            except EngineDead:  # the core is gone: its exit fails what it held
+                pass
 
     async def call(self, method: str, *args: Any) -> Any:
         """The core's ``method(*args)`` run between two steps; its result, or its exception.
@@ -307,8 +310,8 @@ class EngineClient:
             raise EngineDead(f"the engine is not serving: {self.down_reason}")
         call_id = next(self._call_ids)
         future = asyncio.get_running_loop().create_future()
-        self._calls[call_id] = future
         self.transport.send(pack(["call", call_id, method, list(args)]))
+        self._calls[call_id] = future
         return await future
 
     # ------------------------------------------------------------------ what the core says

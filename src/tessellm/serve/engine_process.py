@@ -29,7 +29,7 @@ from tessellm.core.errors import TessellmError
 from tessellm.extras import require
 
 zmq = require("zmq", "serve")
-from tessellm.serve.engine_protocol import EngineInfo, pack, unpack
+from tessellm.serve.engine_protocol import EngineDead, EngineInfo, pack, unpack
 
 logger = logging.getLogger("tessellm.server")
 
@@ -190,8 +190,13 @@ class ProcessTransport:
     # ------------------------------------------------------------------ running
 
     def send(self, data: bytes) -> None:
+        """Queue a message for the core; never blocks (the event loop calls it): with no core
+        connected (it exited, or a new one is starting) ``EngineDead``."""
         with self._send_lock:
-            self._push.send(data)
+            try:
+                self._push.send(data, zmq.NOBLOCK)
+            except zmq.Again:
+                raise EngineDead("the engine core process is not connected (it exited, or is restarting)") from None
 
     @property
     def alive(self) -> bool:
@@ -213,8 +218,8 @@ class ProcessTransport:
         if process is not None and process.is_alive():
             try:
                 self.send(pack(["stop"]))
-            except zmq.ZMQError:
-                pass
+            except (EngineDead, zmq.ZMQError):  # not connected: SIGTERM below stops it
+                process.terminate()
             process.join(timeout=timeout_s)
             if process.is_alive():
                 process.terminate()
