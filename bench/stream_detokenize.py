@@ -13,9 +13,10 @@ tokenizer (``--tokenizer``: a folder; by default the embedded SmolLM2-135M's), a
 of ``--prompt-tokens``. At each step the bench appends the next token to the request's
 ``Sequence`` (the engine's part, not timed; the last step finishes it by length), then times:
 
-- ``new``: ``EngineThread._publish`` (the engine thread's part: a ``StepOutput`` holding the
-  new token's id) plus ``RequestText.fill`` (the reading coroutine's part: its text), on a
-  stub engine holding the request; ``engine_thread_us`` and ``reader_us`` split it;
+- ``new``: ``GenerateKind.record`` (the engine core's part: a record holding the new token's
+  id; serve/engine_core.py) plus its decoding and ``RequestText.fill`` (the reading
+  coroutine's part: its text), on a stub engine holding the request; ``engine_thread_us``
+  and ``reader_us`` split it;
 - ``old``: the same step's work as the engine thread did it in the design this replaced (its
   ``_publish``, ``_delta`` and ``IncrementalDetokenizer``, restated below in ``Legacy``),
   all of it on the engine thread.
@@ -50,7 +51,8 @@ from tessellm.bench.offline import cpu_name
 from tessellm.core.engine.request import RequestState
 from tessellm.core.interfaces.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from tessellm.serve.detokenize import RequestText
-from tessellm.serve.engine_thread import EngineThread, SampleDelta, StepOutput, _Stream
+from tessellm.serve.engine_client import GENERATE, SampleDelta, StepOutput
+from tessellm.serve.engine_core import GenerateKind, Progress
 
 ROOT = Path(__file__).resolve().parents[1]
 MULTILINGUAL = ("Grüße aus Zürich: “naïve café” — 日本語の文章を書きます。한국어 문장입니다. Ωμέγα και άλφα. "
@@ -68,26 +70,13 @@ def output_ids(tokenizer: Any, count: int) -> list[int]:
 
 
 class StubEngine:
-    """What ``EngineThread._publish`` reads of an engine: the live requests."""
+    """What the engine core's ``GenerateKind.record`` reads of an engine: the live requests."""
 
     def __init__(self, state: RequestState):
         self.requests = {state.request_id: state}
 
     def pop_finished(self, request_id: str) -> RequestState:
         return self.requests.pop(request_id)
-
-
-class Inbox:
-    """A stream's queue and loop, synchronous: what the engine thread puts is there at once."""
-
-    def __init__(self):
-        self.items: list[Any] = []
-
-    def call_soon_threadsafe(self, fn: Callable[..., Any], *args: Any) -> None:
-        fn(*args)
-
-    def put_nowait(self, item: Any) -> None:
-        self.items.append(item)
 
 
 class Legacy:
@@ -143,11 +132,13 @@ def run(arm: str, ids: list[int], prompt: list[int], stop: list[str], llm: Any) 
     params = SamplingParams(max_tokens=len(ids), stop=stop)
     seq = Sequence("r", prompt, params)
     seq.status = SequenceStatus.RUNNING
-    thread = EngineThread(llm)
-    thread.engine = StubEngine(RequestState("r", params, [seq]))
-    inbox = Inbox()
-    thread._streams["r"] = _Stream(inbox, inbox, 0.0)
-    reader, legacy = RequestText(thread._decode, stop), Legacy(thread._decode, stop)
+    core = type("Core", (), {"engine": StubEngine(RequestState("r", params, [seq]))})()
+    kind, progress = GenerateKind(), Progress()
+
+    def decode(token_ids: list[int]) -> str:
+        return llm.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    reader, legacy = RequestText(decode, stop), Legacy(decode, stop)
     steps, engine_side, texts = [], [], []  # per step: all of it, the engine thread's part
     for i, token in enumerate(ids):
         seq.token_ids.append(token)
@@ -155,11 +146,10 @@ def run(arm: str, ids: list[int], prompt: list[int], stop: list[str], llm: Any) 
             seq.status, seq.finish_reason = SequenceStatus.FINISHED, FinishReason.LENGTH
         start = time.perf_counter_ns()
         if arm == "new":
-            thread._publish()
+            record = kind.record(core, "r", progress)  # the engine core's part
             published = time.perf_counter_ns()
-            for out in inbox.items:
-                texts += [d.text for d in reader.fill(out).samples]
-            inbox.items.clear()
+            if record is not None:
+                texts += [d.text for d in reader.fill(GENERATE.decode(record)).samples]
             engine_side.append(published - start)
         else:
             out = legacy.step(seq)

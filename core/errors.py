@@ -48,7 +48,14 @@ class ModelLoadError(TessellmError):
 
 
 class InvalidRequestError(TessellmError, ValueError):
-    """A request that is malformed (empty prompt, bad sampling parameters)."""
+    """A request that is malformed (empty prompt, bad sampling parameters). ``field`` names
+    the request field it is about, as pydantic's errors carry ``loc`` (``"prompt"``, a
+    ``SamplingParams`` field such as ``"n"``, ``"logits_processors"``; dotted for a part of
+    one: ``"extra_args.num_beams"``), or None when it is about no single field."""
+
+    def __init__(self, message: str = "", *, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 class RequestRejectedError(InvalidRequestError):

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 if TYPE_CHECKING:
     from tessellm.core.interfaces.kv import KVLayout
-    from tessellm.core.model.spec import ModelSpec
+    from tessellm.core.interfaces.spec import ModelSpec
 
 KINDS = ("attention", "cache", "scheduler", "decoding", "quant", "grammar", "model", "logits", "lora", "routing")
 """The kinds of part, named as their plugins/ folders and (but for ``model``) their config
@@ -47,8 +47,10 @@ def reject_booleans_for_numbers(model: type[BaseModel], data: Any) -> Any:
     pydantic would take it as 1 (``min_p: true`` meaning 1.0 is never what was meant)."""
     if isinstance(data, dict):
         for key, value in data.items():
+            if not isinstance(value, bool):
+                continue  # (model_fields is a slow lookup: a server validates every request's sampling)
             field = model.model_fields.get(key)
-            if isinstance(value, bool) and field is not None and _numeric(field.annotation):
+            if field is not None and _numeric(field.annotation):
                 raise ValueError(f"{key}: expected a number, got {str(value).lower()} (a boolean)")
     return data
 

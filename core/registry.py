@@ -11,6 +11,7 @@ raise ``PluginConflictError`` naming both.
 from __future__ import annotations
 
 import difflib
+import importlib
 import importlib.metadata
 import logging
 import os
@@ -30,6 +31,10 @@ logger = logging.getLogger(__name__)
 ENTRY_POINT_GROUP = "tessellm"
 DISABLE_ENV = "TESSELLM_DISABLE_PLUGINS"
 """Comma-separated entry-point names (or distribution names) not to load."""
+MODULES_ENV = "TESSELLM_PLUGINS"
+"""Comma-separated importable modules of hookimpls to load besides the entry points (as
+pytest's ``PYTEST_PLUGINS``): a plugin not installed as a package, in every process a run
+starts (a server's engine core, data-parallel replicas)."""
 
 
 @dataclass(frozen=True)
@@ -161,6 +166,7 @@ class PluginRegistry:
         self.failures: list[LoadFailure] = []
         if entry_points:
             self._load_entry_points()
+            self._load_env_modules()
         for module in modules:
             self.add_module(module, package=getattr(module, "__name__", repr(module)))
 
@@ -186,6 +192,18 @@ class PluginRegistry:
             raise PluginConflictError(conflicts[0])
         if conflicts:
             raise PluginConflictError(f"{len(conflicts)} plugin name clashes: " + " | ".join(conflicts))
+
+    def _load_env_modules(self) -> None:
+        for name in (s.strip() for s in os.environ.get(MODULES_ENV, "").split(",")):
+            if not name:
+                continue
+            try:
+                module = importlib.import_module(name)
+            except Exception as exc:  # as an entry point that fails to import: recorded, the rest load
+                self.failures.append(LoadFailure(name, MODULES_ENV, f"{type(exc).__name__}: {exc}"))
+                continue
+            if not self.pm.is_registered(module):
+                self.add_module(module, package=MODULES_ENV, source=name)
 
     def add_module(self, module: ModuleType | object, *, package: str, source: str | None = None) -> None:
         """Register a module (or object) of hookimpls and the plugin classes its hooks register."""

@@ -5,7 +5,10 @@ device in two copies."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -14,6 +17,21 @@ from tessellm.core.engine.contracts import check_slots
 from tessellm.core.interfaces.batch import PENDING_TOKEN, BatchMetadata, PromptRows, SampleSlot, ScheduledSeq
 from tessellm.core.interfaces.cache import CacheManager
 from tessellm.core.interfaces.sequence import Sequence
+
+
+@dataclass
+class _Rows:
+    """A step's packed query rows before upload: token ids, each sequence's start and query
+    offsets and block table, the rows whose logits are wanted, the sample slots and the
+    prompt-logprob rows."""
+
+    ids: list[int] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    qsl: list[int] = field(default_factory=lambda: [0])
+    tables: list[list[int]] = field(default_factory=list)
+    logits: list[int] = field(default_factory=list)
+    samples: list[SampleSlot] = field(default_factory=list)
+    prompt_rows: list[PromptRows] = field(default_factory=list)
 
 
 def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torch.device,
@@ -32,37 +50,45 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
     sequence's last token, or one still on the device), with no drafts or forks: the same
     batch, built by a shorter loop (async scheduling's steps, hundreds of sequences each).
     """
-    drafts = drafts or {}
-    forks = forks or {}
-    prompt_logprobs = prompt_logprobs and not all_logits
-    bs = cache.layout.block_size
-    ids: list[int] = []
-    starts: list[int] = []
-    qsl = [0]
-    tables: list[list[int]] = []
-    rows: list[int] = []
-    samples: list[SampleSlot] = []
-    scored: list[tuple[Sequence, int, int, int]] = []  # prompt logprobs: (seq, packed row, position, rows)
     block_table = cache.block_table
     if decodes_only:
-        for item in scheduled:
-            seq = item.seq
-            start = seq.num_computed_tokens
-            token_ids = seq.token_ids
-            ids.append(token_ids[start] if start < len(token_ids) else PENDING_TOKEN)
-            starts.append(start)
-            tables.append(block_table(seq))
-        qsl = list(range(len(scheduled) + 1))
-        rows = list(range(len(scheduled)))
-        samples = [SampleSlot(item.seq, i, 1) for i, item in enumerate(scheduled)]
-    for item in scheduled if not decodes_only else ():  # per sequence: hundreds in a decode step
+        rows = _decode_rows(scheduled, block_table)
+    else:
+        rows = _query_rows(scheduled, block_table, drafts or {}, forks or {})
+        if prompt_logprobs and not all_logits:
+            _add_prompt_rows(rows, scheduled)
+    if all_logits:
+        rows.logits = list(range(len(rows.ids)))
+    return _upload(rows, scheduled, cache, device)
+
+
+def _decode_rows(scheduled: list[ScheduledSeq], block_table: Any) -> _Rows:
+    """One query row per sequence, which samples: its next token (or one still on the device)."""
+    rows = _Rows(qsl=list(range(len(scheduled) + 1)), logits=list(range(len(scheduled))))
+    ids, starts, tables = rows.ids, rows.starts, rows.tables
+    for item in scheduled:  # per sequence: hundreds in a decode step
+        seq = item.seq
+        start = seq.num_computed_tokens
+        token_ids = seq.token_ids
+        ids.append(token_ids[start] if start < len(token_ids) else PENDING_TOKEN)
+        starts.append(start)
+        tables.append(block_table(seq))
+    rows.samples = [SampleSlot(item.seq, i, 1) for i, item in enumerate(scheduled)]
+    return rows
+
+
+def _query_rows(scheduled: list[ScheduledSeq], block_table: Any, drafts: dict[int, list[int]],
+                forks: dict[int, list[Sequence]]) -> _Rows:
+    """Each sequence's query (a prefill chunk, its last token, or tokens still on the device)
+    and its drafts; a query that reaches the sequence's end samples, from its last row (and
+    its drafts' rows), for it and the sequences forking from it."""
+    rows = _Rows()
+    ids, logits = rows.ids, rows.logits
+    for item in scheduled:  # per sequence: hundreds in a decode step
         seq = item.seq
         start = seq.num_computed_tokens
         end = start + item.num_query_tokens
         held = len(seq.token_ids)
-        if prompt_logprobs and seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
-            # the rows at positions start .. predict the prompt tokens after them
-            scored.append((seq, len(ids), start, min(end, seq.num_prompt_tokens - 1) - start))
         if start < held:
             ids.extend(seq.token_ids[start:end])
         if seq.num_pending and end > held:  # a token still on the device: the engine fills it there
@@ -75,52 +101,63 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
         if draft:
             ids.extend(draft)
         stop = len(ids)
-        starts.append(start)
-        qsl.append(stop)
-        tables.append(block_table(seq))
+        rows.starts.append(start)
+        rows.qsl.append(stop)
+        rows.tables.append(block_table(seq))
         if end == held + seq.num_pending:  # the chunk reaches the sequence's end: it samples
-            first = len(rows)
+            first = len(logits)
             if draft:
-                rows.extend(range(stop - 1 - len(draft), stop))
+                logits.extend(range(stop - 1 - len(draft), stop))
             else:
-                rows.append(stop - 1)
-            width = 1 + len(draft) if draft else 1
-            samples.append(SampleSlot(seq, first, width, tuple(draft) if draft else ()))
+                logits.append(stop - 1)
+            width, drafted = (1 + len(draft), tuple(draft)) if draft else (1, ())
+            rows.samples.append(SampleSlot(seq, first, width, drafted))
             for child in forks.get(seq.seq_id, ()) if forks else ():
-                samples.append(SampleSlot(child, first, width, tuple(draft) if draft else ()))
-    prompt_rows = []
-    for seq, packed, position, count in scored:
-        prompt_rows.append(PromptRows(seq, len(rows), position, count))
-        rows.extend(range(packed, packed + count))
-    if all_logits:
-        rows = list(range(len(ids)))
-    # everything below is vectorized: a prefill step has thousands of tokens, a decode step
-    # hundreds of sequences
-    num_seqs, num_tokens = len(tables), len(ids)
+                rows.samples.append(SampleSlot(child, first, width, drafted))
+    return rows
+
+
+def _add_prompt_rows(rows: _Rows, scheduled: list[ScheduledSeq]) -> None:
+    """The rows of prompt positions whose requests ask for prompt logprobs (positions start ..
+    predict the prompt tokens after them), after every sample slot's rows."""
+    for seq_index, item in enumerate(scheduled):
+        seq = item.seq
+        start = seq.num_computed_tokens
+        if seq.params.prompt_logprobs is None or start >= seq.num_prompt_tokens - 1:
+            continue
+        packed = rows.qsl[seq_index]
+        count = min(start + item.num_query_tokens, seq.num_prompt_tokens - 1) - start
+        rows.prompt_rows.append(PromptRows(seq, len(rows.logits), start, count))
+        rows.logits.extend(range(packed, packed + count))
+
+
+def _upload(rows: _Rows, scheduled: list[ScheduledSeq], cache: CacheManager, device: torch.device) -> BatchMetadata:
+    """Positions and cache slots computed (vectorized: a prefill step has thousands of tokens,
+    a decode step hundreds of sequences) and everything uploaded in two copies."""
+    bs = cache.layout.block_size
+    tables = rows.tables
+    num_seqs, num_tokens = len(tables), len(rows.ids)
     padded = _padded(tables)
     width = padded.shape[1]
-    qsl_np = np.asarray(qsl, dtype=np.int64)
+    qsl_np = np.asarray(rows.qsl, dtype=np.int64)
     query_lens = np.diff(qsl_np)
     seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
-    pos = np.arange(num_tokens, dtype=np.int64) + np.repeat(np.asarray(starts, dtype=np.int64) - qsl_np[:-1], query_lens)
+    starts = np.asarray(rows.starts, dtype=np.int64)
+    pos = np.arange(num_tokens, dtype=np.int64) + np.repeat(starts - qsl_np[:-1], query_lens)
     slots = padded[seq_of_token, pos // bs] * bs + pos % bs
     check_slots(cache, slots)
-    seq_lens = np.asarray(starts, dtype=np.int64) + query_lens
-    # two host-to-device copies (one per dtype) instead of one per field, from pinned memory
-    # on a GPU: a copy from pageable memory may wait for the kernels already queued
-    def upload(values: np.ndarray) -> torch.Tensor:
-        host = torch.from_numpy(values)
-        return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
-
-    longs = upload(np.concatenate([np.asarray(ids, dtype=np.int64), pos, slots, np.asarray(rows, dtype=np.int64)]))
+    seq_lens = starts + query_lens
+    upload = functools.partial(_to_device, device=device)
+    longs = upload(np.concatenate([np.asarray(rows.ids, dtype=np.int64), pos, slots,
+                                   np.asarray(rows.logits, dtype=np.int64)]))
     ints = upload(np.concatenate([qsl_np, seq_lens, padded.reshape(-1)]).astype(np.int32))
-    t, r, b = num_tokens, len(rows), num_seqs
+    t, r, b = num_tokens, len(rows.logits), num_seqs
     batch = BatchMetadata(
         input_ids=longs[:t], positions=longs[t:2 * t], slot_mapping=longs[2 * t:3 * t], logits_indices=longs[3 * t:3 * t + r],
         query_start_loc=ints[:b + 1], seq_lens=ints[b + 1:2 * b + 1], block_tables=ints[2 * b + 1:].view(b, width),
         query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist(),
-        block_tables_cpu=tables, block_size=bs, seqs=[s.seq for s in scheduled], samples=samples,
-        prompt_rows=prompt_rows, lora_slots_cpu=_lora_slots(scheduled))
+        block_tables_cpu=tables, block_size=bs, seqs=[s.seq for s in scheduled], samples=rows.samples,
+        prompt_rows=rows.prompt_rows, lora_slots_cpu=_lora_slots(scheduled))
     for group in range(1, len(getattr(cache, "layer_groups", ()))):  # a cache that frees out-of-window blocks
         group_tables = [cache.group_block_table(item.seq, group) for item in scheduled]
         group_padded = _padded(group_tables)
@@ -130,6 +167,13 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
             batch, slot_mapping=upload(group_slots), block_tables=upload(group_padded.astype(np.int32)),
             block_tables_cpu=group_tables, groups=[]))
     return batch
+
+
+def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    """From pinned memory on a GPU: a copy from pageable memory may wait for the kernels
+    already queued."""
+    host = torch.from_numpy(values)
+    return (host.pin_memory() if device.type == "cuda" else host).to(device, non_blocking=True)
 
 
 def _lora_slots(scheduled: list[ScheduledSeq]) -> list[int] | None:

@@ -3,13 +3,14 @@
 One step (``Engine.step``) reads top to bottom:
 
 1. schedule: the scheduler picks the step's sequences and reserves their cache slots;
-2. run: the decoder proposes drafts, the batch is packed, the model runs and the decoder
+2. launch: the decoder proposes drafts, the batch is packed, the model runs and the decoder
    turns the logits into tokens (a request whose own run raises fails alone);
-3. process outputs: tokens are appended and the stop rule checked, rejected drafts rolled
-   back, newly full blocks committed, finished requests handed out.
+3. collect: tokens are appended and the stop rule checked, rejected drafts rolled back,
+   newly full blocks committed, finished requests handed out.
 
-``OverlappedEngine`` (overlap.py) launches steps ahead of their tokens (async scheduling) and
-reuses these same pieces.
+With async scheduling a step is launched ahead (its tokens left on the device, the next step
+scheduled and launched before they reach the host) and collected one step later; otherwise
+it is collected at once. Launched either way, a step is collected by the same code.
 """
 
 from __future__ import annotations
@@ -61,6 +62,26 @@ class StepPlan:
     parts: list[BatchMetadata] | None = None
 
 
+@dataclass
+class LaunchedStep:
+    """A step run up to its sampled tokens. Collected at once (synchronous): ``tokens``, each
+    sample slot's accepted tokens, and the ``logits`` its logprobs read. Launched ahead
+    (async scheduling): ``device_tokens`` [samples] stay on the device, where the next step
+    takes its inputs from, ``host`` is their copy on its way (complete once ``ready``, a CUDA
+    event, or None on the CPU), and ``holds_pending`` the sequences whose ``num_pending``
+    counts this step's token."""
+
+    out: SchedulerOutput
+    batch: BatchMetadata
+    start: float
+    tokens: list[list[int]] | None = None
+    logits: torch.Tensor | None = None
+    device_tokens: torch.Tensor | None = None
+    host: torch.Tensor | None = None
+    ready: Any = None
+    holds_pending: set[int] | None = None
+
+
 class Engine:
     """Owns the live requests and advances them one step at a time.
 
@@ -70,13 +91,15 @@ class Engine:
     because their own run raised, until the caller that waits for them pops the entry.
     """
 
-    async_scheduling = False
-    """Whether steps are launched ahead of their tokens (``OverlappedEngine``)."""
-
     def __init__(self, runner: ModelRunner, cache: CacheManager, scheduler: Scheduler, decoder: Decoder,
                  *, stop: StopRule, vocab_size: int, seed: int = 0, sync: RankSync | None = None,
                  grammar: GrammarSession | None = None, processors: list[LogitsProcessor] = (),
-                 lora: LoraAdapters | None = None):
+                 lora: LoraAdapters | None = None, async_scheduling: bool = False):
+        self.async_scheduling = async_scheduling
+        """Whether a step whose every sequence samples on the device is launched before the
+        step before's tokens reach the host (vLLM's and SGLang's overlap scheduling)."""
+        self._in_flight: LaunchedStep | None = None  # launched ahead, not collected
+        self._device_ok: dict[int, bool] = {}  # seq_id -> _samples_on_device, kept once it cannot change
         self.runner = runner
         self.sync = sync  # tensor parallel: keeps this rank in lockstep with rank 0
         self.cache = cache
@@ -109,19 +132,20 @@ class Engine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         if not prompt_token_ids:
-            raise InvalidRequestError("prompt is empty; give at least one token")
+            raise InvalidRequestError("prompt is empty; give at least one token", field="prompt")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                                      field="prompt")
         if len(prompt_token_ids) >= self.max_model_len:
             raise InvalidRequestError(f"prompt has {len(prompt_token_ids)} tokens; the context window "
-                                      f"(max_model_len) is {self.max_model_len}, leaving no room to generate")
+                                      f"(max_model_len) is {self.max_model_len}, leaving no room to generate", field="prompt")
         self.decoder.validate_request_fields(params)
         self.decoder.validate_request_args(params)
         self.decoder.check(params)
         if params.structured_output is not None and params.min_tokens:
             raise InvalidRequestError("min_tokens cannot be combined with structured output: the grammar decides "
-                                      "where the output ends")
+                                      "where the output ends", field="min_tokens")
         salt = self._lora_salt(lora, cache_salt)
         binding = self.processors.bind(params)  # compiles a grammar; refuses bad processor arguments
         seq = Sequence(request_id, prompt_token_ids, params, priority=priority, cache_salt=salt)
@@ -154,7 +178,7 @@ class Engine:
         if self.lora is None:
             raise InvalidRequestError(f"request names LoRA adapter {lora!r}, but this pipeline serves no adapters; "
                                       f"start it with lora.adapters (tessellm serve --lora NAME=PATH) or "
-                                      f"lora.enabled=true")
+                                      f"lora.enabled=true", field="lora")
         adapter = self.lora.get(lora)  # LoraAdapterError naming the loaded ones
         return f"{cache_salt or ''}\x1flora:{adapter.digest()}"
 
@@ -237,7 +261,7 @@ class Engine:
                 self._finish(seq, FinishReason.ABORT)  # a sequence waiting for a LoRA slot leaves that queue
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.unfinished()) or bool(self._lora_waiting)
+        return self._in_flight is not None or bool(self.scheduler.unfinished()) or bool(self._lora_waiting)
 
     def pop_finished(self, request_id: str) -> RequestState:
         return self.requests.pop(request_id)
@@ -250,7 +274,8 @@ class Engine:
 
     def step(self) -> list[RequestState]:
         """Run one step; return the requests that finished (in it, or in a step that then
-        raised: those are handed out by the next call)."""
+        raised: those are handed out by the next call). With async scheduling, the requests
+        the step before finished."""
         builds = build_log.total
         try:
             if self.sync is not None:
@@ -267,11 +292,33 @@ class Engine:
         return finished
 
     def _step(self) -> None:
+        """Schedule, launch, collect: at once, or (async scheduling, every sequence sampling on
+        the device) the step before's after this one is launched."""
+        start = time.perf_counter()
+        if self._in_flight is not None and not self._can_overlap():
+            self._collect_in_flight()  # the next schedule needs its tokens
         out = self._schedule()
+        start = self.stats.add_phase("schedule", start)
         if out.is_empty:
-            self._check_idle()
-        else:
-            self._run_step(out)
+            if self._in_flight is not None:
+                self._collect_in_flight()
+            else:
+                self._check_idle()
+            return
+        step = self._launch_ahead(out, start) if self.async_scheduling and self._launchable(out) else None
+        if step is not None:
+            previous, self._in_flight = self._in_flight, step
+            if previous is not None:
+                self._collect(previous)
+            return
+        if self._in_flight is not None:  # a synchronous step: nothing may stay in flight
+            self._collect_in_flight()
+            out.scheduled = [i for i in out.scheduled if not i.seq.is_finished]
+            if not out.scheduled:
+                return
+        step = self._launch(out, start)
+        if step is not None:
+            self._collect(step)
 
     def _schedule(self) -> SchedulerOutput:
         if self._lora_waiting:
@@ -357,9 +404,9 @@ class Engine:
             self.abort(request_id)
         logger.error("%s; failed %d requests", error, len(stuck))
 
-    def _run_step(self, out: SchedulerOutput) -> None:
-        """Run ``out`` synchronously: pack, run, then append its tokens."""
-        start = time.perf_counter()
+    def _launch(self, out: SchedulerOutput, start: float) -> LaunchedStep | None:
+        """Prepare ``out`` (drafts, forks, the packed batch) and run it to its tokens on the
+        host; a request whose own run raises fails alone. None: every request of it failed."""
         drafts = self.decoder.propose(out)
         if self.sync is not None:
             drafts = self.sync.drafts(out, drafts)
@@ -367,16 +414,102 @@ class Engine:
             raise contracts.broken(self.decoder, f"propose returned more drafts than num_lookahead_tokens "
                                                  f"({self.decoder.num_lookahead_tokens}), the slots reserved")
         plan = self._pack(out, drafts, self._plan_forks(out))
+        self.stats.add_phase("prepare", start)
         result = self._run_isolating_faults(plan)
         if result is None:  # every request of the step failed alone
             self.stats.steps += 1
-            return
+            return None
         plan, logits, tokens = result
         self._advance(plan)
         if plan.batch.prompt_rows:
             record_prompt_logprobs(logits, plan.batch)
-        self._append_tokens(plan.batch, logits, tokens)
-        self._end_step(out, plan.batch, start)
+        return LaunchedStep(plan.out, plan.batch, start, tokens, logits)
+
+    # ------------------------------------------------------------------ launched ahead (async scheduling)
+    #
+    # Scheduling needs token counts, not token values: a launched step's sampled tokens count
+    # in their sequences' lengths at once (``Sequence.num_pending``) and stay on the device,
+    # where the next step takes its inputs from them. So decodes, prefill chunks and admissions
+    # can all be planned ahead, as long as every sequence picks its tokens on the device (the
+    # decoder's ``samples_on_device``; no drafts, no logprobs). What a launched step finishes
+    # is learnt a step late: a sequence ended by a stop token runs one wasted row, and its
+    # place is offered to the queue one step later, as in vLLM.
+
+    def _samples_on_device(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s next token can be picked on the device and left there a step
+        (asked of every live sequence every step: the answer is kept once it cannot change)."""
+        ok = self._device_ok.get(seq.seq_id)
+        if ok is not None:
+            return ok
+        params = seq.params
+        state = self.requests.get(seq.request_id)
+        settled = params.n == 1 or state is None or state.forked  # n > 1 changes when it forks
+        ok = (self.decoder.num_lookahead_tokens == 0 and params.logprobs is None and params.prompt_logprobs is None
+              and self.processors.overlap_safe(seq) and self.decoder.samples_on_device(params) and settled)
+        if settled:
+            self._device_ok[seq.seq_id] = ok
+        return ok
+
+    def _can_overlap(self) -> bool:
+        """Whether the next step may be scheduled before the in-flight step's tokens arrive:
+        every running sequence picks its tokens on the device."""
+        known, ok = self._device_ok, self._samples_on_device  # a kept answer skips the call
+        return all(known.get(s.seq_id) or ok(s) for s in self.scheduler.running_sequences())
+
+    def _launchable(self, out: SchedulerOutput) -> bool:
+        """Whether ``out`` can run without the host waiting for its tokens: every scheduled
+        sequence (decoding, prefilling or just admitted) picks its tokens on the device, and
+        has a token to run (a scheduler may list one whose last token is still pending)."""
+        known, ok = self._device_ok, self._samples_on_device
+        return all(i.num_query_tokens and (known.get(i.seq.seq_id) or ok(i.seq)) for i in out.scheduled)
+
+    def _launch_ahead(self, out: SchedulerOutput, start: float) -> LaunchedStep | None:
+        """``out`` run up to its sampled tokens, which stay on the device (a copy to the host
+        is queued); nothing about the sequences changes unless it all succeeds. None if it
+        raised: the step then runs synchronously, where a failing request fails alone."""
+        previous = self._in_flight
+        try:
+            batch = self._pack_ahead(out, previous)
+            plan = self.processors.plan(batch)
+            phase = self.stats.add_phase("prepare", start)
+            # processors run on float32 logits, as in the synchronous step, so both pick the same tokens
+            logits = self._forward(batch, native_logits=self.decoder.device_tokens_any_dtype and not plan)
+            phase = self.stats.add_phase("forward", phase)
+            tokens = self.decoder.device_tokens(self.processors.apply(logits, plan), batch)
+            contracts.check_device_tokens(self.decoder, tokens, batch)
+        except Exception:
+            return None
+        host, ready = tokens, None
+        if tokens.is_cuda:  # pinned, so the copy waits for this step only, not for the next
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        self.stats.overlapped_steps += previous is not None
+        for item in out.scheduled:
+            item.seq.num_computed_tokens += item.num_query_tokens
+        # the coming tokens count in their sequences' lengths, unless one is surely its last
+        continuing = self.stop.continuing([slot.seq for slot in batch.samples])
+        self.processors.accept_on_device(batch, tokens)
+        for seq in continuing:
+            seq.num_pending += 1
+        self.stats.add_phase("sample", phase)
+        return LaunchedStep(out, batch, start, device_tokens=tokens, host=host, ready=ready,
+                            holds_pending={s.seq_id for s in continuing})
+
+    def _pack_ahead(self, out: SchedulerOutput, previous: LaunchedStep | None) -> BatchMetadata:
+        """``out``'s batch, its rows of tokens still on the device filled from ``previous``'s."""
+        # (lengths spelled out in this method's per-sequence loops: hundreds of sequences a step)
+        decodes = all(i.num_query_tokens == 1 and
+                      i.seq.num_computed_tokens + 1 == len(i.seq.token_ids) + i.seq.num_pending
+                      for i in out.scheduled)
+        batch = build_batch(out.scheduled, self.cache, self.runner.device, decodes_only=decodes)
+        if self._kv_check.always:
+            contracts.check_slots_not_held(self.cache, contracts.query_slots(batch),
+                                           list(self.scheduler.running_sequences()))
+        if previous is not None:
+            _inputs_from(previous, batch, decodes)
+        return batch
 
     def _pack(self, out: SchedulerOutput, drafts: dict[int, list[int]],
               forks: dict[int, list[Sequence]]) -> StepPlan:
@@ -456,7 +589,9 @@ class Engine:
         """The batch's logits (as the model gave them: logprobs read these) and each sample
         slot's accepted tokens (the decoder's side of the contract checked); ``parts``, its
         micro-batches on a pipeline stage."""
+        start = time.perf_counter()
         logits = self._forward(batch, parts=parts) if parts else self._forward(batch)
+        start = self.stats.add_phase("forward", start)
         # the decoder reads the sample rows only; prompt-scoring rows follow them
         sampled = logits[:batch.num_sample_rows] if batch.prompt_rows else logits
         sampled = self.processors.apply(sampled, self.processors.plan(batch))
@@ -465,6 +600,7 @@ class Engine:
         if self.sync is not None and batch.samples:
             tokens = self.sync.tokens(tokens)
         contracts.check_decoded(self.decoder, tokens, batch, logits.shape[-1])
+        self.stats.add_phase("sample", start)
         return logits, tokens
 
     def _forward(self, batch: BatchMetadata, **kwargs: Any) -> torch.Tensor:
@@ -496,38 +632,75 @@ class Engine:
                 self.scheduler.adopt(child)
             self.requests[parent.request_id].forked = True
 
-    def _append_tokens(self, batch: BatchMetadata, logits: torch.Tensor, tokens: list[list[int]]) -> None:
+    def _collect_in_flight(self) -> None:
+        step, self._in_flight = self._in_flight, None
+        self._collect(step)
+
+    def _collect(self, step: LaunchedStep) -> None:
+        """Take a launched step's tokens (waiting for them if they are on their way from the
+        device), append them, and end the step."""
+        collecting = time.perf_counter()
+        if step.ready is not None:
+            step.ready.synchronize()
+            self.stats.device_wait_seconds += time.perf_counter() - collecting
+        if step.tokens is None:  # launched ahead: one token per sample slot
+            step.tokens = [[t] for t in step.host.tolist()]
+        self._append_tokens(step)
+        self._end_step(step.out, step.batch, step.start)
+        self.stats.add_phase("process", collecting)
+
+    def _append_tokens(self, step: LaunchedStep) -> None:
         """Append each slot's accepted tokens (with their logprobs) until the stop rule fires,
-        rolling back the KV of drafts the decoder rejected."""
-        stats, bound, appended = self.stats, self.processors.bound, []
-        for slot, accepted, lps in zip(batch.samples, tokens, token_logprobs(logits, batch, tokens)):
+        rolling back the KV of drafts the decoder rejected. A step launched ahead already
+        counts its tokens as pending (``holds_pending``) and its processors took them on the
+        device."""
+        batch, tokens, holds = step.batch, step.tokens, step.holds_pending
+        lps_of = token_logprobs(step.logits, batch, tokens) if step.logits is not None else None
+        stats, bound, appended, now = self.stats, self.processors.bound, [], time.perf_counter()
+        finished, check = SequenceStatus.FINISHED, self.stop.check
+        for i, (slot, accepted) in enumerate(zip(batch.samples, tokens)):
             seq = slot.seq
-            if seq.status is SequenceStatus.FINISHED:  # its request failed in this loop (grammar)
+            if holds and seq.seq_id in holds:
+                seq.num_pending -= 1
+            if seq.status is finished:  # aborted meanwhile, or its request failed in this loop (grammar)
                 continue
-            tracked = bool(bound) and seq.seq_id in bound  # (no processor live: one test per slot)
+            stats.sample_slots += 1
+            lps = lps_of[i] if lps_of is not None else None
+            tracked = bool(bound) and holds is None and seq.seq_id in bound  # (no processor live: one test per slot)
+            if not tracked and lps is None and not slot.draft_tokens:  # the common case, spelled out
+                token = accepted[0]
+                seq.token_ids.append(token)
+                stats.generated_tokens += 1
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                reason = check(seq, token)
+                if reason is not None:
+                    self._finish(seq, reason)
+                continue
             if tracked:
                 appended.append((seq, len(seq.token_ids)))
-            stats.sample_slots += 1
             stats.draft_tokens += len(slot.draft_tokens)
             stats.accepted_draft_tokens += len(accepted) - 1
             rejected = len(slot.draft_tokens) - (len(accepted) - 1)
             if rejected > 0:
                 seq.num_computed_tokens -= rejected
                 self.cache.truncate(seq, seq.num_computed_tokens)
-            constrained = tracked and seq.params.structured_output is not None
-            for i, token in enumerate(accepted):
-                if constrained and not self.grammar.accept(seq, token):
-                    self._refused_by_grammar(seq, token)
-                    break
-                if lps is not None:
-                    seq.logprobs.append(lps[i])
-                if self._append(seq, token):
-                    break
-                if constrained and self.grammar.is_complete(seq):  # ended by the grammar (ignore_eos)
-                    self._finish(seq, FinishReason.STOP)
-                    break
+            self._append_accepted(seq, accepted, lps, tracked and seq.params.structured_output is not None)
         if appended:  # the processors of the sequences still running learn their new tokens
             self.processors.accept([(seq, seq.token_ids[start:]) for seq, start in appended if not seq.is_finished])
+
+    def _append_accepted(self, seq: Sequence, accepted: list[int], lps: list | None, constrained: bool) -> None:
+        for i, token in enumerate(accepted):
+            if constrained and not self.grammar.accept(seq, token):
+                self._refused_by_grammar(seq, token)
+                return
+            if lps is not None:
+                seq.logprobs.append(lps[i])
+            if self._append(seq, token):
+                return
+            if constrained and self.grammar.is_complete(seq):  # ended by the grammar (ignore_eos)
+                self._finish(seq, FinishReason.STOP)
+                return
 
     def _refused_by_grammar(self, seq: Sequence, token: int) -> None:
         """A decoder picked a token its masked logits ruled out: fail that request alone."""
@@ -596,6 +769,7 @@ class Engine:
         # the step its prompt completes (max_tokens 1: scoring) never reaches _end_step's commit
         if seq.num_cached_tokens is not None and not seq.num_pending:  # it ran, and every computed token is known
             self.cache.commit(seq)
+        self._device_ok.pop(seq.seq_id, None)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
@@ -634,3 +808,25 @@ class Engine:
         if self.sync is not None:
             self.sync.score(token_ids)
         return score_tokens(self.runner, self.cache, token_ids, self.max_model_len)
+
+
+def _inputs_from(previous: LaunchedStep, batch: BatchMetadata, decodes: bool) -> None:
+    """Fill ``batch``'s rows of tokens still on the device from the previous step's."""
+    if decodes and batch.seqs == previous.batch.seqs and len(previous.batch.samples) == len(batch.seqs):
+        # the steady state: the same sequences in the same order, each one pending token
+        # behind (one query row and one sampled row each): the inputs are the tokens
+        batch.input_ids.copy_(previous.device_tokens)
+        return
+    src = {slot.seq.seq_id: j for j, slot in enumerate(previous.batch.samples)}
+    rows, picks, row = [], [], 0
+    for seq, n in zip(batch.seqs, batch.query_lens_cpu):
+        at = len(seq.token_ids) - seq.num_computed_tokens  # the pending token's row in this query
+        if seq.num_pending and at < n:  # (one at most: only the previous step is in flight)
+            rows.append(row + at)
+            picks.append(src[seq.seq_id])
+        row += n
+    if rows:
+        device = batch.input_ids.device
+        index = torch.tensor([rows, picks], dtype=torch.long)
+        index = (index.pin_memory() if device.type == "cuda" else index).to(device, non_blocking=True)
+        batch.input_ids[index[0]] = previous.device_tokens.index_select(0, index[1])

@@ -65,7 +65,8 @@ class GrammarSession:
         if backend is None:
             raise InvalidRequestError(
                 f"the request asks for structured output ({spec.kind}), but this pipeline has no grammar backend: "
-                f"install one (pip install xgrammar) or name one in the config's grammar section")
+                f"install one (pip install xgrammar) or name one in the config's grammar section",
+                field="structured_output")
         return backend.compile(spec)
 
     def _matcher(self, seq: Sequence) -> GrammarMatcher:

@@ -91,6 +91,23 @@ def _per_prompt(value: Any, n: int, name: str, kind: type | tuple[type, ...]) ->
     return values
 
 
+def encode_prompt(tokenizer: Any, prompt: str, *, chat: bool = False) -> list[int]:
+    """A text prompt's token ids (``chat``: as the one user message of a chat, through the
+    tokenizer's chat template); InvalidRequestError for a prompt that is no text or empty."""
+    if not isinstance(prompt, str):
+        raise InvalidRequestError(f"prompt must be a string or a list of token ids, not {type(prompt).__name__}",
+                                  field="prompt")
+    if not prompt:
+        raise InvalidRequestError("prompt is empty; give at least one character", field="prompt")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model's tokenizer has no chat template; run without --chat")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                             tokenize=False, add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(prompt)["input_ids"]
+
+
 class LLM:
     """Generate text from prompts with a pipeline: ``LLM().generate(["Hello"])``."""
 
@@ -101,17 +118,7 @@ class LLM:
         self.engine = self.pipeline.engine
 
     def encode(self, prompt: str, *, chat: bool = False) -> list[int]:
-        if not isinstance(prompt, str):
-            raise InvalidRequestError(f"prompt must be a string or a list of token ids, not {type(prompt).__name__}")
-        if not prompt:
-            raise InvalidRequestError("prompt is empty; give at least one character")
-        if chat:
-            if not getattr(self.tokenizer, "chat_template", None):
-                raise InvalidRequestError("this model's tokenizer has no chat template; run without --chat")
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                      tokenize=False, add_generation_prompt=True)
-            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        return self.tokenizer(prompt)["input_ids"]
+        return encode_prompt(self.tokenizer, prompt, chat=chat)
 
     def generate(self, prompts: str | Seq[str] | Seq[list[int]], params: Any = None, *, chat: bool = False,
                  progress: bool | None = None, priority: int | Seq[int] = 0,

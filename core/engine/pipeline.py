@@ -20,7 +20,6 @@ from tessellm.core.engine.engine import Engine
 from tessellm.core.engine.grammar import GrammarSession
 from tessellm.core.engine.lora import LoraAdapters
 from tessellm.core.engine.outputs import StopRule
-from tessellm.core.engine.overlap import OverlappedEngine
 from tessellm.core.engine.scoring import score_tokens
 from tessellm.core.engine.warm_up import warm_up
 from tessellm.core.errors import ConfigError
@@ -53,8 +52,8 @@ class Pipeline:
     Parts: ``architecture`` (the model plugin that built ``model``), ``model`` (the module), ``cache``, ``attention``, ``scheduler``, ``decoder``,
     ``grammar`` (the grammar backend for structured outputs, built on first use; None where
     none can serve), the
-    ``runner`` that runs the model, and the ``engine`` that steps requests (an
-    ``OverlappedEngine`` when async scheduling is on). ``resolved`` says which plugin serves
+    ``runner`` that runs the model, and the ``engine`` that steps requests (launching steps
+    ahead when async scheduling is on). ``resolved`` says which plugin serves
     each kind and why (``resolved.summary()``).
     """
 
@@ -122,14 +121,14 @@ class Pipeline:
             self._capture_graphs()
         self.async_scheduling = r.async_scheduling and self.ranks is None
         self.stop = StopRule(self._eos_ids(hf_config), r.max_model_len, decode_text=self._decode_text)
-        engine = OverlappedEngine if self.async_scheduling else Engine
         grammar = c.get("grammar")
         build = (lambda: grammar.cls(grammar.options, self.tokenizer, spec.vocab_size)) if grammar else None
-        self.engine = engine(self.runner, self.cache, self.scheduler, self.decoder, stop=self.stop,
+        self.engine = Engine(self.runner, self.cache, self.scheduler, self.decoder, stop=self.stop,
                              vocab_size=self.spec.vocab_size, seed=config.seed,
                              sync=RankSync(self.ranks.world) if self.ranks else None,
                              grammar=GrammarSession(build, self.decoder.num_lookahead_tokens),
-                             processors=self._logits_processors(), lora=self.lora)
+                             processors=self._logits_processors(), lora=self.lora,
+                             async_scheduling=self.async_scheduling)
         self._attach_decoder()
         if self.ranks and not self.ranks.world.is_leader:  # a follower serves rank 0 until it stops, then exits
             follow(self.engine, self.engine.sync)

@@ -47,14 +47,15 @@ class LogitsProcessors:
             if proc is None:
                 named = ", ".join(n for n in self.names() if not self._by_name[n].fields) or "none"
                 raise InvalidRequestError(f"logits_processors names {request.name!r}, which is not an installed "
-                                          f"logits processor (installed: {named})")
+                                          f"logits processor (installed: {named})", field="logits_processors")
             if proc.fields:
                 raise InvalidRequestError(f"logits_processors names {request.name!r}, a built-in set by "
-                                          f"SamplingParams.{', '.join(proc.fields)}; set that field instead")
+                                          f"SamplingParams.{', '.join(proc.fields)}; set that field instead",
+                                          field="logits_processors")
         self._check_fields_served(params)
         bound = []
         for proc in self.processors:
-            args = proc.request_args(params)
+            args = _naming_field(proc, params)
             if args is not None:
                 bound.append((proc, args))
         return tuple(bound)
@@ -65,7 +66,7 @@ class LogitsProcessors:
         for name in PROCESSOR_FIELDS:
             if name not in served and getattr(params, name) != defaults[name].get_default(call_default_factory=True):
                 raise InvalidRequestError(f"SamplingParams.{name} is set, but no installed logits processor applies "
-                                          f"it (its plugin is not loaded; see `tessellm plugins`); leave it out")
+                                          f"it (its plugin is not loaded; see `tessellm plugins`); leave it out", field=name)
 
     def add(self, seq: Sequence, binding: Binding) -> None:
         """``seq`` starts using ``binding``'s processors (each builds its state from ``seq``'s tokens)."""
@@ -157,3 +158,14 @@ class LogitsProcessors:
                 mine = tokens if len(picks) == tokens.shape[0] else tokens.index_select(
                     0, to_device(picks, torch.long, tokens.device))
                 proc.accept_on_device(seqs, mine)
+
+
+def _naming_field(proc: LogitsProcessor, params: SamplingParams) -> object:
+    """``proc.request_args(params)``; a refusal that names no field is about the fields the
+    processor reads (``fields``), or its entry in ``logits_processors``."""
+    try:
+        return proc.request_args(params)
+    except InvalidRequestError as exc:
+        if exc.field is None:
+            exc.field = proc.fields[0] if proc.fields else "logits_processors"
+        raise

@@ -3,8 +3,14 @@ async overlap (``EngineStats``), read by the benchmarks, the A/B reports and the
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
+
+PHASES = ("schedule", "prepare", "forward", "sample", "process")
+"""A step's phases: the scheduler's choice; drafts, forks and the packed batch; the model's
+forward (with the device's time, waited for); logits processors and the decoder's pick; the
+tokens appended, stop rules checked, blocks committed."""
 
 WASTE_SAMPLE_STEPS = 8
 """KV waste is sampled every this many steps: counting used slots walks every live sequence
@@ -44,6 +50,14 @@ class EngineStats:
     warm-up should leave none: see core/engine/warm_up.py). Counted where Triton is in use."""
     step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     """Wall time of the most recent steps (bounded: an engine may run for days)."""
+    phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    """Wall time of every step so far by phase (``PHASES``): where the host's time goes."""
+
+    def add_phase(self, phase: str, since: float) -> float:
+        """Count the time from ``since`` to now in ``phase``; now (the next phase's start)."""
+        now = time.perf_counter()
+        self.phase_seconds[phase] += now - since
+        return now
 
     @property
     def kv_waste(self) -> float | None:

@@ -11,7 +11,7 @@ import torch
 from tessellm.core.interfaces.batch import BatchMetadata
 from tessellm.core.interfaces.cache import CacheManager
 from tessellm.core.interfaces.kv import KVStorage
-from tessellm.core.model.spec import LayerAttention, ModelSpec
+from tessellm.core.interfaces.spec import LayerAttention, ModelSpec
 from tessellm.core.plugin import Plugin, PluginOptions, SelectionContext
 
 
@@ -92,7 +92,7 @@ class AttentionBackend(Plugin):
     kv_extras: ClassVar[frozenset[str]] = frozenset()
     supports_cuda_graphs: ClassVar[bool] = False
     layer_features: ClassVar[frozenset[str]] = frozenset({"sliding_window"})
-    """The ``LAYER_FEATURES`` (tessellm.core.model.spec) this backend serves (plugin API 1.8)."""
+    """The ``LAYER_FEATURES`` (tessellm.core.interfaces.spec) this backend serves (plugin API 1.8)."""
 
     def __init__(self, options: PluginOptions, model: ModelSpec, device: torch.device, dtype: torch.dtype):
         self.options = options

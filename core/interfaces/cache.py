@@ -11,7 +11,7 @@ import torch
 
 from tessellm.core.interfaces.kv import KVLayout, KVStorage
 from tessellm.core.interfaces.sequence import Sequence
-from tessellm.core.model.spec import KVShape
+from tessellm.core.interfaces.spec import KVShape
 from tessellm.core.plugin import Plugin, PluginOptions, SelectionContext
 
 

@@ -14,7 +14,7 @@ from tessellm.core.errors import InvalidRequestError, validation_problems
 from tessellm.core.interfaces.batch import BatchMetadata, ScheduledSeq, SchedulerOutput
 from tessellm.core.interfaces.cache import CacheManager
 from tessellm.core.interfaces.sequence import SamplingParams, Sequence
-from tessellm.core.model.spec import ModelSpec
+from tessellm.core.interfaces.spec import ModelSpec
 from tessellm.core.plugin import Plugin, PluginOptions
 from tessellm.core.version import api_minor
 
@@ -165,14 +165,14 @@ class Decoder(Plugin):
                 f"decoding plugin {self.name!r} (written for plugin API {self.api_version}) does not honour "
                 f"SamplingParams.{field}, added in plugin API {DECODER_FIELDS[field]}, and would ignore it; leave "
                 f"{field} at {SamplingParams.model_fields[field].default!r} or choose a decoder that honours it "
-                f"(its author lists it in request_fields)")
+                f"(its author lists it in request_fields)", field=field)
 
     def validate_request_args(self, params: SamplingParams) -> None:
         """InvalidRequestError naming this plugin when ``params.extra_args`` do not fit
         ``RequestArgs`` (or it declares none and some were sent)."""
         if params.extra_args and self.RequestArgs is None:
             raise InvalidRequestError(f"decoding plugin {self.name!r} takes no extra_args, but the request sends "
-                                      f"{', '.join(sorted(params.extra_args))}")
+                                      f"{', '.join(sorted(params.extra_args))}", field="extra_args")
         self.request_args(params)
 
     def target_probs(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor | None:
@@ -227,7 +227,7 @@ def _validated_request_args(decoder: Decoder, params: SamplingParams) -> PluginO
     except ValidationError as exc:
         allowed = ", ".join(decoder.RequestArgs.model_fields) or "none"
         raise InvalidRequestError(f"decoding plugin {decoder.name!r} refuses the request's extra_args (it takes: "
-                                  f"{allowed}): {validation_problems(exc, 'extra_args.')}") from None
+                                  f"{allowed}): {validation_problems(exc, 'extra_args.')}", field="extra_args") from None
 
 
 def slot_logits(logits: torch.Tensor, batch: BatchMetadata) -> torch.Tensor:

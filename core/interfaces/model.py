@@ -28,7 +28,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from tessellm.core.model.spec import ModelSpec
+from tessellm.core.interfaces.spec import ModelSpec
 from tessellm.core.plugin import Plugin, PluginOptions
 
 

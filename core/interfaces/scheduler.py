@@ -75,12 +75,14 @@ class Scheduler(Plugin):
             raise RequestRejectedError(
                 f"prompt ({seq.num_prompt_tokens} tokens) + max_tokens ({seq.params.max_tokens}) = {need} "
                 f"exceeds the context window (max_model_len {self.limits.max_model_len}); shorten the prompt "
-                f"or lower max_tokens to at most {max(self.limits.max_model_len - seq.num_prompt_tokens, 0)}")
+                f"or lower max_tokens to at most {max(self.limits.max_model_len - seq.num_prompt_tokens, 0)}",
+                field="prompt")
         room = self.cache.max_seq_tokens
         if need + self.limits.num_lookahead_tokens > room:
             raise RequestRejectedError(
                 f"prompt + max_tokens = {need} tokens (+{self.limits.num_lookahead_tokens} lookahead) can never "
-                f"fit in the KV cache, which holds at most {room} tokens per sequence; enlarge the cache")
+                f"fit in the KV cache, which holds at most {room} tokens per sequence; enlarge the cache",
+                field="prompt")
 
     @abstractmethod
     def add(self, seqs: list[Sequence]) -> None:

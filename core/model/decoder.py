@@ -12,7 +12,7 @@ the cache.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,40 +22,9 @@ from tessellm.core.interfaces.attention import AttentionBackend
 from tessellm.core.interfaces.batch import LayerPlans
 from tessellm.core.interfaces.cache import CacheManager
 from tessellm.core.model.contract import checked_call
-from tessellm.core.model.spec import ModelSpec
-
-if TYPE_CHECKING:
-    from tessellm.core.model.moe import MoE
-
-
-def _stacked(**linears: nn.Module) -> nn.Module | None:
-    """One module computing ``linears`` side by side (outputs concatenated in order), its
-    ``stacked_parts`` naming each part and its width (a LoRA adapter targets the parts); None
-    where they cannot be one. Plain ``nn.Linear`` weights are concatenated; other modules of
-    one type go through that type's ``stack(modules)`` classmethod (a quantized linear's
-    packed weights and scales, as a pre-quantized checkpoint stores them), which returns None
-    for parts it cannot join; a type without one stays apart."""
-    modules = list(linears.values())
-    kind = type(modules[0])
-    if any(type(m) is not kind for m in modules):
-        return None
-    stack = _stack_float_linears if kind is nn.Linear else getattr(kind, "stack", None)
-    out = None if stack is None else stack(modules)
-    if out is not None:
-        out.stacked_parts = tuple((name, m.out_features) for name, m in linears.items())
-    return out
-
-
-def _stack_float_linears(linears: list[nn.Linear]) -> nn.Linear:
-    first = linears[0]
-    bias = first.bias is not None
-    out = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=bias,
-                    device=first.weight.device, dtype=first.weight.dtype)
-    with torch.no_grad():
-        out.weight.copy_(torch.cat([m.weight for m in linears]))
-        if bias:
-            out.bias.copy_(torch.cat([m.bias for m in linears]))
-    return out.requires_grad_(False)
+from tessellm.core.model.mlp import ACTIVATIONS, MLP, _stacked  # noqa: F401 (MLP and ACTIVATIONS: their old home)
+from tessellm.core.model.moe import MoE
+from tessellm.core.interfaces.spec import ModelSpec
 
 
 class RMSNorm(nn.Module):
@@ -196,50 +165,6 @@ class Attention(nn.Module):
         return backend.forward(self.layer, q, k, v, cache.layer(self.layer), plan, **extra)  # [T, Hq, D]
 
 
-ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
-"""The gated MLP's activations by Hugging Face's ``hidden_act`` names."""
-
-
-class MLP(nn.Module):
-    """The gated MLP: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or tanh-GELU (GeGLU)."""
-
-    def __init__(self, spec: ModelSpec, intermediate_size: int | None = None):
-        super().__init__()
-        h, i = spec.hidden_size, intermediate_size or spec.intermediate_size
-        self.act = ACTIVATIONS[spec.mlp_activation]
-        self.swiglu = spec.mlp_activation == "silu"  # what the fused kernels compute
-        self.gate_proj = nn.Linear(h, i, bias=spec.mlp_bias)
-        self.up_proj = nn.Linear(h, i, bias=spec.mlp_bias)
-        self.down_proj = nn.Linear(i, h, bias=spec.mlp_bias)
-        self.gate_up_proj: nn.Linear | None = None
-
-    def fuse_projections(self) -> None:
-        """Replace gate/up_proj by one ``gate_up_proj`` (their weights stacked); kept apart
-        where a subclass has its own ``forward``."""
-        if self.gate_up_proj is not None or type(self).forward is not MLP.forward:
-            return
-        stacked = _stacked(gate_proj=self.gate_proj, up_proj=self.up_proj)
-        if stacked is not None:
-            self.gate_up_proj = stacked
-            del self.gate_proj, self.up_proj
-
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:
-        fused = fused and self.swiglu
-        if self.gate_up_proj is not None:
-            gate_up = self.gate_up_proj(x)  # [T, 2 I]: gate, then up
-            if fused:
-                from tessellm.core.model.fused_ops import silu_mul_packed
-
-                return self.down_proj(silu_mul_packed(gate_up))
-            gate, up = gate_up.chunk(2, dim=-1)
-            return self.down_proj(self.act(gate) * up)
-        if fused:
-            from tessellm.core.model.fused_ops import silu_mul
-
-            return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DecoderLayer(nn.Module):
     """Pre-norm attention then MLP (or MoE), each added to the residual; subclasses choose
     the two (``make_attention``, ``make_mlp``)."""
@@ -261,8 +186,6 @@ class DecoderLayer(nn.Module):
     def make_mlp(self, spec: ModelSpec, layer: int) -> nn.Module:
         """The gated MLP, or the mixture of experts on the layers ``spec.moe`` makes sparse."""
         if spec.moe is not None and spec.moe.is_sparse(layer):
-            from tessellm.core.model.moe import MoE
-
             return MoE(spec)
         return MLP(spec)
 
@@ -305,16 +228,26 @@ class DecoderForCausalLM(nn.Module):
     for the requested rows only. With ``fused`` set (on CUDA, by ``build_model``) the norms,
     residual adds, RoPE and SwiGLU run as fused Triton kernels (core/fused_ops.py).
 
-    Model plugins for other decoder-only families change ``layer_cls`` (and set
-    ``supports_fused`` False where the fused kernels do not apply)."""
+    Model plugins for other decoder-only families change ``layer_cls``; whether the fused
+    path applies is found from what they override (``supports_fused``)."""
 
     layer_cls: type[DecoderLayer] = DecoderLayer
 
     @property
     def supports_fused(self) -> bool:
-        """The fused kernels rotate whole heads on every layer: not for partial rotary or
-        layers without RoPE (families with their own blocks set this False)."""
-        return None not in self.layer_rope and self.spec.rope_dim == self.spec.head_dim
+        """Whether the fused kernels run this model as its own forward would: the fused path
+        replaces ``DecoderLayer.forward`` (norms and residual adds) and calls its blocks with
+        ``fused`` (RoPE, SwiGLU), so it applies only where every layer keeps that forward and
+        core's attention and MLP (or MoE) forwards, and rotates whole heads. A family that
+        overrides any of them runs its own forward on every device, CUDA included."""
+        if None in self.layer_rope or self.spec.rope_dim != self.spec.head_dim:
+            return False
+        for layer in self.held_layers():
+            if type(layer).forward is not DecoderLayer.forward or type(layer).forward_fused is not \
+                    DecoderLayer.forward_fused or type(layer.self_attn).forward is not Attention.forward or \
+                    type(layer.mlp).forward not in (MLP.forward, MoE.forward):
+                return False
+        return True
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -405,9 +338,8 @@ class DecoderForCausalLM(nn.Module):
             return "the model's mixture-of-experts layers size their work on the host (decode steps run eagerly)"
         return None
 
-    def moe_layers(self) -> list["MoE"]:
+    def moe_layers(self) -> list[MoE]:
         """The mixture-of-experts blocks, in layer order."""
-        from tessellm.core.model.moe import MoE
 
         return [layer.mlp for layer in self.held_layers() if isinstance(layer.mlp, MoE)]
 

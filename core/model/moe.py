@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tessellm.core.model.decoder import MLP
-from tessellm.core.model.spec import ModelSpec, MoESpec
+from tessellm.core.interfaces.spec import ModelSpec, MoESpec
+from tessellm.core.model.mlp import MLP
 
 
 class Router(nn.Module):

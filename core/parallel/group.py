@@ -10,11 +10,9 @@ from typing import Any
 
 import torch
 
-from tessellm.core.errors import ConfigError, TessellmError
-
-
-class TensorParallelError(TessellmError, RuntimeError):
-    """A rank of a tensor-parallel run stopped answering or diverged: every rank ends with it."""
+from tessellm.core.errors import ConfigError
+from tessellm.core.parallel.errors import TensorParallelError, lost_peer
+from tessellm.core.parallel.stages import PipelineStage
 
 
 @dataclass
@@ -67,12 +65,6 @@ class TensorParallel:
         except RuntimeError as exc:
             raise lost_peer(self, what, exc) from exc
         return out
-
-
-def lost_peer(tp: TensorParallel, what: str, exc: BaseException) -> TensorParallelError:
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return TensorParallelError(f"tensor parallel: rank {tp.rank} of {tp.size} lost its peers in {what} ({first}); "
-                               f"the rank that failed printed its own error")
 
 
 def launched_world() -> tuple[int, int, int] | None:
@@ -151,8 +143,6 @@ def init_parallel(tensor: int, pipeline: int, device: torch.device, timeout_s: f
     world = TensorParallel(rank, size, dist.group.WORLD, device)
     if pipeline == 1:
         return Ranks(world, world if tensor > 1 else None)
-    from tessellm.core.parallel.stages import PipelineStage
-
     # every rank takes part in making every group, in the same order
     groups = [dist.new_group(list(range(s * tensor, (s + 1) * tensor))) for s in range(pipeline)]
     transfers = dist.new_group(list(range(size)))  # activations and logits, apart from the lockstep's messages

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from tessellm.core.errors import ConfigError
+from tessellm.core.parallel.errors import lost_peer
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -135,8 +136,6 @@ class PipelineStage:
             self._guard(work.wait, "sending activations to the next stage")
 
     def _guard(self, op: Any, what: str) -> Any:
-        from tessellm.core.parallel.group import lost_peer
-
         try:
             return op()
         except RuntimeError as exc:

@@ -25,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 from tessellm.core.parallel.group import TensorParallel, TensorParallelError, lost_peer
 
 if TYPE_CHECKING:
-    from tessellm.core.engine.engine import Engine
     from tessellm.core.interfaces.batch import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -110,7 +109,7 @@ FOLLOWED_OPS = {"add": "add_request", "abort": "abort", "load_lora": "load_lora"
 """What rank 0 records (``RankSync.record``) -> the engine method a follower replays it with."""
 
 
-def follow(engine: "Engine", sync: RankSync) -> None:
+def follow(engine: Any, sync: RankSync) -> None:  # engine: core/engine/engine.py's Engine (above this layer)
     """A follower's loop: replay rank 0's requests and run each step (or scoring) with it,
     until rank 0 stops."""
     while True:

@@ -184,10 +184,10 @@ class BeamDecoder(SampleDecoder):
         if refused:
             raise InvalidRequestError(f"beam search (num_beams {k}) does not combine with {', '.join(refused)}; "
                                       f"leave {'it' if len(refused) == 1 else 'them'} unset, or decode without "
-                                      f"beams (num_beams 1)")
+                                      f"beams (num_beams 1)", field=refused[0])
         if params.n > k:
             raise InvalidRequestError(f"n ({params.n}) asks for more results than num_beams ({k}) keeps; "
-                                      f"raise num_beams or lower n")
+                                      f"raise num_beams or lower n", field="n")
 
     # ------------------------------------------------------------------ a step
 

@@ -27,7 +27,8 @@ class GreedyDecoder(Decoder):
         if not params.greedy:
             raise InvalidRequestError(
                 f"decoding plugin 'greedy' only decodes greedily, but the request asks for temperature="
-                f"{params.temperature} (top_k={params.top_k}); set temperature 0 or use decoding.name=sample")
+                f"{params.temperature} (top_k={params.top_k}); set temperature 0 or use decoding.name=sample",
+                field="temperature")
 
     def decode(self, logits: torch.Tensor, batch: BatchMetadata) -> list[list[int]]:
         # logits: [R, vocab] float32

@@ -31,7 +31,6 @@ class DeepseekForCausalLM(DecoderForCausalLM):
     kernels of the Llama path (QKV stacking, fused RoPE) do not apply to MLA."""
 
     layer_cls = DeepseekDecoderLayer
-    supports_fused = False
 
     def fuse_projections(self) -> None:
         """Nothing to stack: MLA's projections feed different ranks."""

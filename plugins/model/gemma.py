@@ -97,7 +97,6 @@ class GemmaForCausalLM(DecoderForCausalLM):
     and SwiGLU) do not compute Gemma's, so they stay off."""
 
     layer_cls = GemmaDecoderLayer
-    supports_fused = False
 
     def __init__(self, spec: ModelSpec):
         super().__init__(spec)

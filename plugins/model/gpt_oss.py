@@ -142,7 +142,6 @@ class GptOssForCausalLM(DecoderForCausalLM):
     kernels compute neither sinks nor the clamped SwiGLU, so they stay off."""
 
     layer_cls = GptOssDecoderLayer
-    supports_fused = False
 
     def __init__(self, spec: ModelSpec):
         super().__init__(spec)

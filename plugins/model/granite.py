@@ -38,7 +38,6 @@ class GraniteForCausalLM(DecoderForCausalLM):
     stays off."""
 
     layer_cls = GraniteDecoderLayer
-    supports_fused = False
     adjusts_logits = True
 
     def __init__(self, spec: ModelSpec):

@@ -107,7 +107,6 @@ class Olmo2ForCausalLM(DecoderForCausalLM):
     for pre-norm layers) stays off."""
 
     layer_cls = Olmo2DecoderLayer
-    supports_fused = False
 
     def __init__(self, spec: ModelSpec):
         super().__init__(spec)

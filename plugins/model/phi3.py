@@ -66,11 +66,10 @@ class Phi3DecoderLayer(DecoderLayer):
 
 
 class Phi3ForCausalLM(DecoderForCausalLM):
-    """Phi3ForCausalLM: the plain decoder over fused projections. The CUDA fused path stays
-    off (its layers are Phi-3's own, and partial rotary is not what its kernels rotate)."""
+    """Phi3ForCausalLM: the plain decoder over fused projections (the CUDA fused path runs it
+    where its rotary covers whole heads; partial rotary is not what its kernels rotate)."""
 
     layer_cls = Phi3DecoderLayer
-    supports_fused = False
 
 
 class Phi3Architecture(ModelArchitecture):

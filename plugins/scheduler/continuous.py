@@ -87,7 +87,7 @@ class ContinuousScheduler(QueueScheduler):
                 raise RequestRejectedError(
                     f"prompt has {seq.num_prompt_tokens} tokens but a step processes at most "
                     f"max_num_batched_tokens={self.options.max_num_batched_tokens} without chunked prefill; "
-                    f"shorten the prompt or enable scheduler.options.chunked_prefill")
+                    f"shorten the prompt or enable scheduler.options.chunked_prefill", field="prompt")
             if seq.joint and seq.group_size > self.options.max_num_batched_tokens:
                 raise RequestRejectedError(
                     f"its {seq.group_size} sequences (beams) step together, but a step processes at most "

@@ -119,7 +119,7 @@ def test_the_engine_thread_hands_out_tokens_and_the_reader_decodes_them(llm):
         threads.add(threading.current_thread().name)
         return decode(*args, **kwargs)
 
-    engine = EngineThread(llm, max_waiting=8, on_step=None)
+    engine = EngineThread(llm, max_waiting=8)
     assert llm.engine.stop.decode_text == llm.pipeline._decode_text  # not replaced at run time
     params = SamplingParams(max_tokens=24, n=3, temperature=1.0, seed=7, ignore_eos=True)
     prompt = llm.encode("Once upon a time")

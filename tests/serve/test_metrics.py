@@ -180,7 +180,7 @@ def leave_before_the_first_token(url: str, app, llm: LLM, gate: Gate, tally: Tal
             httpx.post(f"{url}/v1/completions", json={"model": MODEL, "prompt": "late", "max_tokens": 8},
                        timeout=httpx.Timeout(10.0, read=0.3))
         deadline = time.time() + 10
-        while engine._commands.qsize() < 2:  # its add and its abort, queued behind the held step
+        while engine.transport._inbox.qsize() < 2:  # its add and its abort, queued behind the held step
             assert time.time() < deadline, "the server did not abort the request whose client left"
             time.sleep(0.01)
         gate.closed.clear()

@@ -61,7 +61,8 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", 
 
 def test_models_and_health(server, client):
     assert [m.id for m in client.models.list().data] == [MODEL]
-    assert httpx.get(server[0] + "/health").json() == {"status": "ok"}
+    health = httpx.get(server[0] + "/health").json()
+    assert health["status"] == "ok" and health["engine_core"]["mode"] == "thread" and health["engine_core"]["alive"]
 
 
 def test_completion_equals_offline_generation(client, offline):
@@ -339,19 +340,22 @@ def test_bench_serve_measures_a_running_server(server, cpu_config, tiny_model, t
     assert len(err) == 1 and "cannot benchmark" in err[0] and "tessellm serve" in err[0], err
 
 
-def test_an_error_outside_a_step_never_kills_the_engine_loop(cpu_config, tiny_model):
-    """A bug in publishing or metrics after a step is logged; the loop keeps serving."""
+def test_an_error_outside_a_step_never_kills_the_engine_loop(cpu_config, tiny_model, monkeypatch):
+    """A bug in publishing or gauges after a step is logged; the loop keeps serving."""
+    import tessellm.serve.engine_core as core_module
+
     llm = LLM(pipeline_config(cpu_config, tiny_model))
     app = build_app(llm, model_name=MODEL)
     engine = app.state.engine
-    calls = []
+    calls, gauges = [], core_module.gauges
 
-    def broken(_):
+    def broken(*args):
         calls.append(1)
         if len(calls) == 1:
-            raise ValueError("metrics bug")
+            raise ValueError("gauges bug")
+        return gauges(*args)
 
-    engine.on_step = broken
+    monkeypatch.setattr(core_module, "gauges", broken)
     with serving(app) as url:
         body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0}
         first = httpx.post(url + "/v1/completions", json=body, timeout=60)

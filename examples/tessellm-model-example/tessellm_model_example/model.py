@@ -32,7 +32,6 @@ class ParallelLayer(DecoderLayer):
 
 class ToyformerForCausalLM(DecoderForCausalLM):
     layer_cls = ParallelLayer
-    supports_fused = False  # the fused kernels fold a second norm this layer does not have
 
 
 class Toyformer(ModelArchitecture):

@@ -5,8 +5,10 @@ POST /v1/completions (serve/completions.py), /v1/chat/completions (serve/chat.py
 GET /v1/models and /v1/models/{id}, the base model and its LoRA adapters, and vLLM's POST
 /v1/load_lora_adapter and /v1/unload_lora_adapter (serve/models.py: a request's ``model``
 may name an adapter); vLLM's POST /tokenize and /detokenize; /health and /metrics
-(Prometheus). One ``EngineThread`` serves every connection, so requests from all
-clients are batched by the configured scheduler. Every error is OpenAI's error body
+(Prometheus), /version and /ping. One ``EngineClient`` (serve/engine_client.py) sends every
+connection's requests to one engine core, in its own process (``tessellm serve``'s default)
+or on a thread (an ``LLM`` handed to ``build_app``), so requests from all clients are batched
+by the configured scheduler. Every error is OpenAI's error body
 (serve/http_errors.py): a user error is a 400 naming the field, never a 500; a full waiting
 queue is a 429; a failure inside the engine fails the requests it was running with a 500 and
 the server keeps serving. A client that leaves is logged once (499) and its requests aborted.
@@ -28,7 +30,9 @@ from starlette.datastructures import Headers  # noqa: E402
 import tessellm.serve.responses  # noqa: E402
 from tessellm.serve import chat, completions, models  # noqa: E402
 from tessellm.serve.context import ServerContext  # noqa: E402
+from tessellm.serve.engine_client import EngineClient  # noqa: E402
 from tessellm.serve.engine_thread import EngineThread  # noqa: E402
+from tessellm.core.version import __version__  # noqa: E402
 from tessellm.serve.errors import error  # noqa: E402
 from tessellm.serve.http_errors import RequestError, add_error_handlers  # noqa: E402
 from tessellm.serve.metrics import ServerMetrics  # noqa: E402
@@ -38,21 +42,30 @@ from tessellm.serve.streaming import ClientGone, client_gone  # noqa: E402
 from tessellm.serve.tools import ToolCalling, render_chat  # noqa: E402
 
 
-def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = None,
+def build_app(engine: Any, *, model_name: str | None = None, api_key: str | None = None,
               max_request_bytes: int = 1 << 20, max_waiting: int | None = 1024) -> FastAPI:
-    """The server's app around a loaded ``LLM``; the engine thread runs while the app does."""
-    metrics = ServerMetrics(llm.pipeline)
-    engine = EngineThread(llm, max_waiting=max_waiting, metrics=metrics)  # it records each request's metrics
-    ctx = server_context(llm, engine, model_name or llm.pipeline.config.model, int(time.time()))
+    """The server's app around ``engine``: an ``EngineClient`` (an engine core process's,
+    serve/engine_process.py), or a loaded ``LLM``, whose engine core then runs on a thread
+    of this process while the app does."""
+    if isinstance(engine, EngineClient):
+        client, llm = engine, None
+        client.max_waiting = max_waiting
+    else:
+        llm = engine
+        client = EngineThread(llm, max_waiting=max_waiting)
+    metrics = client.metrics = client.metrics or ServerMetrics(client.info)  # it records each request's metrics
+    ctx = server_context(client, llm, model_name or client.info.model, int(time.time()))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine.start()
+        await client.attach()
+        if isinstance(client, EngineThread):
+            client.start()
         yield
-        engine.shutdown()
+        client.shutdown()
 
     app = FastAPI(title="tessellm", lifespan=lifespan)
-    app.state.engine, app.state.metrics, app.state.llm, app.state.ctx = engine, metrics, llm, ctx
+    app.state.engine, app.state.metrics, app.state.llm, app.state.ctx = client, metrics, llm, ctx
     app.add_middleware(Guard, max_request_bytes=max_request_bytes, api_key=api_key)
     add_error_handlers(app)
     app.add_exception_handler(ClientGone, client_gone)
@@ -65,15 +78,13 @@ def build_app(llm: Any, *, model_name: str | None = None, api_key: str | None = 
     return app
 
 
-def server_context(llm: Any, engine: EngineThread, model_name: str, created: int) -> ServerContext:
-    """The shared context, with the LoRA adapters the pipeline registered at start (read
-    before the engine thread starts: later changes go through it)."""
-    config = llm.pipeline.config
-    lora = llm.engine.lora
-    adapters = {name: a.path for name, a in lora.adapters.items()} if lora is not None else {}
-    served = models.ServedModels(model_name, config.model, created, llm.pipeline.resolved.max_model_len, adapters,
-                                 runtime_updates=lora is not None and config.lora.runtime_updates)
-    return ServerContext(llm, engine, model_name, created, served)
+def server_context(client: EngineClient, llm: Any, model_name: str, created: int) -> ServerContext:
+    """The shared context, with the LoRA adapters the engine registered at start (later
+    changes go through ``client.call``)."""
+    info = client.info
+    served = models.ServedModels(model_name, info.model, created, info.max_model_len, info.lora_adapters,
+                                 runtime_updates=info.lora_runtime_updates)
+    return ServerContext(client, model_name, created, served, llm)
 
 
 class Guard:
@@ -105,13 +116,25 @@ class Guard:
 
 
 def add_info_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) -> None:
-    """/health and /metrics."""
+    """/health, /ping, /version and /metrics."""
 
     @app.get("/health")
     async def health():
-        if not ctx.engine.alive:
-            return error(503, "the engine loop is not running", kind="server_error")
-        return {"status": "ok"}
+        engine = ctx.engine
+        core = engine.transport.describe()
+        if not engine.alive:
+            return error(503, engine.down_reason or "the engine core is not serving", kind="server_error",
+                         extra={"engine_core": core})
+        return {"status": "ok", "engine_core": core}
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping():
+        """vLLM's (SageMaker's) liveness probe: 200 while the engine serves, like /health."""
+        return await health()
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
     @app.get("/metrics")
     async def prometheus():
@@ -122,14 +145,14 @@ def add_info_routes(app: FastAPI, ctx: ServerContext, metrics: ServerMetrics) ->
 def add_tokenizer_routes(app: FastAPI, ctx: ServerContext) -> None:
     """vLLM's POST /tokenize (a text, or chat messages through the chat template, to token
     ids) and POST /detokenize (token ids to text)."""
-    tokenizer = ctx.llm.tokenizer
+    tokenizer = ctx.engine.tokenizer
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         check_model(ctx, body.model)
         ids = tokenize_ids(ctx, body)
         strs = ctx.engine.with_tokenizer(tokenizer.convert_ids_to_tokens, ids) if body.return_token_strs else None
-        return {"count": len(ids), "max_model_len": ctx.llm.pipeline.resolved.max_model_len, "tokens": ids,
+        return {"count": len(ids), "max_model_len": ctx.engine.info.max_model_len, "tokens": ids,
                 "token_strs": strs}
 
     @app.post("/detokenize")
@@ -145,7 +168,7 @@ def add_tokenizer_routes(app: FastAPI, ctx: ServerContext) -> None:
 def tokenize_ids(ctx: ServerContext, body: TokenizeRequest) -> list[int]:
     """The token ids of the request's prompt, or of its messages rendered as the chat route
     renders them (special tokens added by default for a prompt, not for messages)."""
-    tokenizer = ctx.llm.tokenizer
+    tokenizer = ctx.engine.tokenizer
     if body.prompt is not None:
         special = True if body.add_special_tokens is None else body.add_special_tokens
         return ctx.engine.with_tokenizer(tokenizer, body.prompt, add_special_tokens=special)["input_ids"]
@@ -153,12 +176,9 @@ def tokenize_ids(ctx: ServerContext, body: TokenizeRequest) -> list[int]:
         raise RequestError(400, f"model {ctx.model_name!r} has no chat template; send prompt instead of messages",
                            param="messages")
     calling = ToolCalling(body.tools, None, None) if body.tools else None
-    generation_prompt = body.add_generation_prompt and not body.continue_final_message
     try:
         with ctx.engine.tokenizer_lock:
-            text = render_chat([m.model_dump() for m in body.messages], tokenizer, calling,
-                               add_generation_prompt=generation_prompt,
-                               continue_final_message=body.continue_final_message)
+            text = render_chat([m.model_dump() for m in body.messages], tokenizer, calling, **body.template_ending())
             return tokenizer(text, add_special_tokens=bool(body.add_special_tokens))["input_ids"]
     except Exception as exc:  # a template that rejects these messages (roles out of order, ...)
         raise RequestError(400, f"messages could not be rendered with the chat template: {exc}",

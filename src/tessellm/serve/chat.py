@@ -12,7 +12,7 @@ from fastapi import FastAPI, Request
 from tessellm.core.errors import InvalidRequestError
 from tessellm.core.interfaces.grammar import GrammarSpec
 from tessellm.serve.context import ServerContext
-from tessellm.serve.engine_thread import StepOutput
+from tessellm.serve.engine_client import StepOutput
 from tessellm.serve.http_errors import RequestError
 from tessellm.serve.sampling import check_model, sampling_params
 from tessellm.serve.schema import ChatCompletionRequest
@@ -33,7 +33,7 @@ async def chat(ctx: ServerContext, body: ChatCompletionRequest, request: Request
     lora = check_model(ctx, body.model)
     if body.top_logprobs and not body.logprobs:
         raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    if not getattr(ctx.llm.tokenizer, "chat_template", None):
+    if not getattr(ctx.tokenizer, "chat_template", None):
         raise RequestError(400, f"model {ctx.model_name!r} has no chat template; use /v1/completions",
                            param="messages")
     calling, constraint = output_constraint(body)
@@ -46,8 +46,7 @@ async def chat(ctx: ServerContext, body: ChatCompletionRequest, request: Request
     admitted = await admit(ctx, request, new_request_id("chatcmpl"), [prompt], params, body, prompt_param="messages",
                            lora=lora)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return chat_stream(request, admitted, calling, include_usage)
+        return chat_stream(request, admitted, calling, body.stream_options)
     return chat_body(admitted, await admitted.rest(request), calling)
 
 
@@ -72,10 +71,10 @@ def output_constraint(body: ChatCompletionRequest) -> tuple[ToolCalling | None, 
 
 def chat_prompt(ctx: ServerContext, body: ChatCompletionRequest, calling: ToolCalling | None) -> list[int]:
     """The messages rendered with the chat template (and the tools offered), as token ids."""
-    tokenizer = ctx.llm.tokenizer
+    tokenizer = ctx.tokenizer
     try:
         with ctx.engine.tokenizer_lock:
-            text = render_chat([m.model_dump() for m in body.messages], tokenizer, calling)
+            text = render_chat([m.model_dump() for m in body.messages], tokenizer, calling, **body.template_ending())
             return tokenizer(text, add_special_tokens=False)["input_ids"]
     except Exception as exc:  # a template that rejects these messages (roles out of order, ...)
         raise RequestError(400, f"messages could not be rendered with the chat template: {exc}",
@@ -99,16 +98,16 @@ def chat_message(text: str, reason: str | None, calling: ToolCalling | None) -> 
     return {"message": {"role": "assistant", "content": text}, "finish_reason": reason}
 
 
-def chat_stream(request: Request, admitted: Admitted, calling: ToolCalling | None,
-                include_usage: bool) -> EngineStream:
-    """The streamed answer: ``chat.completion.chunk`` deltas."""
+def chat_stream(request: Request, admitted: Admitted, calling: ToolCalling | None, options: Any) -> EngineStream:
+    """The streamed answer: ``chat.completion.chunk`` deltas (``options``: the request's
+    ``stream_options``)."""
     created = int(time.time())
 
     def chunk(choices: list[dict], **extra: Any) -> dict:
         return {"id": admitted.request_id, "object": "chat.completion.chunk", "created": created,
                 "model": admitted.model, "choices": choices, **extra}
 
-    return event_stream(request, admitted, ChatChunks(admitted, calling), chunk, usage if include_usage else None)
+    return event_stream(request, admitted, ChatChunks(admitted, calling), chunk, usage, options)
 
 
 class ChatChunks:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any, Callable
 
@@ -26,10 +27,26 @@ def add_parser(sub: Any, add_config_args: Callable[[argparse.ArgumentParser], No
                     help="N replicas of the pipeline, each its own process on this machine, behind one endpoint "
                          "(a router on --host/--port; see tessellm router for its flags; default 1)")
     add_lora_args(sv)
+    add_engine_core_args(sv)
     from tessellm.serve.router.cli import add_router_args
 
     group = sv.add_argument_group("with --data-parallel N > 1: the router")
     add_router_args(group, listen=False)
+
+
+def add_engine_core_args(sv: argparse.ArgumentParser) -> None:
+    """Where the engine core runs and what happens when it (or a replica) exits."""
+    group = sv.add_argument_group("the engine core (and, with --data-parallel N > 1, the replicas)")
+    group.add_argument("--engine-core", choices=("process", "thread"), default="process",
+                       help="process (default): the engine steps in its own process, HTTP and tokenizing in this one; "
+                            "thread: both in one process (for debugging; slower at GPU step rates)")
+    group.add_argument("--no-restart", dest="restart", action="store_false",
+                       help="do not restart an engine core (or replica) process that exits")
+    group.add_argument("--max-restarts", type=int, default=5, metavar="N",
+                       help="give up after N exits in a row, each within 60 s of its start (default 5)")
+    group.add_argument("--keep-running", action="store_true",
+                       help="stay up (answering 503, /health saying why) when the engine can no longer serve, "
+                            "instead of exiting with status 1")
 
 
 def add_lora_args(sv: argparse.ArgumentParser) -> None:
@@ -111,28 +128,81 @@ def log_server_events(name: str = "tessellm.server", tag: str = "") -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tessellm.core.engine.llm import LLM
     from tessellm.extras import require
 
     uvicorn = require("uvicorn", "serve")  # every server library is checked before a model loads
-    from tessellm.serve.app import build_app
-
+    for module in ("fastapi", "zmq", "msgpack", "prometheus_client"):
+        require(module, "serve")
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port must be in 1..65535, got {args.port}")
     if args.data_parallel < 1:
         raise ConfigError(f"--data-parallel must be at least 1, got {args.data_parallel}")
     if args.max_request_bytes < 1024 or args.max_waiting < 1:
         raise ConfigError("--max-request-bytes must be at least 1024 and --max-waiting at least 1")
+    if args.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be at least 0, got {args.max_restarts}")
     if args.data_parallel > 1:
         from tessellm.serve.router.cli import cmd_serve_data_parallel
 
         return cmd_serve_data_parallel(args)
-    llm = LLM(serve_config(args))
-    app = build_app(llm, model_name=args.served_model_name, api_key=args.api_key,
+    config = serve_config(args)
+    client = (thread_engine(config) if args.engine_core == "thread" else process_engine(config))
+    return run_server(uvicorn, client, args)
+
+
+def thread_engine(config: Any) -> Any:
+    from tessellm.core.engine.llm import LLM
+
+    return LLM(config)
+
+
+def process_engine(config: Any) -> Any:
+    """The engine core started in its own process; the tokenizer loaded here."""
+    from tessellm.core.model.loader import load_tokenizer
+    from tessellm.core.resolve import model_dir_for
+    from tessellm.serve.engine_client import EngineClient
+    from tessellm.serve.engine_process import ProcessTransport
+
+    folder = model_dir_for(config)  # a GGUF file is converted here, once, before the core reads it
+    transport = ProcessTransport(config)
+    transport.start()
+    try:
+        tokenizer = load_tokenizer(folder)
+    except BaseException:
+        transport.stop()
+        raise
+    return EngineClient(transport, tokenizer)
+
+
+def run_server(uvicorn: Any, engine: Any, args: argparse.Namespace) -> int:
+    """Serve ``engine`` (an ``LLM`` or an ``EngineClient``) until stopped; 1 when the engine
+    could no longer serve and the server stopped for it."""
+    from tessellm.serve.app import build_app
+    from tessellm.serve.supervise import CoreSupervisor
+
+    app = build_app(engine, model_name=args.served_model_name, api_key=args.api_key,
                     max_request_bytes=args.max_request_bytes, max_waiting=args.max_waiting)
-    adapters = f" and LoRA adapters {', '.join(llm.lora_adapters)}" if llm.lora_adapters else ""
-    print(f"tessellm: serving {args.served_model_name or llm.pipeline.config.model!r}{adapters} on "
-          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    client = app.state.engine
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    gave_up: list[str] = []
+
+    def give_up(why: str) -> None:
+        gave_up.append(why)
+        if not args.keep_running:
+            server.should_exit = True
+
+    if client.transport.describe()["mode"] == "process":
+        CoreSupervisor(client, restart=args.restart, max_restarts=args.max_restarts, give_up=give_up)
+    info = client.info
+    adapters = f" and LoRA adapters {', '.join(sorted(info.lora_adapters))}" if info.lora_adapters else ""
+    print(f"tessellm: serving {args.served_model_name or info.model!r}{adapters} on http://{args.host}:{args.port}/v1 "
+          f"(engine core: {args.engine_core}, pid {info.pid}; server pid {os.getpid()})", file=sys.stderr, flush=True)
     log_server_events()
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    try:
+        server.run()
+    finally:
+        client.shutdown()
+    if gave_up and not args.keep_running:
+        print(f"tessellm: stopped: {gave_up[0]}", file=sys.stderr, flush=True)
+        return 1
     return 0

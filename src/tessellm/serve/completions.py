@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 
 from tessellm.core.errors import InvalidRequestError
 from tessellm.serve.context import ServerContext
-from tessellm.serve.engine_thread import SampleDelta, StepOutput
+from tessellm.serve.engine_client import SampleDelta, StepOutput
 from tessellm.serve.http_errors import RequestError
 from tessellm.serve.sampling import check_model, sampling_params
 from tessellm.serve.schema import CompletionRequest
@@ -36,7 +36,7 @@ async def complete(ctx: ServerContext, body: CompletionRequest, request: Request
                                 "prompt)", param="max_tokens")
     try:
         given = body.prompts()
-        prompts = [ctx.engine.with_tokenizer(ctx.llm.encode, p) if isinstance(p, str) else list(p) for p in given]
+        prompts = [ctx.engine.encode(p) if isinstance(p, str) else list(p) for p in given]
     except InvalidRequestError as exc:
         raise RequestError(400, str(exc), param="prompt") from None
     try:
@@ -50,12 +50,11 @@ async def complete(ctx: ServerContext, body: CompletionRequest, request: Request
     echo = None
     if body.echo:  # a token-id prompt's text is decoded once the engine has admitted its ids
         echo = Echo(given, prompts, body.max_tokens == 0,
-                    lambda ids: ctx.engine.with_tokenizer(ctx.llm.tokenizer.decode, ids))
+                    lambda ids: ctx.engine.with_tokenizer(ctx.tokenizer.decode, ids))
     admitted = await admit(ctx, request, new_request_id("cmpl"), prompts, params, body, prompt_param="prompt",
                            lora=lora)
     if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return completion_stream(request, admitted, echo, include_usage)
+        return completion_stream(request, admitted, echo, body.stream_options)
     return completion_body(admitted, await admitted.rest(request), echo)
 
 
@@ -75,8 +74,9 @@ def completion_body(admitted: Admitted, outputs: list[list[StepOutput]], echo: "
             "usage": usage([outs[-1] for outs in outputs], bool(echo and echo.score_only))}
 
 
-def completion_stream(request: Request, admitted: Admitted, echo: "Echo | None", include_usage: bool) -> EngineStream:
-    """The streamed answer: ``text_completion`` chunks."""
+def completion_stream(request: Request, admitted: Admitted, echo: "Echo | None", options: Any) -> EngineStream:
+    """The streamed answer: ``text_completion`` chunks (``options``: the request's
+    ``stream_options``)."""
     created = int(time.time())
 
     def chunk(choices: list[dict], **extra: Any) -> dict:
@@ -86,8 +86,7 @@ def completion_stream(request: Request, admitted: Admitted, echo: "Echo | None",
     def final_usage(lasts: list[StepOutput]) -> dict:
         return usage(lasts, bool(echo and echo.score_only))
 
-    return event_stream(request, admitted, CompletionChunks(admitted, echo), chunk,
-                        final_usage if include_usage else None)
+    return event_stream(request, admitted, CompletionChunks(admitted, echo), chunk, final_usage, options)
 
 
 class CompletionChunks:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from tessellm.serve.engine_thread import StepOutput
+    from tessellm.serve.engine_client import StepOutput
 
 
 class IncrementalDetokenizer:

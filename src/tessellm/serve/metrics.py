@@ -1,11 +1,13 @@
 """Prometheus metrics of a serving engine (prometheus-client, a registry per server).
 
-Everything is recorded on the engine thread, per engine request (one prompt of an HTTP
-request: a completions request with a list of prompts makes one engine request per prompt,
-and an engine request holds its ``n`` samples). Every admitted engine request ends exactly
-once, finished or aborted, so ``requests_admitted = requests_finished + requests_aborted``
-once nothing is in flight. Gauges are read from the engine when the server is built and
-after every step (and after commands that changed the engine while it had no step to run).
+Everything is recorded on the API side's event loop (serve/engine_client.py), per engine
+request (one prompt of an HTTP request: a completions request with a list of prompts makes
+one engine request per prompt, and an engine request holds its ``n`` samples), from what the
+engine core reports: admitted, refused, finished, aborted. Every admitted engine request
+ends exactly once, finished or aborted, so ``requests_admitted = requests_finished +
+requests_aborted`` once nothing is in flight. Latencies are measured on the API side, as a
+client sees them. Gauges are the core's, sent at start, while it steps (every few ms) and
+whenever it goes idle; the core process's exits and restarts are counted too.
 """
 
 from __future__ import annotations
@@ -40,18 +42,32 @@ the request on admission (400: a prompt too long, an id outside the vocabulary, 
 
 
 class ServerMetrics:
-    """The server's metrics, all prefixed ``tessellm_``; the engine thread records them."""
+    """The server's metrics, all prefixed ``tessellm_``; the API side's event loop records them."""
 
-    def __init__(self, pipeline: Any):
-        self.cache = pipeline.cache
+    def __init__(self, info: Any):
         self.registry = CollectorRegistry()
-        self._gauges()
+        self._gauges(info.total_blocks)
         self._request_counters()
         self._latencies()
-        self._lora_gauges(pipeline.engine.lora)
-        self.on_step(pipeline.engine)  # true from start-up, not 0 until the first step
+        self._step_counters()
+        self._core_counters()
+        self._lora_gauges(info.lora)
+        self.baseline(info.gauges)
 
-    def _gauges(self) -> None:
+    def baseline(self, gauges: dict[str, Any]) -> None:
+        """Count the core's counters from ``gauges`` on (a core's start), and show its gauges."""
+        if not gauges:
+            return
+        self._steps_seen, self._phases_seen = gauges["steps"], dict(gauges["phases"])
+        self._cpu_seen.pop("engine", None)  # a new core's CPU time counts from its start
+        queried, hit, _ = gauges["prefix"]
+        self._prefix_seen = (queried, hit)
+        self._tiers_seen = {name: dict(c) for name, c in gauges["tiers"].items()}
+        self._prefix_samples = deque([(time.monotonic(), queried, hit)])
+        self._lora_loads_seen = gauges["lora"][3] if gauges["lora"] is not None else 0
+        self.on_gauges(gauges)
+
+    def _gauges(self, total_blocks: int) -> None:
         r = self.registry
         self.running = Gauge("tessellm_requests_running", "Sequences running in the last step", registry=r)
         self.waiting = Gauge("tessellm_requests_waiting", "Sequences admitted and waiting to run", registry=r)
@@ -76,11 +92,11 @@ class ServerMetrics:
         self.tier_written = Counter("tessellm_kv_tier_written_bytes", "Bytes of K/V written down into a tier",
                                     ["tier"], registry=r)
         self.tier_blocks = Gauge("tessellm_kv_tier_blocks", "Blocks a tier holds now", ["tier"], registry=r)
-        start = self.cache.prefix_cache_stats()
-        self._prefix_seen = (start.queried_tokens, start.hit_tokens)  # already counted
-        self._tiers_seen = {name: dict(c) for name, c in start.tiers.items()}
+        self.blocks_free.set(total_blocks)
+        self._prefix_seen = (0, 0)  # already counted
+        self._tiers_seen: dict[str, dict[str, int]] = {}
         # (time, queried, hit) after each step: the first at or before the window's start, then the rest
-        self._prefix_samples: deque[tuple[float, int, int]] = deque([(time.monotonic(), *self._prefix_seen)])
+        self._prefix_samples: deque[tuple[float, int, int]] = deque([(time.monotonic(), 0, 0)])
 
     def _request_counters(self) -> None:
         r = self.registry
@@ -114,6 +130,37 @@ class ServerMetrics:
                              "Per finished engine request: from its submission to its last sample's finish",
                              buckets=E2E_BUCKETS, registry=r)
 
+    def _step_counters(self) -> None:
+        """Where the engine's time goes: steps, their phases, and CPU time by part."""
+        r = self.registry
+        self.steps = Counter("tessellm_engine_steps", "Engine steps run", registry=r)
+        self.phases = Counter("tessellm_engine_step_phase_seconds",
+                              "Wall time of engine steps by phase (schedule, prepare, forward, sample, process) and "
+                              "of handing their outputs to the requests (output)", ["phase"], registry=r)
+        self.cpu = Counter("tessellm_cpu_seconds", "CPU time by part: the engine loop, the API (HTTP, tokenizer, "
+                                                   "streams)", ["part"], registry=r)
+        self._steps_seen, self._phases_seen, self._cpu_seen = 0, {}, {}
+
+    def _core_counters(self) -> None:
+        r = self.registry
+        self.core_exits = Counter("tessellm_engine_core_exits", "Times the engine core process exited while serving",
+                                  registry=r)
+        self.core_restarts = Counter("tessellm_engine_core_restarts",
+                                     "Engine core processes started again after one exited", registry=r)
+        self.core_up = Gauge("tessellm_engine_core_up", "1 while the engine core serves, else 0", registry=r)
+        self.core_up.set(1)
+
+    def _refresh_steps(self, gauges: dict[str, Any], cpu: dict[str, float]) -> None:
+        steps = gauges["steps"]
+        self.steps.inc(max(steps - self._steps_seen, 0))
+        self._steps_seen = steps
+        for phase, seconds in gauges["phases"].items():
+            self.phases.labels(phase).inc(max(seconds - self._phases_seen.get(phase, 0.0), 0.0))
+            self._phases_seen[phase] = seconds
+        for part, seconds in cpu.items():
+            self.cpu.labels(part).inc(max(seconds - self._cpu_seen.get(part, 0.0), 0.0))
+            self._cpu_seen[part] = seconds
+
     def _lora_gauges(self, lora: Any) -> None:
         """Only on a pipeline that serves LoRA adapters: counts, never a series per adapter
         (adapters loaded at run time would grow the label set without bound)."""
@@ -127,7 +174,7 @@ class ServerMetrics:
                                    registry=r)
         self.lora_pinned = Gauge("tessellm_lora_slots_pinned", "LoRA slots held by unfinished requests", registry=r)
         self.lora_loads = Counter("tessellm_lora_slot_loads", "LoRA adapters copied into a device slot", registry=r)
-        self._lora_loads_seen = lora.loads
+        self._lora_loads_seen = 0
 
     # ------------------------------------------------------------------ engine requests
 
@@ -158,23 +205,36 @@ class ServerMetrics:
 
     # ------------------------------------------------------------------ gauges
 
-    def on_step(self, engine: Any) -> None:
-        """Refresh the gauges (the engine thread, after each step; and at start-up)."""
-        self.running.set(engine.scheduler.num_running)
-        self.waiting.set(engine.scheduler.num_waiting)
-        free = self.cache.num_free_blocks
+    def on_gauges(self, gauges: dict[str, Any], cpu: dict[str, float] | None = None) -> None:
+        """Refresh the gauges from the engine core's (serve/engine_core.py ``gauges``)."""
+        self._refresh_steps(gauges, cpu or {})
+        self.running.set(gauges["running"])
+        self.waiting.set(gauges["waiting"])
+        free = gauges["free_blocks"]
         self.blocks_free.set(free)
-        self.blocks_used.set(self.cache.num_blocks - free)
-        self._refresh_prefix_cache(time.monotonic())
-        if self.lora_adapters is not None:
-            self._refresh_lora(engine.lora)
+        self.blocks_used.set(gauges["total_blocks"] - free)
+        self._refresh_prefix_cache(time.monotonic(), *gauges["prefix"], gauges["tiers"])
+        if self.lora_adapters is not None and gauges["lora"] is not None:
+            self._refresh_lora(*gauges["lora"])
 
-    def _refresh_lora(self, lora: Any) -> None:
-        self.lora_adapters.set(len(lora.adapters))
-        self.lora_resident.set(len(lora.resident()))
-        self.lora_pinned.set(lora.num_pinned())
-        self.lora_loads.inc(max(lora.loads - self._lora_loads_seen, 0))
-        self._lora_loads_seen = lora.loads
+    def core_exited(self) -> None:
+        self.core_exits.inc()
+        self.core_up.set(0)
+        self.running.set(0)
+        self.waiting.set(0)
+
+    def core_restarted(self, gauges: dict[str, Any]) -> None:
+        """A new core serves: its counters start again (``gauges``, from its ``ready``)."""
+        self.core_restarts.inc()
+        self.core_up.set(1)
+        self.baseline(gauges)
+
+    def _refresh_lora(self, adapters: int, resident: int, pinned: int, loads: int) -> None:
+        self.lora_adapters.set(adapters)
+        self.lora_resident.set(resident)
+        self.lora_pinned.set(pinned)
+        self.lora_loads.inc(max(loads - self._lora_loads_seen, 0))
+        self._lora_loads_seen = loads
 
     def _refresh_tiers(self, tiers: dict[str, dict[str, int]]) -> None:
         for name, counters in tiers.items():
@@ -186,15 +246,14 @@ class ServerMetrics:
                 seen[field] = value
             self.tier_blocks.labels(tier=name).set(counters.get("stored_blocks", 0))
 
-    def _refresh_prefix_cache(self, now: float) -> None:
-        stats = self.cache.prefix_cache_stats()
-        queried, hit = stats.queried_tokens, stats.hit_tokens
+    def _refresh_prefix_cache(self, now: float, queried: int, hit: int, hit_rate: float,
+                              tiers: dict[str, dict[str, int]]) -> None:
         seen_queried, seen_hit = self._prefix_seen
         self.prefix_queried.inc(max(queried - seen_queried, 0))
         self.prefix_hit.inc(max(hit - seen_hit, 0))
         self._prefix_seen = (queried, hit)
-        self.prefix_hit_rate.set(stats.hit_rate)
-        self._refresh_tiers(stats.tiers)
+        self.prefix_hit_rate.set(hit_rate)
+        self._refresh_tiers(tiers)
         samples = self._prefix_samples
         samples.append((now, queried, hit))
         while len(samples) > 1 and samples[1][0] <= now - HIT_RATE_WINDOW_S:

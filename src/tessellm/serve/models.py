@@ -8,14 +8,16 @@ the base model), GET /v1/models/{id} retrieves one. With runtime updates on
 /v1/load_lora_adapter and /v1/unload_lora_adapter change the adapters while serving; off,
 they answer 404 saying how to turn them on.
 
-The engine's adapter registry is changed on the engine thread only (``EngineThread.call``);
-the server's own list (``ServedModels``) is replaced whole, never edited in place, by that
-same call, so a route reading it on the event loop sees one state or the next.
+The engine's adapter registry is changed by the engine core between two steps
+(``EngineClient.call``: ``load_lora`` reads the folder on a worker thread of the core first);
+the server's own list (``ServedModels``) is replaced whole, never edited in place, on the
+event loop, after a load and before an unload, so a route reading it sees one state or the
+next. Each load and unload is logged.
 """
 
 from __future__ import annotations
 
-import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     from tessellm.serve.context import ServerContext
 
 RUNTIME_FLAG = "--allow-runtime-lora-updating"
+logger = logging.getLogger("tessellm.server")
 
 
 @dataclass(frozen=True)
@@ -45,8 +48,8 @@ class ServedAdapter:
 class ServedModels:
     """The base model's public name and the adapters registered over it, by name.
 
-    ``adapters`` is replaced by ``add`` and ``remove``, which run on the engine thread right
-    after the engine's registry changed; readers on the event loop take it as it stands."""
+    ``adapters`` is replaced by ``add`` and ``remove`` on the event loop (after the engine
+    core registered an adapter, before it unregisters one); readers take it as it stands."""
 
     def __init__(self, base: str, root: str, created: int, max_model_len: int,
                  adapters: dict[str, str] | None = None, runtime_updates: bool = False):
@@ -143,11 +146,13 @@ def add_routes(app: FastAPI, ctx: "ServerContext") -> None:
         if name in models.adapters:
             raise RequestError(400, f"LoRA adapter {name!r} is already loaded (from {models.adapters[name].path!r}); "
                                     f"unload it first to load another under that name", param="lora_name")
-        try:  # the folder is read off the engine's thread: decoding goes on meanwhile
-            adapter = await asyncio.to_thread(ctx.llm.pipeline.lora.reader.read, name, path)
-        except LoraAdapterError as exc:
-            raise RequestError(400, str(exc), param="lora_path") from None
-        await ctx.engine.call(_load, models, name, path, adapter)
+        try:  # the core reads the folder on a worker thread: decoding goes on meanwhile
+            root = await ctx.engine.call("load_lora", name, path)
+        except (LoraAdapterError, InvalidRequestError) as exc:
+            param = "lora_name" if name in models.adapters else "lora_path"
+            raise RequestError(400, str(exc), param=param) from None
+        models.add(name, root)
+        logger.info("LoRA adapter %r loaded from %r", name, path)
         return PlainTextResponse(f"Success: LoRA adapter {name!r} loaded from {path!r}.")
 
     @app.post("/v1/unload_lora_adapter")
@@ -158,7 +163,12 @@ def add_routes(app: FastAPI, ctx: "ServerContext") -> None:
             raise RequestError(404, f"LoRA adapter {name!r} is not loaded; loaded adapters: "
                                     f"{', '.join(map(repr, sorted(models.adapters))) or 'none'}",
                                param="lora_name", code="model_not_found")
-        await ctx.engine.call(_unload, models, name)
+        models.remove(name)  # new requests naming it get 404 from now on
+        try:
+            await ctx.engine.call("unload_lora", name)
+        except (LoraAdapterError, InvalidRequestError) as exc:
+            raise RequestError(404, str(exc), param="lora_name", code="model_not_found") from None
+        logger.info("LoRA adapter %r unloaded", name)
         return PlainTextResponse(f"Success: LoRA adapter {name!r} unloaded.")
 
 
@@ -168,24 +178,3 @@ def check_runtime_updates(models: ServedModels, route: str) -> None:
         raise RequestError(404, f"POST /v1/{route} is off: loading and unloading LoRA adapters while serving needs "
                                 f"runtime updates; start the server with {RUNTIME_FLAG} (config: "
                                 f"lora.runtime_updates: true)", code="runtime_lora_updates_disabled")
-
-
-def _load(engine: Any, models: ServedModels, name: str, path: str, adapter: Any) -> None:
-    """On the engine thread: register the adapter (read already) with the engine, then serve
-    its name. A name taken meanwhile is a 400 naming the problem."""
-    try:
-        engine.load_lora(name, path, adapter)
-    except (LoraAdapterError, InvalidRequestError) as exc:
-        param = "lora_name" if name in models.adapters else "lora_path"
-        raise RequestError(400, str(exc), param=param) from None
-    models.add(name, engine.lora.get(name).path)
-
-
-def _unload(engine: Any, models: ServedModels, name: str) -> None:
-    """On the engine thread: stop serving the name, then unregister it (requests running
-    under it finish; new ones get 404)."""
-    models.remove(name)
-    try:
-        engine.unload_lora(name)
-    except (LoraAdapterError, InvalidRequestError) as exc:
-        raise RequestError(404, str(exc), param="lora_name", code="model_not_found") from None

@@ -34,9 +34,10 @@ from tessellm.core.errors import InvalidRequestError, validation_problems
 from tessellm.core.interfaces.grammar import GrammarSpec
 from tessellm.core.interfaces.sequence import SamplingParams
 from tessellm.serve.context import ServerContext
-from tessellm.serve.engine_thread import RequestFailed, StepOutput
+from tessellm.serve.engine_client import StepOutput
+from tessellm.serve.engine_protocol import RequestFailed
 from tessellm.serve.http_errors import RequestError
-from tessellm.serve.sampling import check_model
+from tessellm.serve.sampling import BODY_NAMES, check_model
 from tessellm.serve.streaming import EngineStream, MergedOutputs, admit
 from tessellm.serve.structured import JsonSchemaFormat, ResponseFormat, grammar_of
 from tessellm.serve.tools import (FunctionDefinition, FunctionName, NamedToolChoice, StreamedChoice, Tool,
@@ -418,7 +419,7 @@ def add_routes(app: FastAPI, ctx: ServerContext, capacity: int = 1000) -> None:
             admitted = await admit(ctx, request, turn.id, [turn.prompt], turn.params, body, prompt_param="input",
                                    lora=turn.lora)
         except RequestError as exc:
-            if exc.param is None and "grammar" in str(exc):  # a schema the grammar backend cannot compile
+            if exc.param in BODY_NAMES["structured_output"]:  # a schema the grammar backend cannot compile
                 param = "tools" if turn.calling and turn.calling.grammar() else "text.format"
                 raise RequestError(400, f"{param}: {exc}", param=param) from None
             raise
@@ -478,7 +479,7 @@ def prepare(ctx: ServerContext, store: ResponseStore, body: ResponsesRequest) ->
 
 
 def sampling(ctx: ServerContext, body: ResponsesRequest, constraint: GrammarSpec | None) -> SamplingParams:
-    max_tokens = body.max_output_tokens or max(1, ctx.llm.pipeline.resolved.max_model_len // 2)
+    max_tokens = body.max_output_tokens or max(1, ctx.engine.info.max_model_len // 2)
     try:
         return to_sampling_params(dict(max_tokens=max_tokens,
                                        temperature=1.0 if body.temperature is None else body.temperature,
@@ -490,7 +491,7 @@ def sampling(ctx: ServerContext, body: ResponsesRequest, constraint: GrammarSpec
 
 def render_prompt(ctx: ServerContext, messages: list[dict[str, Any]], calling: ToolCalling | None) -> list[int]:
     """The conversation rendered with the chat template (and the tools offered), as token ids."""
-    tokenizer = ctx.llm.tokenizer
+    tokenizer = ctx.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError(400, f"model {ctx.model_name!r} has no chat template; use /v1/completions", param="input")
 

@@ -1,17 +1,15 @@
 """What completions and chat share before the engine sees a request: the model check (the
 base model or a LoRA adapter), the ``SamplingParams`` a request body asks for, and which
-request field an engine's refusal is about, so that every 400 names the field as the API
-spells it (``param``)."""
+request field an engine's refusal is about (the field the error carries), so that every 400
+names the field as the API spells it (``param``)."""
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from pydantic import ValidationError
 
 from tessellm.core.errors import InvalidRequestError
-from tessellm.core.interfaces.decoder import Decoder
 from tessellm.core.interfaces.sequence import SamplingParams
 from tessellm.serve.context import ServerContext
 from tessellm.serve.http_errors import RequestError, clean_message
@@ -30,7 +28,7 @@ def sampling_params(ctx: ServerContext, body: Any, *, max_tokens: int | None, lo
     maps a ``SamplingParams`` field to the request's name for it where the two differ
     (chat's ``top_logprobs`` is the engine's ``logprobs``)."""
     if max_tokens is None:
-        max_tokens = max(1, ctx.llm.pipeline.resolved.max_model_len // 2)
+        max_tokens = max(1, ctx.engine.info.max_model_len // 2)
     if body.use_beam_search:
         _check_beams(ctx, body)
     try:
@@ -55,32 +53,32 @@ def sampling_params(ctx: ServerContext, body: Any, *, max_tokens: int | None, lo
 
 def _check_beams(ctx: ServerContext, body: Any) -> None:
     """``use_beam_search`` needs a decoder that runs joint requests, and no stream."""
-    decoder = ctx.llm.engine.decoder
-    if type(decoder).joint is Decoder.joint:
-        raise RequestError(400, f"use_beam_search: this server decodes with {decoder.name!r}, which does not search "
+    info = ctx.engine.info
+    if not info.joint_decoding:
+        raise RequestError(400, f"use_beam_search: this server decodes with {info.decoder!r}, which does not search "
                                 f"beams; start it with --set decoding.name=beam", param="use_beam_search")
     if body.stream:
         raise RequestError(400, "use_beam_search: beam search results are known only at its end, so they are not "
                                 "streamed; send stream false", param="stream")
 
 
-_BATCH_PREFIX = re.compile(r"^prompt \d+: ")
-_SAMPLING_FIELD = re.compile(r"\bSamplingParams\.(\w+)")
-
-
-def admission_param(message: str, body: Any, prompt_param: str) -> str | None:
-    """The request field an engine's refusal at admission is about, read from its message:
-    the prompt (``prompt_param``: ``prompt`` or ``messages``) for a prompt too long or out of
-    the vocabulary, a ``SamplingParams`` field it names, or the body field its first word is;
-    None when it names none."""
-    message = _BATCH_PREFIX.sub("", message)
-    first = message.split(" ", 1)[0]
-    if first == "prompt":
+def admission_param(exc: BaseException, body: Any, prompt_param: str) -> str | None:
+    """The request field an engine's refusal at admission is about (``InvalidRequestError.
+    field``), as the API spells it: the prompt (``prompt_param``: ``prompt``, ``messages`` or
+    ``input``), else the field's first part where the body has a field of that name, else
+    the engine's name for it; None when the refusal names no field."""
+    field = getattr(exc, "field", None)
+    if field is None:
+        return None
+    top = field.split(".", 1)[0]
+    if top == "prompt":
         return prompt_param
-    if (named := _SAMPLING_FIELD.search(message)) is not None:
-        return named.group(1)
-    if "extra_args" in message:
-        return "extra_args"
-    if message.startswith("logits processor "):
-        return "logits_processors"
-    return first if first in getattr(type(body), "model_fields", {}) else None
+    spelled = BODY_NAMES.get(top)
+    if spelled is None:
+        return top
+    given = getattr(body, "model_fields_set", set())
+    return next((name for name in spelled if name in given), spelled[0])
+
+
+BODY_NAMES = {"structured_output": ("structured_outputs", "response_format", "text", "tools"), "lora": ("model",)}
+"""Engine fields a request body spells otherwise, in the order tried: the first the body set."""

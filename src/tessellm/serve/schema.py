@@ -58,7 +58,50 @@ def _log_once(field: str, message: str) -> None:
 
 
 class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage;
+    ``continuous_usage_stats`` (vLLM's) puts the usage so far in every chunk."""
+
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+RESERVED_TEMPLATE_ARGS = frozenset({"messages", "conversation", "tools", "documents", "tokenize", "chat_template",
+                                    "add_generation_prompt", "continue_final_message", "return_dict"})
+"""Arguments of the template rendering that ``chat_template_kwargs`` may not set (the request
+has fields for the ones it may choose)."""
+
+
+class ChatTemplateFields(BaseModel):
+    """How messages are rendered, as vLLM's chat and tokenize requests take it:
+    ``add_generation_prompt`` ends the text with the opening of the assistant's turn;
+    ``continue_final_message`` leaves the last message open for the model to continue (it
+    cannot be set with an explicit ``add_generation_prompt: true``); ``chat_template_kwargs``
+    are passed to the template (``enable_thinking``, ...)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="after")
+    def _one_ending(self):
+        if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in \
+                self.model_fields_set:
+            raise PydanticCustomError("one_form", "continue_final_message and add_generation_prompt cannot both "
+                                      "be true", {"field": "continue_final_message"})
+        reserved = sorted(RESERVED_TEMPLATE_ARGS & set(self.chat_template_kwargs or ()))
+        if reserved:
+            raise PydanticCustomError("reserved", "chat_template_kwargs may not set {names}: the request has its "
+                                      "own fields for them, or the server sets them", {"names": ", ".join(reserved),
+                                                                                      "field": "chat_template_kwargs"})
+        return self
+
+    def template_ending(self) -> dict[str, Any]:
+        """``render_chat``'s keyword arguments for this request's ending and template arguments."""
+        return {"add_generation_prompt": self.add_generation_prompt and not self.continue_final_message,
+                "continue_final_message": self.continue_final_message,
+                "template_kwargs": dict(self.chat_template_kwargs or {})}
 
 
 class _Sampling(BaseModel):
@@ -236,8 +279,9 @@ class ChatMessage(BaseModel):
         return self
 
 
-class ChatCompletionRequest(_Sampling):
-    """POST /v1/chat/completions: messages rendered with the model's chat template."""
+class ChatCompletionRequest(ChatTemplateFields, _Sampling):
+    """POST /v1/chat/completions: messages rendered with the model's chat template (how:
+    ``ChatTemplateFields``)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(None, ge=1)
@@ -259,7 +303,7 @@ class ChatCompletionRequest(_Sampling):
         return ToolCalling(self.tools, self.tool_choice, self.parallel_tool_calls)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateFields):
     """POST /tokenize, vLLM's two forms in one: ``prompt`` (a text) or ``messages`` (a chat,
     rendered with the model's chat template as /v1/chat/completions renders it)."""
 
@@ -271,10 +315,6 @@ class TokenizeRequest(BaseModel):
     add_special_tokens: Optional[bool] = None
     """Add the tokenizer's special tokens (BOS, ...) around the text: by default yes for a
     prompt, no for messages (their template writes them)."""
-    add_generation_prompt: bool = True
-    """Messages: end with the template's opening of the assistant's turn."""
-    continue_final_message: bool = False
-    """Messages: leave the last message open (no end-of-turn), for the model to continue it."""
     tools: Optional[list[Tool]] = None
     """Messages: the tools offered, rendered as the chat route renders them."""
     return_token_strs: bool = False
@@ -284,10 +324,6 @@ class TokenizeRequest(BaseModel):
     def _one_form(self):
         if (self.prompt is None) == (self.messages is None):
             raise PydanticCustomError("one_form", "give exactly one of prompt (a text) and messages (a chat)")
-        if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in \
-                self.model_fields_set:
-            raise PydanticCustomError("one_form", "continue_final_message and add_generation_prompt cannot both "
-                                      "be true", {"field": "continue_final_message"})
         return self
 
 

@@ -23,7 +23,8 @@ from starlette.requests import ClientDisconnect
 from tessellm.core.errors import InvalidRequestError, LoraAdapterError, RequestRejectedError
 from tessellm.core.interfaces.sequence import SamplingParams
 from tessellm.serve.context import ServerContext
-from tessellm.serve.engine_thread import RequestFailed, SampleDelta, ServerBusy, StepOutput
+from tessellm.serve.engine_client import SampleDelta, ServerBusy, StepOutput
+from tessellm.serve.engine_protocol import EngineDead, RequestFailed
 from tessellm.serve.http_errors import RequestError
 from tessellm.serve.sampling import admission_param
 
@@ -174,10 +175,13 @@ async def admit(ctx: ServerContext, request: Request, request_id: str, prompts: 
         raise RequestError(429, str(exc), kind="rate_limit_error", code="server_busy") from None
     except InvalidRequestError as exc:  # RequestRejectedError too: it can never run
         await close_streams(streams)
-        raise RequestError(400, str(exc), param=admission_param(str(exc), body, prompt_param)) from None
+        raise RequestError(400, str(exc), param=admission_param(exc, body, prompt_param)) from None
     except LoraAdapterError as exc:
         await close_streams(streams)
         raise RequestError(404, str(exc), param="model", code="model_not_found") from None
+    except EngineDead as exc:
+        await close_streams(streams)
+        raise RequestError(503, str(exc), kind="server_error", code="engine_unavailable") from None
     except RequestFailed as exc:
         await close_streams(streams)
         raise RequestError(500, str(exc), kind="server_error") from None
@@ -193,7 +197,7 @@ async def _first_outputs(streams: list[EngineStreamT]) -> list[StepOutput]:
             return await stream.__anext__()
         except (InvalidRequestError, RequestRejectedError) as exc:
             if len(streams) > 1 and not isinstance(exc, ServerBusy):
-                raise type(exc)(f"prompt {p}: {exc}") from exc
+                raise type(exc)(f"prompt {p}: {exc}", field=exc.field) from exc
             raise
 
     results = await asyncio.gather(*(first_of(p, s) for p, s in enumerate(streams)), return_exceptions=True)
@@ -264,24 +268,32 @@ StepChoices = Callable[[int, StepOutput], list[dict]]
 
 
 def event_stream(request: Request, admitted: Admitted, step_choices: StepChoices, chunk: Callable[..., dict],
-                 final_usage: Callable[[list[StepOutput]], dict] | None) -> EngineStream:
+                 usage_of: Callable[[list[StepOutput]], dict], options: Any = None) -> EngineStream:
     """A streamed answer of server-sent events: a chunk for each output that has choices to
     show (``step_choices(prompt index, output)``, shaped by ``chunk(choices, **extra)``),
-    then, when asked for, a last chunk with ``final_usage(each prompt's last output)``, then
-    ``[DONE]``. An engine failure ends it with an error event; a client that leaves ends it
-    (its requests are aborted, and it is logged once)."""
+    then, with ``stream_options.include_usage``, a last chunk with ``usage_of(each prompt's
+    last output)``, then ``[DONE]``; with ``stream_options.continuous_usage_stats`` every
+    chunk carries the usage so far. An engine failure ends it with an error event; a client
+    that leaves ends it (its requests are aborted, and it is logged once)."""
     outputs = admitted.merged()
-    body = sse_events(outputs, step_choices, chunk, final_usage)
+    final = usage_of if options is not None and options.include_usage else None
+    running = usage_of if options is not None and options.continuous_usage_stats else None
+    body = sse_events(outputs, step_choices, chunk, final, running)
     return EngineStream(body, request, admitted.request_id, release=outputs.close)
 
 
 async def sse_events(outputs: MergedOutputs, step_choices: StepChoices, chunk: Callable[..., dict],
-                     final_usage: Callable[[list[StepOutput]], dict] | None) -> AsyncIterator[str]:
+                     final_usage: Callable[[list[StepOutput]], dict] | None,
+                     running_usage: Callable[[list[StepOutput]], dict] | None = None) -> AsyncIterator[str]:
+    latest: dict[int, StepOutput] = {}
     try:
         while not outputs.done:
             p, out = await outputs.next()
+            latest[p] = out
             choices = step_choices(p, out)
-            if choices:
+            if choices and running_usage is not None:
+                yield sse(chunk(choices, usage=running_usage([latest[q] for q in sorted(latest)])))
+            elif choices:
                 yield sse(chunk(choices))
         if final_usage is not None:
             yield sse(chunk([], usage=final_usage([outputs.lasts[p] for p in sorted(outputs.lasts)])))
@@ -335,7 +347,7 @@ def choices_of(outputs: list[list[StepOutput]], n: int) -> list[Choice]:
 
 def token_piece(ctx: ServerContext, token: int) -> str:
     """One token's text, as log-probabilities show it."""
-    return ctx.engine.with_tokenizer(ctx.llm.tokenizer.decode, [token])
+    return ctx.engine.with_tokenizer(ctx.tokenizer.decode, [token])
 
 
 def logprob_pairs(deltas: list[SampleDelta]) -> list[tuple[int, Any]] | None:

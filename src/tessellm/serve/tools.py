@@ -153,12 +153,14 @@ class ToolCalling:
 
 
 def render_chat(messages: list[dict[str, Any]], tokenizer: Any, calling: ToolCalling | None = None, *,
-                add_generation_prompt: bool = True, continue_final_message: bool = False) -> str:
+                add_generation_prompt: bool = True, continue_final_message: bool = False,
+                template_kwargs: dict[str, Any] | None = None) -> str:
     """The prompt text of a conversation (with the tools ``calling`` offers, if any), ending
     with the opening of the assistant's turn (``add_generation_prompt``) or inside the last
-    message, left open (``continue_final_message``; /tokenize asks for either)."""
+    message, left open (``continue_final_message``); ``template_kwargs`` are passed to the
+    template (a request's ``chat_template_kwargs``)."""
     offered = calling is not None and calling.mode != "none" and calling.tools
-    ending = {"add_generation_prompt": add_generation_prompt}
+    ending = {"add_generation_prompt": add_generation_prompt, **(template_kwargs or {})}
     if continue_final_message:  # only when asked: a tokenizer older than the option refuses it
         ending["continue_final_message"] = True
     if "tools" in (tokenizer.chat_template or ""):

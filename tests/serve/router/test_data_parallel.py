@@ -3,7 +3,8 @@ processes behind the router answer the openai client with the tokens one pipelin
 (completions and chat, streamed and not); requests sharing a long prompt prefix land on one
 replica under prefix-aware routing (and hit its prefix cache, which /metrics shows with a
 replica label); killing the replica that serves a stream ends that stream with an error event
-naming it, and later requests go to the survivor."""
+naming it, later requests are answered, and the killed replica is logged, restarted on its
+port (chosen with --replica-base-port) and counted in /metrics, its process shown in /health."""
 
 from __future__ import annotations
 
@@ -51,6 +52,26 @@ def free_port() -> int:
     return port()
 
 
+def free_ports(count: int) -> int:
+    """A base port with ``count`` free ports from it."""
+    import socket
+
+    for _ in range(50):
+        base, taken = free_port(), []
+        try:
+            for p in range(base, base + count):
+                s = socket.socket()
+                taken.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in taken:
+                s.close()
+    raise AssertionError("no run of free ports")
+
+
 @pytest.fixture(scope="module")
 def model_dir(tiny_model):
     return tiny_model("llama-long")
@@ -62,12 +83,15 @@ def served(tmp_path_factory, model_dir):
     yields (router URL, process)."""
     path = tmp_path_factory.mktemp("dp") / "config.json"
     path.write_text(json.dumps(config(model_dir)))
-    port = free_port()
+    port, base = free_port(), free_ports(2)
+    log = path.parent / "serve.log"
     command = [sys.executable, "-m", "tessellm", "serve", "--config", str(path), "--data-parallel", "2",
                "--policy", "prefix-aware", "--policy-option", "block_chars=32", "--served-model-name", MODEL,
-               "--port", str(port), "--health-interval", "0.2"]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+               "--port", str(port), "--health-interval", "0.2", "--replica-base-port", str(base)]
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
+    proc.log, proc.base = log, base
     try:
         wait_for(url, proc)
         yield url, proc
@@ -160,8 +184,21 @@ def test_a_killed_replica_ends_its_stream_with_an_error_and_the_survivor_serves(
     assert len(errors) == 1 and f"replica {index} ({replica_url})" in errors[0]["message"], events[-3:]
     assert events[-1] == "[DONE]"
     later = {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "temperature": 0}
-    for _ in range(3):  # the survivor answers every later request
+    for _ in range(3):  # every later request is answered (by the survivor while the other restarts)
         answer = httpx.post(url + "/v1/completions", json=later)
-        assert answer.status_code == 200 and answer.headers["x-tessellm-replica"] == str(1 - index), answer.text
-    health = httpx.get(url + "/health").json()
-    assert health["status"] == "ok" and not health["replicas"][index]["healthy"]
+        assert answer.status_code == 200, answer.text
+    assert replica_url == f"http://127.0.0.1:{proc.base + index}"
+    deadline = time.monotonic() + 240
+    while True:  # restarted on its port, healthy again
+        replica = httpx.get(url + "/health").json()["replicas"][index]
+        if replica["healthy"] and replica["process"]["restarts"] == 1:
+            break
+        assert time.monotonic() < deadline, replica
+        time.sleep(0.3)
+    assert replica["process"]["exits"] == 1 and replica["process"]["port"] == proc.base + index
+    assert replica["url"] == replica_url
+    metrics = httpx.get(url + "/metrics").text
+    assert f'tessellm_router_replica_exits_total{{replica="{index}"}} 1.0' in metrics
+    assert f'tessellm_router_replica_restarts_total{{replica="{index}"}} 1.0' in metrics
+    log = proc.log.read_text()
+    assert f"replica {index} (pid " in log and "exited with status -9" in log and f"replica {index} restarted" in log

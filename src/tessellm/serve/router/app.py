@@ -39,9 +39,11 @@ BROADCAST = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 
 
 def build_router_app(config: RouterConfig, *, api_key: str | None = None, policy: RoutingPolicy | None = None,
-                     mirror: Any = None) -> FastAPI:
+                     mirror: Any = None, group: Any = None) -> FastAPI:
     """The router's app over ``config.replicas``; ``policy`` (default: the config's, loaded
-    through the registry); ``mirror``, a ``Mirror``, makes it a live A/B of two replicas."""
+    through the registry); ``mirror``, a ``Mirror``, makes it a live A/B of two replicas;
+    ``group``, the ``ReplicaGroup`` that started the replicas here (their processes show in
+    /health, their exits and restarts in /metrics)."""
     if mirror is not None and len(config.replicas) != 2:
         raise ConfigError(f"a mirroring router needs exactly two replicas (arm A, arm B), got {len(config.replicas)}")
     policy = policy or load_policy(config.policy, config.policy_options, len(config.replicas))
@@ -63,7 +65,7 @@ def build_router_app(config: RouterConfig, *, api_key: str | None = None, policy
                     await mirror.drain()
 
     app = FastAPI(title="tessellm router", lifespan=lifespan)
-    app.state.config, app.state.metrics, app.state.mirror = config, metrics, mirror
+    app.state.config, app.state.metrics, app.state.mirror, app.state.group = config, metrics, mirror, group
     app.add_middleware(ApiKeyGuard, api_key=api_key)
     app.add_exception_handler(ClientGone, client_gone)
     add_generating_routes(app, config, mirror)
@@ -120,6 +122,10 @@ def add_info_routes(app: FastAPI, mirror: Any) -> None:
     async def health():
         pool: ReplicaPool = app.state.pool
         replicas = [r.describe() for r in pool.replicas]
+        group = app.state.group
+        if group is not None:  # started here: each one's process
+            for described, process in zip(replicas, group.replicas):
+                described["process"] = process.describe()
         if not pool.any_healthy:
             return JSONResponse({"status": "unavailable", "replicas": replicas}, status_code=503)
         return {"status": "ok", "replicas": replicas}

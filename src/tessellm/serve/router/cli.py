@@ -40,6 +40,9 @@ def add_router_args(p: argparse.ArgumentParser, *, listen: bool = True) -> None:
                    help="other replicas tried when one fails before answering (default 2)")
     p.add_argument("--health-interval", type=float, default=1.0, metavar="S",
                    help="seconds between health probes of each replica (default 1)")
+    if not listen:  # serve --data-parallel: the replicas are started here
+        p.add_argument("--replica-base-port", type=int, default=None, metavar="P",
+                       help="replica i listens on 127.0.0.1:P+i (default: free ports, shown in the log and /health)")
     if listen:
         p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
         p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -62,20 +65,41 @@ def check_port(port: int) -> None:
         raise ConfigError(f"--port must be in 1..65535, got {port}")
 
 
-def run_router(config: Any, args: argparse.Namespace, *, mirror: Any = None, what: str = "") -> None:
-    """Serve the router on ``args.host``/``args.port`` until stopped."""
+def run_router(config: Any, args: argparse.Namespace, *, mirror: Any = None, what: str = "",
+               group: Any = None) -> int:
+    """Serve the router on ``args.host``/``args.port`` until stopped; with ``group`` (the
+    replicas started here) supervise them: 1 when none is left and the router stopped for it."""
     import uvicorn
 
     from tessellm.serve.cli import log_server_events
     from tessellm.serve.router.app import build_router_app
 
-    app = build_router_app(config, api_key=args.api_key, mirror=mirror)
+    app = build_router_app(config, api_key=args.api_key, mirror=mirror, group=group)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
+    gave_up: list[str] = []
+    if group is not None:
+        keep_running = getattr(args, "keep_running", False)
+
+        def give_up(why: str) -> None:
+            gave_up.append(why)
+            if not keep_running:
+                server.should_exit = True
+
+        metrics = app.state.metrics
+        group.supervise(restart=getattr(args, "restart", True), max_restarts=getattr(args, "max_restarts", 5),
+                        on_exit=lambda i: metrics.replica_exits.labels(str(i)).inc(),
+                        on_restart=lambda i: metrics.replica_restarts.labels(str(i)).inc(), on_give_up=give_up)
+    processes = "".join(f"; {r.name}: pid {r.process.pid}, port {r.port}" for r in (group.replicas if group else ()))
     print(f"tessellm: routing {what or 'requests'} over {len(config.replicas)} replicas "
           f"({', '.join(config.replicas)}) with policy {config.policy if mirror is None else 'mirror'} on "
-          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+          f"http://{args.host}:{args.port}/v1{processes}", file=sys.stderr, flush=True)
     log_server_events()
     log_server_events("tessellm.router", "router: ")
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    server.run()
+    if gave_up and not getattr(args, "keep_running", False):
+        print(f"tessellm: stopped: {gave_up[0]}", file=sys.stderr, flush=True)
+        return 1
+    return 0
 
 
 def cmd_router(args: argparse.Namespace) -> int:
@@ -122,6 +146,9 @@ def replica_serve_args(args: argparse.Namespace) -> list[str]:
         out += ["--lora", f"{name}={path}"]
     if args.allow_runtime_lora_updating:
         out.append("--allow-runtime-lora-updating")
+    out += ["--engine-core", args.engine_core, "--max-restarts", str(args.max_restarts)]
+    if not args.restart:
+        out.append("--no-restart")
     return out
 
 
@@ -153,12 +180,14 @@ def cmd_serve_data_parallel(args: argparse.Namespace) -> int:
     refuse_parallel_inside(config, "--data-parallel")
     router = config_from_args(args, [f"http://127.0.0.1:{i}" for i in range(1, args.data_parallel + 1)])
     names = [f"replica {i}" for i in range(args.data_parallel)]
+    base = args.replica_base_port
+    if base is not None and not (0 < base and base + args.data_parallel - 1 < 65536):
+        raise ConfigError(f"--replica-base-port must leave room for {args.data_parallel} ports below 65536, got {base}")
     exit_on_sigterm()
     with ReplicaGroup([replica_serve_args(args)] * args.data_parallel, names,
-                      replica_threads(args.data_parallel)) as group:
-        run_router(router.model_copy(update={"replicas": group.urls}), args,
-                   what=f"{args.served_model_name or config.model!r}")
-    return 0
+                      replica_threads(args.data_parallel), base_port=base) as group:
+        return run_router(router.model_copy(update={"replicas": group.urls}), args,
+                          what=f"{args.served_model_name or config.model!r}", group=group)
 
 
 # ---------------------------------------------------------------- ab --serve

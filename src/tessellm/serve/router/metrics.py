@@ -59,6 +59,11 @@ class RouterMetrics:
                                ["replica"], registry=r)
         self.policy = Gauge("tessellm_router_policy", "The routing policy's own numbers (e.g. prefix_match_ratio)",
                             ["stat"], registry=r)
+        self.replica_exits = Counter("tessellm_router_replica_exits",
+                                     "Times a replica process started here exited", ["replica"], registry=r)
+        self.replica_restarts = Counter("tessellm_router_replica_restarts",
+                                        "Times a replica process started here was started again", ["replica"],
+                                        registry=r)
         for i in range(num_replicas):  # every series present from the start
             self.requests.labels(str(i))
             self.in_flight.labels(str(i))

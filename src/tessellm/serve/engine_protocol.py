@@ -1,0 +1,166 @@
+"""What the API side and the engine core say to each other: compact messages of plain values
+(lists, ints, strings; token ids, never text), packed with msgpack, the same bytes whether the
+core runs in its own process (serve/engine_process.py) or on a thread of the server's.
+
+To the core:
+
+- ``["add", request_id, kind, payload]``: a request of a kind (``generate``: a prompt's token
+  ids and its sampling; others, such as embeddings or image prompts, register their own
+  ``RequestKind``), its payload that kind's;
+- ``["abort", [request_id, ...], steps_seen]``: stop them before the next step;
+- ``["call", call_id, method, args]``: a named utility call between two steps (load a LoRA
+  adapter, ...), answered by a ``result`` message;
+- ``["stop"]``: finish and exit.
+
+From the core:
+
+- ``["ready", info]``: the core is built (``EngineInfo``'s fields);
+- ``["step", records, errors, admitted, aborted, gauges]``: one pass of its loop: each
+  request's progress (a record its kind decodes), the requests refused or failed
+  (``[request_id, error, message, field]``), those admitted (``[request_id, prompt_tokens]``)
+  and aborted (``[request_id, steps_asked, steps_done]``), and, now and then, the gauges;
+- ``["result", call_id, ok, value or error]``.
+
+An error crosses as ``[type, message, field]`` (``encode_error``/``decode_error``): the type
+among the ones a server answers differently, the field the request error is about.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from tessellm.extras import require
+
+msgpack = require("msgpack", "serve")
+from tessellm.core.errors import ConfigError, InvalidRequestError, LoraAdapterError, RequestRejectedError
+from tessellm.core.interfaces.sequence import SamplingParams, TokenLogprob
+
+
+def pack(message: list[Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def unpack(data: bytes) -> list[Any]:
+    return msgpack.unpackb(data, raw=False, strict_map_key=False, use_list=True)
+
+
+class RequestFailed(RuntimeError):
+    """The engine raised while stepping this request, or its core process died; the request
+    is aborted."""
+
+
+class EngineDead(RequestFailed):
+    """The engine core is not running (it exited, or is being restarted)."""
+
+
+ERROR_TYPES: dict[str, type[BaseException]] = {
+    "InvalidRequestError": InvalidRequestError, "RequestRejectedError": RequestRejectedError,
+    "LoraAdapterError": LoraAdapterError, "ConfigError": ConfigError, "RequestFailed": RequestFailed}
+
+
+def encode_error(exc: BaseException) -> list[Any]:
+    """``[type, message, field]``: the nearest type a server tells apart (``RuntimeError`` for
+    any other), the message, and the request field it names (``InvalidRequestError.field``)."""
+    kind = next((name for name, cls in ERROR_TYPES.items() if type(exc) is cls), None)
+    if kind is None:
+        kind = next((name for name, cls in ERROR_TYPES.items() if isinstance(exc, cls)), "RuntimeError")
+    return [kind, str(exc), getattr(exc, "field", None)]
+
+
+def decode_error(encoded: list[Any]) -> BaseException:
+    kind, message, field_ = encoded
+    cls = ERROR_TYPES.get(kind, RuntimeError)
+    exc = cls(message)
+    if field_ is not None:
+        exc.field = field_
+    return exc
+
+
+# ---------------------------------------------------------------------------- values
+
+
+def encode_params(params: SamplingParams) -> dict[str, Any]:
+    return params.model_dump(exclude_defaults=True)
+
+
+def decode_params(data: dict[str, Any]) -> SamplingParams:
+    return SamplingParams.model_validate(data)
+
+
+def encode_logprobs(values: list[TokenLogprob] | None) -> list[Any] | None:
+    if values is None:
+        return None
+    return [None if v is None else [v.logprob, [list(t) for t in v.top]] for v in values]
+
+
+def decode_logprobs(values: list[Any] | None) -> list[TokenLogprob | None] | None:
+    if values is None:
+        return None
+    return [None if v is None else TokenLogprob(v[0], [(t, lp) for t, lp in v[1]]) for v in values]
+
+
+# ---------------------------------------------------------------------------- what the API learns at start
+
+
+@dataclass
+class EngineInfo:
+    """What the API side knows of the engine core once it is built (the ``ready`` message)."""
+
+    model: str
+    """The config's ``model`` (the served name's default)."""
+    max_model_len: int
+    vocab_size: int
+    decoder: str
+    """The decoding plugin's name."""
+    joint_decoding: bool
+    """Whether the decoder runs joint requests (beam search)."""
+    lora: bool
+    """Whether the pipeline serves LoRA adapters."""
+    lora_adapters: dict[str, str] = field(default_factory=dict)
+    """The adapters registered at start: name -> folder."""
+    lora_runtime_updates: bool = False
+    total_blocks: int = 0
+    pid: int = 0
+    """The engine core's process id (this process's, for a core on a thread)."""
+    request_kinds: list[str] = field(default_factory=list)
+    """The request kinds the core serves (``generate``, ...)."""
+    gauges: dict[str, Any] = field(default_factory=dict)
+    """The engine's gauges when it was built (serve/engine_core.py ``gauges``): the metrics'
+    baseline (a pipeline used before it was served has counted already)."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any]) -> "EngineInfo":
+        return cls(**{k: v for k, v in data.items() if k in cls.__dataclass_fields__})
+
+
+# ---------------------------------------------------------------------------- request kinds
+
+
+@dataclass
+class RequestKind:
+    """How one kind of request crosses: ``encode`` makes its payload on the API side
+    (``encode(*args, **kwargs)``); the core's ``EngineCore`` admits and reports it with the
+    handler registered under the same name (serve/engine_core.py ``CORE_KINDS``), and
+    ``decode`` turns each of its records back into what the API side hands out (an object
+    with a ``finished`` flag)."""
+
+    name: str
+    encode: Callable[..., dict[str, Any]]
+    decode: Callable[[list[Any]], Any]
+    merge: Callable[[Any, Any], Any] | None = None
+    """``merge(earlier, later)``: two outputs of one request as one, when its reader is
+    behind (one event for several steps: the API side keeps up at any step rate); None: each
+    output is handed out alone."""
+
+
+REQUEST_KINDS: dict[str, RequestKind] = {}
+"""The API side's request kinds by name; a new kind registers here and in ``CORE_KINDS``."""
+
+
+def register_kind(kind: RequestKind) -> RequestKind:
+    REQUEST_KINDS[kind.name] = kind
+    return kind
