@@ -185,7 +185,7 @@ def test_a_client_that_leaves_is_aborted_before_the_next_step(server):
         assert time.time() < deadline, "no abort reached the core"
         time.sleep(0.02)
     _, asked, done = client.aborts[-1]
-    assert done - asked <= 2  # the steps seen by the API when it asked, against the core's when it did it
+    assert done - asked <= 1  # the core's steps started when the API asked, against when it did it
     wait_idle(url)
     assert metric(url, "tessellm_requests_admitted_total") == metric(url, 'tessellm_requests_finished_total{finish_reason="stop"}') + \
         metric(url, 'tessellm_requests_finished_total{finish_reason="length"}') + \

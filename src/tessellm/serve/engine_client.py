@@ -155,8 +155,8 @@ class EngineClient:
     ``max_waiting`` requests wait already, ``RequestFailed`` if stepping fails and
     ``EngineDead`` when the core is not running. ``call(method, *args)`` runs a named call
     between two steps (serve/engine_core.py ``CORE_CALLS``). ``aborts`` records, for the most
-    recent aborted requests, the engine steps this side had seen when it asked and the
-    steps when the core did it.
+    recent aborted requests, the core's steps started when this side asked and when the
+    core did it.
     """
 
     def __init__(self, transport: Any, tokenizer: Any, tokenizer_lock: threading.Lock | None = None, *,
@@ -169,7 +169,7 @@ class EngineClient:
         self.info: EngineInfo = transport.info
         self.requests: dict[str, _Request] = {}
         self.aborts: deque[tuple[str, int, int]] = deque(maxlen=1000)
-        """(request id, engine steps seen when its abort was asked for, engine steps when it was done)."""
+        """(request id, core steps started when its abort was asked for, and when it was done)."""
         self.gauges: dict[str, Any] = {}
         self.failed_requests = 0  # requests failed by the engine (their own run, a step, the core's exit)
         self.on_core_exit: Callable[[int | None], None] | None = None
@@ -299,7 +299,7 @@ class EngineClient:
         request.queue = None  # its reader is gone; the core's answer (aborted, or finished) ends it
         if self.alive:
             try:
-                self.transport.send(pack(["abort", [request_id], int(self.gauges.get("steps", 0))]))
+                self.transport.send(pack(["abort", [request_id], time.monotonic()]))
             except EngineDead:  # the core is gone: its exit fails what it held
                 pass
 

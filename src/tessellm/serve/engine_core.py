@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -41,6 +42,8 @@ logger = logging.getLogger("tessellm.server")
 
 GAUGE_INTERVAL_S = 0.02
 """Gauges are sent at most this often while the engine steps (and always when it goes idle)."""
+STEP_STARTS_KEPT = 256
+"""How many recent steps' start times an abort's age is counted against."""
 IDLE_WAIT_S = 1.0
 PENDING_WAIT_S = 0.005
 """How long the loop waits for a message while work runs on a worker thread."""
@@ -217,6 +220,8 @@ class EngineCore:
         self.aborted: list[list[Any]] = []
         self.step_errors = 0  # steps that raised, and bugs outside steps
         self.stopping = False
+        self.steps_started = 0
+        self._step_starts: deque[float] = deque(maxlen=STEP_STARTS_KEPT)  # time.monotonic() of recent steps
         self._gauges_sent = 0.0
         self._changed = True  # something the gauges show changed since they were sent
 
@@ -256,12 +261,15 @@ class EngineCore:
         else:
             self.live[request_id] = (kind, Progress())
 
-    def _abort(self, request_ids: list[str], asked_at: int) -> None:
+    def _abort(self, request_ids: list[str], asked_at: float) -> None:
+        # The steps started by the time the API side asked (its time.monotonic(): one clock for
+        # every process of the host), not the steps its last gauges showed, which lag.
+        asked = self.steps_started - sum(1 for start in self._step_starts if start > asked_at)
         for request_id in request_ids:
             self.waiting_admission = [w for w in self.waiting_admission if w[2] != request_id]
             if self.live.pop(request_id, None) is not None or request_id in self.engine.requests:
                 self.engine.abort(request_id)
-                self.aborted.append([request_id, asked_at, self.engine.stats.steps])
+                self.aborted.append([request_id, asked, self.steps_started])
 
     def _call(self, call_id: int, method: str, args: list[Any]) -> None:
         fn = CORE_CALLS.get(method)
@@ -340,6 +348,8 @@ class EngineCore:
         self.flush(stepped)
 
     def _step(self) -> None:
+        self.steps_started += 1
+        self._step_starts.append(time.monotonic())
         try:
             self.engine.step()  # fails only the requests whose own forward raises
         except TensorParallelError as exc:  # another rank is gone: this one cannot step again

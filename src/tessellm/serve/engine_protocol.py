@@ -7,7 +7,9 @@ To the core:
 - ``["add", request_id, kind, payload]``: a request of a kind (``generate``: a prompt's token
   ids and its sampling; others, such as embeddings or image prompts, register their own
   ``RequestKind``), its payload that kind's;
-- ``["abort", [request_id, ...], steps_seen]``: stop them before the next step;
+- ``["abort", [request_id, ...], asked_at]``: stop them before the next step (``asked_at``:
+  the API side's ``time.monotonic()``, which the core turns into the steps it had started by
+  then);
 - ``["call", call_id, method, args]``: a named utility call between two steps (load a LoRA
   adapter, ...), answered by a ``result`` message;
 - ``["stop"]``: finish and exit.
@@ -18,7 +20,7 @@ From the core:
 - ``["step", records, errors, admitted, aborted, gauges]``: one pass of its loop: each
   request's progress (a record its kind decodes), the requests refused or failed
   (``[request_id, error, message, field]``), those admitted (``[request_id, prompt_tokens]``)
-  and aborted (``[request_id, steps_asked, steps_done]``), and, now and then, the gauges;
+  and aborted (``[request_id, steps_started_when_asked, steps_started_when_done]``), and, now and then, the gauges;
 - ``["result", call_id, ok, value or error]``.
 
 An error crosses as ``[type, message, field]`` (``encode_error``/``decode_error``): the type
