@@ -6,11 +6,11 @@ with transformers' own classes (``tessellm.testing.models.build_tiny``), and tra
 float32 model on the CPU is the reference. Variants, each printed as it finishes:
 
 - ``base``: tessellm's default pipeline on ``--device`` in float32 (on CUDA: flash attention,
-  the paged cache, continuous batching, CUDA graphs where the cache allows them). Every
-  prompt's greedy tokens equal transformers'; a divergence passes only at a near-tie of
+  the paged cache, continuous batching, async scheduling, CUDA graphs where the cache allows
+  them: not with sliding windows, whose out-of-window blocks are released). Every prompt's
+  greedy tokens equal transformers'; a divergence passes only at a near-tie of
   transformers' two best logits (at most 1e-4 x max(1, max |logit|) apart, the model
-  conformance suite's rule). Where it fails, the same prompts run again with CUDA graphs
-  off and with sdpa attention, and the line says which of those agree.
+  conformance suite's rule).
 - ``lora``: a random PEFT adapter on q/v (PEFT's own classes) on every other prompt, the
   rest base rows, against transformers + PEFT (families with MLA refuse LoRA: skipped).
 - ``ngram``: speculative decoding with n-gram drafts (k=3): transformers' greedy tokens.
@@ -21,9 +21,12 @@ float32 model on the CPU is the reference. Variants, each printed as it finishes
   CPU: max |ours - theirs| at most 2 x max |theirs - transformers' float32| + 2^-7 x
   max |float32 logit| (bfloat16's own error, twice over, plus a rounding of the largest).
 
-``--device cpu`` rehearses the whole run here (slowly, with the CPU's default pipeline unless
-``--set`` says otherwise). ``--budget`` seconds bounds the run: families not started by then
-are listed as not run. One JSON line per family goes to ``--out``.
+``base`` runs on every family first, then the other variants family by family; ``--budget``
+seconds bounds the run (what has not started by then is listed as not run), so a short run
+has still checked the default pipeline everywhere. A failing family's ``base`` is rerun with
+one part of the pipeline changed at a time (``DIAGNOSES``). ``--device cpu`` rehearses the
+run here (slowly, with the CPU's default pipeline unless ``--set`` says otherwise). One JSON
+line per family and pass goes to ``--out``.
 
     python bench/gpu_families.py --device cuda --out families.jsonl --budget 200
     python bench/gpu_families.py --device cpu --families llama,gemma2 --variants base,bf16
@@ -46,6 +49,12 @@ import torch
 VARIANTS = ("base", "lora", "ngram", "int8kv", "bf16")
 FIRST = ("gemma2",)
 """Families run first: those a device run has seen differ."""
+DIAGNOSES = (("graphs_off", {"cuda_graphs": False}), ("sync", {"async_scheduling": False}),
+             ("keep_window", {"cache.options.free_out_of_window": False}),
+             ("unpacked", {"attention.options.packed_prefill": False}), ("sdpa", {"attention.name": "sdpa"}),
+             ("sdpa_sync_graphs_off", {"attention.name": "sdpa", "async_scheduling": False, "cuda_graphs": False}))
+"""A failing ``base`` is rerun with one part of the pipeline changed at a time (the count of
+prompts that then agree says which part it is)."""
 SKIPPED = {"gemma3": "a multimodal checkpoint (served as its gemma3_text language model, which runs here)"}
 NEAR_TIE = 1e-4
 MAX_MODEL_LEN = 128
@@ -131,6 +140,7 @@ def run_llm(config: dict[str, Any], prompts: list[list[int]], n: int, lora: list
         graphs = llm.pipeline.runner.graphs
         facts = {k: summary[k]["name"] for k in ("attention", "cache", "scheduler", "decoding", "lora") if k in summary}
         facts["graph_replays"] = graphs.replays if graphs is not None else None
+        facts["async_scheduling"] = summary.get("async_scheduling")
         return [o.token_ids for o in outs], [o.outputs[0].logprobs for o in outs], facts
     finally:
         del llm
@@ -173,9 +183,8 @@ class Family:
     def base(self) -> dict[str, Any]:
         ours, _, facts = run_llm(self.config(), self.prompts, self.args.tokens)
         result = {**self.against_reference(ours), "pipeline": facts}
-        if not result["ok"]:  # which part of the pipeline it is: rerun without graphs, then with sdpa
-            for name, extra in (("graphs_off", {"cuda_graphs": False}), ("sdpa", {"attention.name": "sdpa"}),
-                                ("sdpa_graphs_off", {"attention.name": "sdpa", "cuda_graphs": False})):
+        if not result["ok"]:  # which part of the pipeline it is: rerun with one part changed at a time
+            for name, extra in DIAGNOSES:
                 try:
                     tokens, _, _ = run_llm(self.config(**extra), self.prompts, self.args.tokens)
                     result[name] = self.against_reference(tokens)["equal"]
@@ -254,15 +263,18 @@ def summary_line(model_type: str, results: dict[str, Any], seconds: float) -> st
             parts.append(f"bf16 {'ok' if r['ok'] else 'FAIL'} max diff {r['max_diff']} (bound {r['bound']})")
         else:
             extra = f" ({len(r['near_ties'])} near-tie)" if r["near_ties"] else ""
-            diag = "".join(f" {k}={r[k]}" for k in ("graphs_off", "sdpa", "sdpa_graphs_off") if k in r)
+            facts = r.get("pipeline", {})
+            if name == "base" and facts:
+                extra += f" [{facts.get('attention')}, graph replays {facts.get('graph_replays')}, async " \
+                         f"{facts.get('async_scheduling')}]"
+            diag = "".join(f" {k}={r[k]}" for k, _ in DIAGNOSES if k in r)
             parts.append(f"{name} {r['equal']}/{r['of']}{extra}{'' if r['ok'] else ' FAIL'}{diag}")
     return f"{model_type}: " + " | ".join(parts) + f" [{seconds:.0f} s]"
 
 
-def run_family(model_type: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
-    family = Family(model_type, root, args)
+def run_variants(family: Family, variants: list[str]) -> dict[str, Any]:
     results: dict[str, Any] = {}
-    for name in args.variants:
+    for name in variants:
         try:
             results[name] = getattr(family, name)()
         except Exception as exc:  # noqa: BLE001 - one variant's failure must not hide the others
@@ -276,6 +288,13 @@ def run_family(model_type: str, root: Path, args: argparse.Namespace) -> dict[st
     return results
 
 
+def passes(variants: list[str]) -> list[list[str]]:
+    """``base`` for every family first, then the other variants: a run cut short by its
+    budget has still checked the default pipeline on as many families as it could."""
+    rest = [v for v in variants if v != "base"]
+    return [p for p in (["base"] if "base" in variants else [], rest) if p]
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -283,7 +302,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--variants", type=lambda s: s.split(","), default=list(VARIANTS))
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=14)
-    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--vocab", type=int, default=49152, help="vocabulary size (the H200 zoo's; near-ties "
+                        "are likelier the larger it is)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--set", action="append", default=[], type=lambda s: tuple(s.split("=", 1)),
                         help="KEY=VALUE into every device pipeline's config (dotted keys)")
@@ -298,27 +318,30 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    start, failed, not_run = time.monotonic(), [], []
-    print(f"device {args.device}, torch {torch.__version__}"
+    start, failed, not_run = time.monotonic(), set(), []
+    print(f"device {args.device}, torch {torch.__version__}, float32 matmuls {torch.get_float32_matmul_precision()}"
           + (f", {torch.cuda.get_device_name()}" if args.device == "cuda" else ""), flush=True)
     with tempfile.TemporaryDirectory(prefix="families-") as tmp:
-        for model_type in model_types(args.families):
-            if args.budget is not None and time.monotonic() - start > args.budget:
-                not_run.append(model_type)
-                continue
-            t0 = time.monotonic()
-            try:
-                results = run_family(model_type, Path(tmp), args)
-            except Exception as exc:  # noqa: BLE001 - the checkpoint or reference could not be built
-                results = {"build": {"error": f"{type(exc).__name__}: {exc}"[:400], "ok": False}}
-            seconds = time.monotonic() - t0
-            print(summary_line(model_type, results, seconds), flush=True)
-            if not all(r.get("ok", False) for r in results.values()):
-                failed.append(model_type)
-            if args.out:
-                with args.out.open("a") as f:
-                    f.write(json.dumps({"model_type": model_type, "seconds": round(seconds, 1), **results}) + "\n")
-    print(f"families failing: {', '.join(failed) or 'none'}; not run (budget): {', '.join(not_run) or 'none'}; "
+        built: dict[str, Family] = {}
+        for variants in passes(args.variants):
+            for model_type in model_types(args.families):
+                if args.budget is not None and time.monotonic() - start > args.budget:
+                    not_run.append(f"{model_type} ({','.join(variants)})")
+                    continue
+                t0 = time.monotonic()
+                try:
+                    family = built.get(model_type) or built.setdefault(model_type, Family(model_type, Path(tmp), args))
+                    results = run_variants(family, variants)
+                except Exception as exc:  # noqa: BLE001 - the checkpoint or reference could not be built
+                    results = {"build": {"error": f"{type(exc).__name__}: {exc}"[:400], "ok": False}}
+                seconds = time.monotonic() - t0
+                print(summary_line(model_type, results, seconds), flush=True)
+                if not all(r.get("ok", False) for r in results.values()):
+                    failed.add(model_type)
+                if args.out:
+                    with args.out.open("a") as f:
+                        f.write(json.dumps({"model_type": model_type, "seconds": round(seconds, 1), **results}) + "\n")
+    print(f"families failing: {', '.join(sorted(failed)) or 'none'}; not run (budget): {', '.join(not_run) or 'none'}; "
           f"{time.monotonic() - start:.0f} s", flush=True)
     return 1 if failed else 0
 

@@ -14,7 +14,7 @@ import triton.language as tl  # noqa: E402
 
 from tessellm.testing.float32_dots import TF32DotError, float32_dots_checked  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="watches interpreted launches")
+interpreted = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="watches interpreted launches")
 
 
 @triton.jit
@@ -28,6 +28,7 @@ def _square(X, Out, IEEE: tl.constexpr):
     tl.store(Out + offs[:, None] * 16 + offs[None, :], y.to(Out.dtype.element_ty))
 
 
+@interpreted
 @pytest.mark.parametrize("dtype, ieee, refused", [(torch.float32, False, True), (torch.float32, True, False),
                                                   (torch.bfloat16, False, False)])
 def test_a_float32_launch_must_ask_for_ieee_dots(dtype, ieee, refused):
@@ -41,3 +42,15 @@ def test_a_float32_launch_must_ask_for_ieee_dots(dtype, ieee, refused):
             _square[(1,)](x, out, IEEE=ieee)
             torch.testing.assert_close(out.float(), x.float() @ x.float(), rtol=1e-2 if dtype != torch.float32 else
                                        1e-5, atol=1e-2 if dtype != torch.float32 else 1e-5)
+
+
+def test_nothing_loaded_turns_tf32_on_for_torch_matmuls():
+    """torch's float32 GEMMs on CUDA stay IEEE: importing tessellm, its built-in plugins and the
+    libraries they load sets neither allow_tf32 nor a lower float32 matmul precision."""
+    import tessellm  # noqa: F401
+    import transformers  # noqa: F401
+    from tessellm.core.registry import get_registry
+
+    get_registry()
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert torch.backends.cuda.matmul.allow_tf32 is False
