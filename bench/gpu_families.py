@@ -81,12 +81,22 @@ def build_checkpoint(model_type: str, root: Path, vocab: int) -> Path:
 
 
 class Reference:
-    """transformers' model of a folder on the CPU (float32 unless told), greedy by full forwards."""
+    """transformers' model of a folder on the CPU (float32 unless told; with a PEFT adapter if
+    given), greedy by full forwards. Its attention is transformers' eager implementation, the
+    one every family defines: transformers up to at least 5.17 (the H200 image's) picks sdpa
+    for Gemma 2, whose sdpa path drops ``attn_logit_softcapping``, so a default-loaded Gemma 2
+    is not Gemma 2 (the zoo run of 2026-11-28 compared tessellm against that)."""
 
-    def __init__(self, folder: Path, dtype: torch.dtype = torch.float32, adapter: Path | None = None):
-        from tessellm.testing.lora import peft_model
+    def __init__(self, folder: Path, dtype: torch.dtype = torch.float32, adapter: Path | None = None,
+                 attention: str | None = "eager"):
+        from transformers import AutoModelForCausalLM
 
-        self.model = peft_model(folder, adapter, dtype)
+        chosen = {} if attention is None else {"attn_implementation": attention}  # None: transformers' default
+        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, **chosen).eval()
+        if adapter is not None:
+            from peft import PeftModel
+
+            self.model = PeftModel.from_pretrained(self.model, adapter).eval()
 
     @torch.no_grad()
     def logits(self, ids: list[int]) -> torch.Tensor:
@@ -162,8 +172,10 @@ class Family:
         self.expected = [self.reference.greedy(p, args.tokens) for p in self.prompts]
 
     def config(self, device: str | None = None, **extra: Any) -> dict[str, Any]:
+        # a cache of 1,024 blocks, not 80% of the GPU's memory (millions of blocks for a tiny model)
         config: dict[str, Any] = {"model": str(self.folder), "device": device or self.args.device, "dtype": "float32",
-                                  "max_model_len": MAX_MODEL_LEN, "cuda_graph_max_batch": 8}
+                                  "max_model_len": MAX_MODEL_LEN, "cuda_graph_max_batch": 8,
+                                  "cache": {"options": {"num_blocks": 1024}}}
         for key, value in [*self.args.set, *extra.items()]:
             set_path(config, key, value)
         return config
@@ -182,7 +194,7 @@ class Family:
 
     def base(self) -> dict[str, Any]:
         ours, _, facts = run_llm(self.config(), self.prompts, self.args.tokens)
-        result = {**self.against_reference(ours), "pipeline": facts}
+        result = {**self.against_reference(ours), "pipeline": facts, "transformers_default": self.default_attention()}
         if not result["ok"]:  # which part of the pipeline it is: rerun with one part changed at a time
             for name, extra in DIAGNOSES:
                 try:
@@ -191,6 +203,14 @@ class Family:
                 except Exception as exc:  # noqa: BLE001 - a diagnosis that cannot run says why
                     result[name] = f"{type(exc).__name__}: {exc}"[:200]
         return result
+
+    def default_attention(self) -> dict[str, Any]:
+        """transformers' default attention implementation for this checkpoint, and on how many
+        prompts its greedy tokens equal the eager reference's (where they differ, the default
+        is what computes the family wrongly)."""
+        default = Reference(self.folder, attention=None)
+        equal = sum(default.greedy(p, self.args.tokens) == e for p, e in zip(self.prompts, self.expected))
+        return {"attention": default.model.config._attn_implementation, "equal_to_eager": equal}
 
     def lora(self) -> dict[str, Any]:
         from tessellm.testing.lora import build_tiny_lora
@@ -263,10 +283,13 @@ def summary_line(model_type: str, results: dict[str, Any], seconds: float) -> st
             parts.append(f"bf16 {'ok' if r['ok'] else 'FAIL'} max diff {r['max_diff']} (bound {r['bound']})")
         else:
             extra = f" ({len(r['near_ties'])} near-tie)" if r["near_ties"] else ""
-            facts = r.get("pipeline", {})
+            facts, default = r.get("pipeline", {}), r.get("transformers_default", {})
             if name == "base" and facts:
                 extra += f" [{facts.get('attention')}, graph replays {facts.get('graph_replays')}, async " \
                          f"{facts.get('async_scheduling')}]"
+            if default and default.get("equal_to_eager") != r["of"]:
+                extra += f" (transformers' default {default['attention']} attention: {default['equal_to_eager']}/" \
+                         f"{r['of']} of eager's tokens)"
             diag = "".join(f" {k}={r[k]}" for k, _ in DIAGNOSES if k in r)
             parts.append(f"{name} {r['equal']}/{r['of']}{extra}{'' if r['ok'] else ' FAIL'}{diag}")
     return f"{model_type}: " + " | ".join(parts) + f" [{seconds:.0f} s]"
