@@ -183,11 +183,12 @@ def test_every_family_runs_on_cuda_what_it_runs_on_the_cpu(tmp_path, model_type)
         if not architecture.build(architecture.load_spec(config)).supports_fused:
             pytest.skip(f"{model_type} runs its own layers on CUDA too (supports_fused is off)")
     folder = build_tiny(model_type, tmp_path / model_type)
-    llm = LLM({"model": str(folder), "device": "cpu", "dtype": "float32", "attention": {"name": "sdpa"},
+    llm = LLM({"model": str(folder), "device": DEVICE.type, "dtype": "float32", "attention": {"name": "sdpa"},
                "cache": {"name": "paged", "options": {"block_size": 4, "num_blocks": 64}}, "cuda_graphs": False})
     ids = [(7 * i) % 500 + 3 for i in range(29)]
-    eager = llm.engine.score(ids)
     model = llm.pipeline.model
+    model.fused = False  # each layer's own forward, as on a CPU
+    eager = llm.engine.score(ids)
     model.fused = True  # as build_model sets a CUDA model up: fused layers, stacked experts
     model.stack_experts()
     fused = llm.engine.score(ids)
