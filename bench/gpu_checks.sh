@@ -1,53 +1,103 @@
 #!/usr/bin/env bash
 # The GPU checks in one command, for a device machine with no package registry:
-#   bench/gpu_checks.sh STAGE...   (stages: env tests sweep kernels e2e e2e-sync e2e-512 e2e-512-sync e2e-eager
-#   e2e-before profile profile-async e2e-smoke moe window quest-pages lora-kernels kernels-decode int8 quest mla
-#   structured e2e-int8 kv-tiers kv-int8 mla-bw e2e-profile quant-layers quant-e2e mla-model quant-tests;
-#   e2e runs the defaults, async scheduling included; the -sync
-#   stages turn it off; e2e-before runs an earlier commit's wheel and e2e_gpu.py from .whl/old/ on the same
-#   workload, for an A/B of two commits in one lease)
+#   bench/gpu_checks.sh [STAGE...]   no stage: the default run, `env tests families e2e`, about 9 minutes
+#   (stages: env tests families sweep kernels e2e e2e-sync e2e-512 e2e-512-sync e2e-eager e2e-before profile
+#   profile-async e2e-smoke moe window quest-pages lora-kernels kernels-decode int8 quest mla structured e2e-int8
+#   kv-tiers kv-int8 mla-bw e2e-profile quant-layers quant-e2e mla-model quant-tests; e2e runs the defaults, async
+#   scheduling included; the -sync stages turn it off; e2e-before runs an earlier commit's wheel and e2e_gpu.py from
+#   .whl/old/ on the same workload, for an A/B of two commits)
 # Expects the wheels tessellm needs beyond the image (pydantic and its parts, and tessellm's
 # own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`) in .whl/, the SmolLM2
 # tokenizer's files in .whl/tok/ (the tests' tiny models and `structured` read them) and its
-# config.json in .whl/smol/ (`structured` builds random weights of that shape). Logs and JSON
-# land in $OUT (or bench/results/gpu/ when OUT is unset); each stage runs under its own time
-# limit so one failure does not lose the others.
+# config.json in .whl/smol/ (`structured` builds random weights of that shape).
+#
+# Results: each stage writes its logs and JSON under $OUT, which here is a work folder
+# (/tmp/gpu_work); the device's return folder (the caller's $OUT, else bench/results/gpu) gets
+# summary.txt (a line per stage: name, exit status, seconds) and gpu_results.tgz, everything
+# so far, packed again as each stage finishes (written aside, then renamed): a call cut at
+# its limit still brings back every finished stage, in two files.
+#
+# Time: TOTAL seconds for the whole run (default 540); a stage runs under its own limit
+# (STAGE_LIMIT, default 300; tests 230, families 170, e2e 120) cut to what TOTAL leaves, and
+# is skipped, saying so, when under 30 seconds would be left. A stage that needs CUDA says so
+# and is skipped where there is none, so the script rehearses on a CPU:
+#   PATH=.venv/bin:$PATH TRITON_INTERPRET=1 bench/gpu_checks.sh env tests families
 set -u
-OUT=${OUT:-bench/results/gpu}
-mkdir -p "$OUT"
+RETURN=${OUT:-bench/results/gpu}
+OUT=${GPU_WORK:-/tmp/gpu_work}  # stages write here
+rm -rf "$OUT" && mkdir -p "$OUT" "$RETURN"
 export PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "wheel install failed"; exit 1; }
   export PYTHONPATH=/tmp/site
 fi
-limit() { timeout "${STAGE_LIMIT:-300}" "$@"; }
+[ $# -gt 0 ] || set -- env tests families e2e
+CUDA=$(python3 -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
+TOTAL=${TOTAL:-540}
+START=$SECONDS
+: > "$RETURN/summary.txt"
+stage_limit() {  # this stage's own limit, cut to what the run has left
+  local own=${STAGE_LIMIT:-300}
+  case $1 in tests) own=${STAGE_LIMIT:-230} ;; families) own=${STAGE_LIMIT:-170} ;; e2e) own=${STAGE_LIMIT:-120} ;; esac
+  local left=$((TOTAL - (SECONDS - START) - 10))
+  echo $((own < left ? own : left))
+}
+limit() { timeout "$LIMIT" "$@"; }
+needs_cuda() { [ "$CUDA" = 1 ] && return 0; echo "$stage: needs a CUDA device; none here"; skipped=1; return 1; }
 fresh() { f="$OUT/$1"; i=2; while [ -e "$f.json" ]; do f="$OUT/$1_$i"; i=$((i + 1)); done; echo "$f"; }  # a stage run twice keeps both
+quest=tests/plugins/attention/quest/test_quest.py
+GPU_TESTS="tests/plugins/attention/flash tests/core/model/test_cuda_graphs.py tests/core/model/test_fused_ops.py
+  tests/core/engine/test_warm_up.py tests/core/engine/test_overlap.py tests/core/engine/test_outputs.py
+  tests/plugins/lora/test_triton_lora.py tests/plugins/lora/test_captured_plans.py tests/conformance/test_lora_conformance.py
+  tests/plugins/attention/mla/test_decode_kernel.py
+  $quest::test_the_triton_decode_reads_the_chosen_blocks_as_the_torch_path_does
+  $quest::test_the_triton_scoring_and_selection_choose_what_torch_chooses
+  $quest::test_flash_as_the_dense_backend_gives_the_sdpa_backends_output
+  tests/plugins/quant/test_int8_weight.py::test_the_triton_kernel_matches_the_reference
+  tests/plugins/quant/test_int4_weight.py::test_the_triton_kernel_matches_the_reference tests/plugins/quant/test_fp8.py
+  tests/plugins/cache/paged/test_tiers.py::test_tiers_on_cuda_copy_on_a_stream_and_read_back_exactly"
+rerun_alone() {  # the tests that failed among workers, again one at a time: sharing, or a real failure?
+  local failed left
+  failed=$(sed -nE 's/^FAILED ([^ ]+).*/\1/p' "$1" | sort -u)
+  left=$((LIMIT - (SECONDS - began) - 5))
+  [ -n "$failed" ] && [ "$left" -gt 20 ] || return 0
+  echo "--- rerunning alone (${left}s): $(echo $failed | wc -w) failed test(s)"
+  timeout "$left" python3 -m pytest -q -p no:cacheprovider -p no:xdist $failed --tb=short -rfE > "$OUT/tests_alone.log" 2>&1
+  tail -15 "$OUT/tests_alone.log"
+}
+pack() {  # everything so far, as one archive in the return folder
+  tar czf "$RETURN/.gpu_results.part" -C "$OUT" . && mv -f "$RETURN/.gpu_results.part" "$RETURN/gpu_results.tgz"
+}
 for stage in "$@"; do
-  echo "=== $stage $(date -u +%H:%M:%S)"
+  LIMIT=$(stage_limit "$stage")
+  if [ "$LIMIT" -lt 30 ]; then
+    echo "=== $stage: skipped, ${LIMIT}s left of TOTAL=$TOTAL" | tee -a "$RETURN/summary.txt"; continue
+  fi
+  echo "=== $stage $(date -u +%H:%M:%S) (limit ${LIMIT}s)"
+  began=$SECONDS skipped=0
   case $stage in
-    env) { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv;
+    env) { command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.max.sm --format=csv;
            grep -m1 "model name" /proc/cpuinfo; nproc;
-           python3 -c "import torch, triton, transformers, tessellm; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name())"; } 2>&1 | tee "$OUT/env.txt" ;;
-    tests) [ -d .whl/tok ] && export TESSELLM_TEST_TOKENIZER_DIR=$PWD/.whl/tok  # tiny models' tokenizer
+           python3 -c "import torch, triton, transformers, tessellm; print(torch.__version__, triton.__version__, transformers.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')"; } 2>&1 | tee "$OUT/env.txt" ;;
+    tests) needs_cuda && {
+           [ -d .whl/tok ] && export TESSELLM_TEST_TOKENIZER_DIR=$PWD/.whl/tok  # tiny models' tokenizer
            workers=""; python3 -c "import xdist" 2>/dev/null && workers="-n ${TEST_WORKERS:-8}"  # compiles in parallel
-           quest=tests/plugins/attention/quest/test_quest.py
-           limit python3 -m pytest -q -p no:cacheprovider $workers tests/plugins/attention/flash \
-             tests/core/model/test_cuda_graphs.py tests/core/model/test_fused_ops.py tests/core/engine/test_warm_up.py \
-             tests/core/engine/test_overlap.py tests/core/engine/test_outputs.py tests/plugins/lora/test_triton_lora.py \
-             tests/conformance/test_lora_conformance.py tests/plugins/attention/mla/test_decode_kernel.py \
-             $quest::test_the_triton_decode_reads_the_chosen_blocks_as_the_torch_path_does \
-             $quest::test_the_triton_scoring_and_selection_choose_what_torch_chooses \
-             $quest::test_flash_as_the_dense_backend_gives_the_sdpa_backends_output \
-             tests/plugins/quant/test_int8_weight.py::test_the_triton_kernel_matches_the_reference \
-             tests/plugins/quant/test_int4_weight.py::test_the_triton_kernel_matches_the_reference tests/plugins/quant/test_fp8.py \
-             tests/plugins/cache/paged/test_tiers.py::test_tiers_on_cuda_copy_on_a_stream_and_read_back_exactly \
-             --tb=short -rfE ${TESTS_EXTRA:-} > "$OUT/tests.log" 2>&1; tail -60 "$OUT/tests.log" ;;
+           limit python3 -m pytest -q -p no:cacheprovider $workers $GPU_TESTS --tb=short -rfE ${TESTS_EXTRA:-} \
+             > "$OUT/tests.log" 2>&1
+           st=$?; tail -40 "$OUT/tests.log"; rerun_alone "$OUT/tests.log"; (exit $st); } ;;
+    families) if [ "$CUDA" = 1 ]; then args="--device cuda"
+              else args="--device cpu --families ${FAMILIES:-llama,gemma2} --variants base"
+                   echo "families: no CUDA device; a CPU rehearsal on ${FAMILIES:-llama,gemma2}"; fi
+              limit python3 bench/gpu_families.py $args --budget $((LIMIT - 45)) --out "$OUT/families.jsonl" \
+                ${FAMILIES_ARGS:-} 2> "$OUT/families.err" | tee "$OUT/families.log"
+              st=${PIPESTATUS[0]}; tail -3 "$OUT/families.err"; (exit $st) ;;
     kv-tiers) limit python3 bench/kv_tiers_gpu.py --out "$OUT/kv_tiers_gpu.json" > "$OUT/kv_tiers_gpu.log" 2>&1
               tail -20 "$OUT/kv_tiers_gpu.log" ;;
     sweep) limit python3 bench/kernels.py --sweep --out "$OUT/sweep.json" > "$OUT/sweep.log" 2>&1; tail -60 "$OUT/sweep.log" ;;
     kernels) limit python3 bench/kernels.py --out "$OUT/kernels.json" > "$OUT/kernels.log" 2>&1; tail -5 "$OUT/kernels.log" ;;
-    e2e) f=$(fresh e2e); limit python3 bench/e2e_gpu.py --out "$f.json" ${E2E_ARGS:-} > "$f.log" 2>&1; tail -40 "$f.log" ;;
+    e2e) needs_cuda && { f=$(fresh e2e); limit python3 bench/e2e_gpu.py --out "$f.json" ${E2E_ARGS---skip-hf} > "$f.log" 2>&1
+           st=$?; tail -40 "$f.log"; (exit $st); } ;;
     e2e-sync) limit python3 bench/e2e_gpu.py --out "$OUT/e2e_sync.json" --skip-hf --set async_scheduling=false \
                  > "$OUT/e2e_sync.log" 2>&1; tail -40 "$OUT/e2e_sync.log" ;;
     e2e-512) limit python3 bench/e2e_gpu.py --out "$OUT/e2e_512.json" --skip-hf --set scheduler.options.max_num_seqs=512 \
@@ -124,4 +174,9 @@ PY
                    --tb=short -rfE > "$OUT/quant_tests.log" 2>&1; tail -25 "$OUT/quant_tests.log" ;;
     *) echo "unknown stage $stage" ;;
   esac
+  rc=$?
+  [ "$skipped" = 1 ] && rc=skipped
+  echo "$stage rc=$rc $((SECONDS - began))s" | tee -a "$RETURN/summary.txt"
+  cp "$RETURN/summary.txt" "$OUT/summary.txt"
+  pack
 done

@@ -32,6 +32,29 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _gpu_shared_by_workers():
+    """Parallel test workers on one GPU each take an equal share of its memory (a paged
+    cache sizes itself within it), so no worker's cache starves another's kernels."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1 and torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(min(1.0, 0.85 / workers))
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _float32_dots_are_ieee():
+    """Every interpreted Triton launch of float32 tensors computes its dots in IEEE float32, as
+    a float32 model needs on a GPU (the interpreter alone would never show TF32)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        yield
+        return
+    from tessellm.testing.float32_dots import float32_dots_checked
+
+    with float32_dots_checked():
+        yield
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct as a Hugging Face folder (converted once)."""

@@ -77,7 +77,8 @@ class LoraWeights:
     model's dtype on its device, zero where a slot's adapter has no such rank or target.
     ``derived`` is the kernels' own: forms of ``a`` and ``b`` a kernel builds once (a
     transposed copy, a packed layout), keyed as it likes; it is emptied whenever a slot is
-    written, so whatever is there matches the slots."""
+    written, so whatever is there matches the slots. A captured plan's ``apply`` must not
+    read it: the graph would keep reading the entry a later slot load replaced."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -105,8 +106,13 @@ class LoraKernel(Plugin):
       returns nothing. Equal to the torch reference within the dtype's rounding.
     - ``supports_cuda_graphs``: ``plan`` with ``mapping.static`` set reads only device
       tensors and ``apply`` launches a fixed sequence of kernels, so a decode step's forward
-      can be captured in a CUDA graph with LoRA rows in it. A kernel that sets it False keeps
-      decode steps with adapters eager (batches without adapters still replay).
+      can be captured in a CUDA graph with LoRA rows in it. The capture happens at start-up,
+      before any adapter is loaded, with every row at slot -1; each replay must then apply the
+      slots its device tensors hold and the weights ``a`` and ``b`` hold at that moment: no
+      launch width, branch or cached form (``LoraWeights.derived``) may depend on what the
+      capture saw (``tessellm.testing.graph_replay`` checks a kernel so on a CPU). A kernel
+      that sets it False keeps decode steps with adapters eager (batches without adapters
+      still replay).
 
     The config's ``lora`` section picks the kernel (``name``) and its ``options``; the slot
     count and rank come from the same section (``max_loras``, ``max_rank``)."""

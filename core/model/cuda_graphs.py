@@ -12,11 +12,15 @@ scratch block (``CacheManager.scratch_block``), which no sequence ever holds. Th
 backend contributes a plan that reads only those buffers (``AttentionBackend.graph_plan``).
 
 With LoRA (``lora``, the wrapped layers' state) each size gets a second graph whose LoRA
-kernel reads static slot buffers; a batch with adapters replays that one.
+kernel reads static slot buffers; a batch with adapters replays that one. Graphs are captured
+at start-up, before any adapter is in a slot: whatever a replay must see of the adapters
+(each row's slot, the slots' weights, loaded and replaced later) is read from device tensors
+updated in place, never from anything the capture computed or cached on the host.
 
 Only pure decode batches qualify (one query token per sequence, every one sampled, no layer
 subset, block tables within the captured width); anything else runs eagerly. With
-``capture=False`` the same padded path runs eagerly, which is how it is tested on a CPU.
+``capture=False`` the same padded path runs eagerly; on a CPU
+``tessellm.testing.graph_replay`` records and replays it instead, as a graph would.
 """
 
 from __future__ import annotations
@@ -76,6 +80,8 @@ class DecodeGraphs:
         self.logits: torch.Tensor | None = None
         self.graphs: dict[int, tuple[Any, Any]] = {}  # size -> (graph, plan)
         self.replays = 0
+        self.lora_replays = 0
+        """Replays of the graphs with adapter rows (of ``replays``)."""
         self.capture = capture
         # with LoRA, a second graph per size runs the kernel over static slot buffers (batches
         # without adapters replay the plain one); a kernel that cannot be captured runs eagerly
@@ -87,7 +93,7 @@ class DecodeGraphs:
         with torch.inference_mode():
             # an eager forward of one row sizes the logits buffer, on this stream, outside the pool
             self._forward(1, backend.graph_plan(self._static_batch(1), cache, max_model_len))
-            pool = torch.cuda.graph_pool_handle() if capture else None
+            pool = self._new_pool() if capture else None
             for size in reversed(self.sizes):  # largest first: later captures reuse its pool memory
                 self.graphs[size] = self._capture(size, pool)
                 if self.lora is not None:
@@ -129,6 +135,16 @@ class DecodeGraphs:
         plan = self.backend.graph_plan(self._static_batch(size), self.cache, self.max_model_len)
         if not self.capture:
             return None, (plan, lora_plan)
+        return self._record(size, pool, plan, lora_plan), (plan, lora_plan)
+
+    def _new_pool(self) -> Any:
+        """The memory pool every size's graph shares."""
+        return torch.cuda.graph_pool_handle()
+
+    def _record(self, size: int, pool: Any, plan: Any, lora_plan: Any) -> Any:
+        """One size's forward, warmed up then captured: an object whose ``replay()`` reruns
+        it on the static buffers (tessellm.testing.graph_replay records it on a CPU instead,
+        with the same semantics: launches, shapes and host-side values fixed here)."""
         # warm up on a side stream (kernel compilation, allocator, library handles), then capture
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -138,7 +154,7 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=pool):
             self._forward(size, plan, lora_plan)
-        return graph, (plan, lora_plan)
+        return graph
 
     def eligible(self, batch: BatchMetadata) -> int | None:
         """The padded size ``batch`` replays in, or None if it must run eagerly."""
@@ -175,6 +191,7 @@ class DecodeGraphs:
             self.lora_token_slots[:size].copy_(slots, non_blocking=True)
         graph, (plan, lora_plan) = (self.lora_graphs if adapters else self.graphs)[size]
         self.replays += 1
+        self.lora_replays += adapters
         if graph is None:
             return self._forward(size, plan, lora_plan)[:n]
         graph.replay()

@@ -7,6 +7,9 @@ Two ways to one sum, chosen per step by ``plan``:
   does not use zeroed, then one expand (``h @ B_all``, B_all the slots' B laid side by side,
   built once per slot load in ``LoraWeights.derived``). Three ops per layer however many
   adapters are mixed; it computes every slot for every row, so it stops paying as rows grow.
+  A captured plan keeps nothing between replays: the graph was captured before any adapter
+  was loaded, and a slot load replaces ``derived``'s entries while a graph would go on
+  reading the old copy, so each replay rebuilds the mask and B_all from the slots as they are.
 - **grouped** (larger batches: prefill chunks): the rows of each slot gathered, shrunk and
   expanded with two matmuls, and added back; work in proportion to the rows, four ops per
   slot in the batch. A batch all under one adapter takes its rows as they are (no gather).
@@ -42,9 +45,9 @@ class TorchPlan:
     """The grouped form's slots and rows (empty: the stacked form)."""
     token_slots: torch.Tensor | None = None
     """The stacked form's slot per row (-1: none), read on the device."""
-    keep_masks: bool = True
-    """Whether the stacked form's row masks may be built once for the step (not in a plan a
-    CUDA graph replays over other slots)."""
+    captured: bool = False
+    """A CUDA graph replays this plan over other slots and weights (``LoraMapping.static``):
+    the stacked form's row masks and B_all are rebuilt by every apply, never kept."""
     masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
@@ -61,7 +64,7 @@ class TorchLora(LoraKernel):
 
     def plan(self, mapping: LoraMapping) -> TorchPlan:
         if mapping.static:
-            return TorchPlan(token_slots=mapping.token_slots, keep_masks=False)
+            return TorchPlan(token_slots=mapping.token_slots, captured=True)
         slots = np.asarray(mapping.seq_slots_cpu, dtype=np.int64)
         active = sorted(set(slots[slots >= 0].tolist()))
         if len(active) == 1 and (slots >= 0).all():
@@ -96,14 +99,21 @@ def _apply_stacked(out: torch.Tensor, x: torch.Tensor, weights: LoraWeights, pla
     if mask is None:
         owned = plan.token_slots[:, None] == torch.arange(slots, device=x.device)  # [T, slots]
         mask = owned.to(x.dtype).repeat_interleave(rank, dim=1)  # [T, slots x rank]
-        if plan.keep_masks:
+        if not plan.captured:
             plan.masks[rank] = mask
-    derived = weights.derived
-    b_all = derived.get("torch.b_all")
-    if b_all is None:  # A as [in, slots x rank]; B as [slots x rank, out], slot s's on rows s x rank ..
-        derived["torch.a_all"] = weights.a.view(slots * rank, -1).t()
-        b_all = derived["torch.b_all"] = weights.b.transpose(1, 2).reshape(slots * rank, -1).contiguous()
-    out.addmm_(torch.mm(x, derived["torch.a_all"]).mul_(mask), b_all)
+    a_all = weights.a.view(slots * rank, -1).t()  # [in, slots x rank], a view
+    if plan.captured:  # B as the slots hold it at this replay (a copy made inside the graph)
+        b_all = _b_side_by_side(weights)
+    else:
+        b_all = weights.derived.get("torch.b_all")
+        if b_all is None:
+            b_all = weights.derived["torch.b_all"] = _b_side_by_side(weights)
+    out.addmm_(torch.mm(x, a_all).mul_(mask), b_all)
+
+
+def _b_side_by_side(weights: LoraWeights) -> torch.Tensor:
+    """B as [slots x rank, out]: slot s's B^T on rows s x rank .. (s + 1) x rank - 1."""
+    return weights.b.transpose(1, 2).reshape(weights.num_slots * weights.rank, -1)
 
 
 @tessellm.hookimpl

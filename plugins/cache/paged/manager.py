@@ -132,12 +132,23 @@ def _budget_blocks(options: PagedOptions, model, device: torch.device, dtype: to
     if options.num_blocks is not None:
         return options.num_blocks
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * options.gpu_memory_fraction)
+        budget = int(_free_cuda_bytes(device) * options.gpu_memory_fraction)
     else:
         budget = options.cpu_memory_bytes
     # one block of the budget is the scratch block (see PagedCache.scratch_block)
     return budget // _block_bytes(options, model, dtype, extras) - 1
+
+
+def _free_cuda_bytes(device: torch.device) -> int:
+    """The device's free memory, within what this process may still take where it is held
+    to a share of the device (``torch.cuda.set_per_process_memory_fraction``: processes
+    sharing one GPU, such as parallel test workers)."""
+    free, total = torch.cuda.mem_get_info(device)
+    share = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if share is not None:
+        allowed = int(share(device) * total) - torch.cuda.memory_reserved(device)
+        free = min(free, max(0, allowed))
+    return free
 
 
 class PagedCache(CacheManager):

@@ -109,6 +109,11 @@ _TINY_64 = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, nu
 TINY_SHAPES.update({
     # the families whose layers differ: windows of 8 tokens (shorter than test prompts),
     # softcaps and multipliers that bind
+    # Gemma 1: Llama's block with Gemma's norms, scaled embedding and GeGLU
+    "gemma": dict(_TINY_64, head_dim=16, num_hidden_layers=2),
+    # OLMo 3: OLMo 2's block, three sliding layers of 8 tokens to one global
+    "olmo3": dict(_TINY_64, num_hidden_layers=4, sliding_window=8,
+                  layer_types=["sliding_attention"] * 3 + ["full_attention"]),
     "gemma2": dict(_TINY_64, head_dim=16, num_hidden_layers=4, sliding_window=8, query_pre_attn_scalar=24,
                    attn_logit_softcapping=2.0, final_logit_softcapping=3.0, rms_norm_eps=1e-6,
                    layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]),
@@ -136,7 +141,7 @@ TINY_SHAPES.update({
 
 TINY_VECTORS: dict[str, dict[str, float]] = {
     # Gemma stores norm weights as offsets from one: random, so 1 + w is exercised
-    "gemma2": {"": 0.5}, "gemma3_text": {"": 0.5},
+    "gemma": {"": 0.5}, "gemma2": {"": 0.5}, "gemma3_text": {"": 0.5},
     # sinks about a score's size, router biases that change which experts win, other biases
     "gpt_oss": {"sinks": 1.0, "router.bias": 0.5, "bias": 0.2},
 }

@@ -184,3 +184,67 @@ def test_bfloat16_graphs_hand_native_logits_to_argmax_only(tiny_model, cpu_confi
     assert torch.equal(native.float(), as_float) and not native.isnan().any()
     for seq in seqs:
         cache.free(seq)
+
+
+def test_a_recording_replays_as_a_captured_graph_does():
+    """tessellm.testing.graph_replay: a replay reruns the recorded operations on the tensors
+    as they are at replay (in place, out=, functional ones into their recorded outputs,
+    dtype conversions included) but keeps whatever the recording decided on the host: a
+    Python number, a branch, a copy made before it (here a stale ``cached``)."""
+    from tessellm.testing.graph_replay import Recording
+
+    x, w, out = torch.randn(4, 8), torch.randn(8, 8), torch.empty(4, 8)
+    positions = torch.arange(4)
+    cached = w.clone()
+    scale = float(x.abs().max())  # read before recording: a host value the graph keeps
+    recording = Recording()
+    with torch.inference_mode(), recording.record():
+        h = torch.relu(x @ cached) * scale + positions.float()[:, None]
+        torch.mm(h, w.t(), out=out)
+        out.add_(1)
+    for _ in range(2):
+        x.copy_(torch.randn(4, 8))
+        w.copy_(torch.randn(4, 8).repeat(2, 1))
+        positions.copy_(torch.arange(4) * 3)
+        recording.replay()
+        want = (torch.relu(x @ cached) * scale + positions.float()[:, None]) @ w.t() + 1
+        torch.testing.assert_close(out, want)
+    assert not torch.equal(cached, w)
+
+
+@pytest.mark.parametrize("read", [lambda t: t.sum().item(), lambda t: t.nonzero(), lambda t: t[t > 0],
+                                  lambda t: bool((t > 0).any())])
+def test_a_recording_refuses_host_reads_as_a_capture_does(read):
+    from tessellm.testing.graph_replay import GraphCaptureError, Recording
+
+    with pytest.raises(GraphCaptureError, match="host"):
+        with Recording().record():
+            read(torch.randn(6))
+
+
+def test_a_recorded_triton_launch_keeps_its_grid_and_arguments():
+    """A Triton launch (interpreted) replays with the grid and Python arguments of its
+    recording: a launch sized by a host count covers only that many rows at replay."""
+    import triton
+    import triton.language as tl
+
+    from tessellm.testing.graph_replay import Recording
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("records Triton launches under the interpreter")
+
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n) + 1, mask=offs < n)
+
+    x = torch.zeros(64)
+    recording = Recording()
+    with recording.record():
+        count = 20  # known on the host at capture
+        add_one[(triton.cdiv(count, 16),)](x, count, BLOCK=16)
+    assert x[:20].eq(1).all() and x[20:].eq(0).all()
+    x.zero_()
+    recording.replay()
+    recording.replay()
+    assert x[:20].eq(2).all() and x[20:].eq(0).all()

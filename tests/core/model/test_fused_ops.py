@@ -149,3 +149,47 @@ def test_fused_kernels_with_qk_norms_and_experts_match_eager(tmp_path, model_typ
     assert [o.token_ids for o in fused.generate(prompts, params)] == [o.token_ids for o in eager.generate(prompts, params)]
     ids = list(range(7, 40))
     assert (fused.engine.score(ids).cpu() - eager.engine.score(ids)).abs().max().item() < 1e-4
+
+
+def _model_types() -> list[str]:
+    from tessellm.core.registry import get_registry
+
+    declared = {t for entry in get_registry().entries("model") for t in entry.cls.model_types}
+    return sorted(declared - {"gemma3"})  # the multimodal checkpoint's language model is gemma3_text
+
+
+COVERED = {"llama", "qwen2", "qwen3", "qwen3_moe"}
+"""Families whose fused path the tests above already run."""
+
+
+@pytest.mark.parametrize("model_type", [pytest.param(t, marks=pytest.mark.extended) if t in COVERED else t
+                                        for t in _model_types()])
+def test_every_family_runs_on_cuda_what_it_runs_on_the_cpu(tmp_path, model_type):
+    """On CUDA a decoder runs its layers' fused forward (``forward_fused``, core's kernels)
+    wherever its module says ``supports_fused``; the CPU runs each layer's ``forward``. For
+    every built-in family that takes the fused path, both give the same logits (a family
+    whose layer computes something core's fused layer does not would differ here, not only
+    on a GPU); the others keep their own layers on CUDA too, so there is nothing to compare."""
+    from transformers import AutoConfig
+
+    from tessellm import LLM
+    from tessellm.core.registry import get_registry
+    from tessellm.testing.models import TINY_SHAPES, build_tiny
+
+    entry = next(e for e in get_registry().entries("model") if model_type in e.cls.model_types)
+    architecture = entry.cls(entry.cls.Options())
+    config = AutoConfig.for_model(model_type, vocab_size=512, **TINY_SHAPES[model_type])
+    with torch.device("meta"):
+        if not architecture.build(architecture.load_spec(config)).supports_fused:
+            pytest.skip(f"{model_type} runs its own layers on CUDA too (supports_fused is off)")
+    folder = build_tiny(model_type, tmp_path / model_type)
+    llm = LLM({"model": str(folder), "device": DEVICE.type, "dtype": "float32", "attention": {"name": "sdpa"},
+               "cache": {"name": "paged", "options": {"block_size": 4, "num_blocks": 64}}, "cuda_graphs": False})
+    ids = [(7 * i) % 500 + 3 for i in range(29)]
+    model = llm.pipeline.model
+    model.fused = False  # each layer's own forward, as on a CPU
+    eager = llm.engine.score(ids)
+    model.fused = True  # as build_model sets a CUDA model up: fused layers, stacked experts
+    model.stack_experts()
+    fused = llm.engine.score(ids)
+    assert (fused - eager).abs().max().item() < 1e-4 * max(1.0, eager.abs().max().item())

@@ -214,11 +214,14 @@ def test_refusals_say_why(monkeypatch):
                for r in TritonLora.unsupported_reasons(_ctx("cuda", False, block_n=48)))
 
 
-@pytest.mark.parametrize("cuda_graphs", [True, False] if CUDA else [True])
+@pytest.mark.parametrize("cuda_graphs", [True, False] if CUDA else [False])
 def test_a_pipeline_on_cpu_takes_torch_under_auto_and_triton_when_named(tmp_path, cuda_graphs):
     """A tiny Llama with an adapter: ``lora.name: auto`` resolves to torch on the CPU;
-    ``lora.name: triton`` (interpreted there) gives torch's greedy tokens, mixed with base
-    rows. On a GPU, with decode steps replayed from CUDA graphs and without."""
+    ``lora.name: triton`` (interpreted there) gives the eager torch kernel's greedy tokens,
+    mixed with base rows. On a GPU, with decode steps replayed from CUDA graphs and without,
+    for both kernels, against the eager torch reference (with graphs on, torch's captured
+    expand once lost the adapters: the H200 of 2026-11-28 saw the two kernels differ). On a
+    CPU, graph replay is tests/core/engine/test_lora.py's recorded-graph test."""
     pytest.importorskip("peft")
     from tessellm import LLM
     from tessellm.testing.lora import build_tiny_lora
@@ -227,14 +230,17 @@ def test_a_pipeline_on_cpu_takes_torch_under_auto_and_triton_when_named(tmp_path
     base = build_tiny("llama", tmp_path / "base")
     adapter = build_tiny_lora(base, tmp_path / "qv", rank=4, seed=1, target_modules=("q_proj", "v_proj"))
 
-    def llm(name):
+    def llm(name, graphs):
         return LLM({"model": str(base), "device": DEVICE.type, "dtype": "float32", "max_model_len": 64,
-                    "cuda_graphs": cuda_graphs, "lora": {"name": name, "adapters": {"qv": str(adapter)}}})
+                    "cuda_graphs": graphs, "lora": {"name": name, "adapters": {"qv": str(adapter)}}})
 
     prompts, params = [[1, 5, 9, 33, 7], [1, 44, 12]], {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}
-    reference = llm("torch" if CUDA else "auto")
+    reference = llm("torch" if CUDA else "auto", False)
     assert reference.pipeline.resolved.summary()["lora"]["name"] == "torch"
-    triton_llm = llm("triton")
-    assert triton_llm.pipeline.resolved.summary()["lora"]["name"] == "triton"
     want = [o.token_ids for o in reference.generate(prompts, params, lora=["qv", None])]
-    assert [o.token_ids for o in triton_llm.generate(prompts, params, lora=["qv", None])] == want
+    for name in ("triton", "torch") if cuda_graphs else ("triton",):
+        other = llm(name, cuda_graphs)
+        assert other.pipeline.resolved.summary()["lora"]["name"] == name
+        assert [o.token_ids for o in other.generate(prompts, params, lora=["qv", None])] == want, name
+        if cuda_graphs:
+            assert other.pipeline.runner.graphs is not None and other.pipeline.runner.graphs.lora_replays > 0

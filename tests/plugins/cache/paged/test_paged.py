@@ -451,6 +451,20 @@ def test_capacity_from_the_cpu_memory_budget():
     assert make_cache(16, 5).num_blocks == 5  # num_blocks overrides the budget
 
 
+@pytest.mark.parametrize("share, reserved, expected", [(1.0, 0, 100), (0.1, 4, 10), (0.02, 4, 0)])
+def test_a_cuda_budget_stays_within_the_process_share(monkeypatch, share, reserved, expected):
+    """On CUDA the cache takes its fraction of the free memory, but never more than this
+    process may still take under ``torch.cuda.set_per_process_memory_fraction`` (test
+    workers sharing a GPU): 140 GiB device, 100 free."""
+    from tessellm.plugins.cache.paged.manager import _free_cuda_bytes
+
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * gib, 140 * gib))
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: share, raising=False)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: reserved * gib)
+    assert _free_cuda_bytes(torch.device("cuda", 0)) == expected * gib
+
+
 @pytest.mark.parametrize("block_size, message", [(3, "power of two"), (0, "greater than or equal to 1")])
 def test_block_size_must_be_a_positive_power_of_two(block_size, message):
     with pytest.raises(pydantic.ValidationError, match=message) as info:
