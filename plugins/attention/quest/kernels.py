@@ -30,7 +30,7 @@ SCORE_TILE = 64
 """Pages a score program handles."""
 
 
-@triton.jit(do_not_specialize=["stride_tb", "num_cols"])
+@triton.jit(do_not_specialize=["stride_tb", "stride_sb", "stride_sh", "num_cols"])
 def _score_kernel(Q, Rows, Tables, SeqLens, KMin, KMax, Scores,
                   stride_qt, stride_qh, stride_tb, stride_bp, stride_bh, stride_sb, stride_sh, num_cols,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,

@@ -76,11 +76,11 @@ class KeyBoundsMixin:
             update_page_bounds(k, scale, slots, self.kmin, self.kmax, ps)
             return
         pages, offsets = slots // ps, slots % ps
-        if not slots.is_cuda:
+        if slots.device.type == "cpu":
             # only the token that ends a run of its page needs to recompute: its prefix
             # covers the run's earlier tokens (the page's largest offset always ends a run);
-            # picking them reads a count back, free on a CPU (without Triton on CUDA every
-            # token recomputes: no synchronisation, page times the work)
+            # picking them reads a count back, free on a CPU (elsewhere, without the kernel,
+            # every token recomputes: no synchronisation, page times the work)
             ends = torch.ones_like(pages, dtype=torch.bool)
             ends[:-1] = (pages[1:] != pages[:-1]) | (offsets[1:] <= offsets[:-1])
             pages, offsets = pages[ends], offsets[ends]
