@@ -79,11 +79,18 @@ class KeyBoundsMixin:
         if slots.device.type == "cpu":
             # only the token that ends a run of its page needs to recompute: its prefix
             # covers the run's earlier tokens (the page's largest offset always ends a run);
-            # picking them reads a count back, free on a CPU (elsewhere, without the kernel,
-            # every token recomputes: no synchronisation, page times the work)
+            # picking them reads a count back, free on a CPU. A page is written by one run a
+            # step, so each is written once (a plain copy: a scatter-reduce enters a parallel
+            # region, which stalls on a busy machine)
             ends = torch.ones_like(pages, dtype=torch.bool)
             ends[:-1] = (pages[1:] != pages[:-1]) | (offsets[1:] <= offsets[:-1])
             pages, offsets = pages[ends], offsets[ends]
+            lo, hi = self._prefix_bounds(pages, offsets)
+            self.kmin.index_copy_(0, pages, lo)
+            self.kmax.index_copy_(0, pages, hi)
+            return
+        # elsewhere, without the kernel, every token recomputes its page's prefix: no read-
+        # back, page times the work; a page's largest prefix wins (the bounds of the others)
         lo, hi = self._prefix_bounds(pages, offsets)
         index = pages[:, None, None].expand_as(lo)
         self.kmin.scatter_reduce_(0, index, lo, "amin", include_self=False)
