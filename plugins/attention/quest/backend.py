@@ -152,8 +152,8 @@ class _DecodeGroup:
         slots = torch.where(key_ok, slots, slots[..., :1])  # a slot past the context may hold NaN
         k, v = gather_heads(kv, slots, q.dtype)
         rows = self.rows.long()
-        o = decode_attention(q[rows].view(b, hkv, -1, q.shape[-1]), k, v, key_ok, scale)
-        out[rows] = o.reshape(b, -1, q.shape[-1]).to(out.dtype)
+        o = decode_attention(q.index_select(0, rows).view(b, hkv, -1, q.shape[-1]), k, v, key_ok, scale)
+        out.index_copy_(0, rows, o.reshape(b, -1, q.shape[-1]).to(out.dtype))
 
     def _report(self, picks: torch.Tensor, lengths: torch.Tensor) -> None:
         """Each member's pages per KV head as columns (position // page): the picks and the
@@ -201,7 +201,8 @@ class _VerifyGroup:
         forced = block_ok & ((col == 0)[None, :] | (col[None, :] >= self.first_query_page[:, None]))
         pages = torch.where(block_ok, page_ids(self.tables, col.expand(b, -1), self.per_block), 0)
         query = q[self.rows].view(b, r, hkv, -1, q.shape[-1])  # [B, R, Hkv, G, D]
-        scores = block_scores(query, kmin[pages], kmax[pages])
+        lo, hi = (t.index_select(0, pages.flatten()).view(b, self.num_cols, *t.shape[1:]) for t in (kmin, kmax))
+        scores = block_scores(query, lo, hi)
         index, chosen_ok = select_blocks(scores, block_ok, forced, self.num_chosen, self.max_chosen)
         if self.observer is not None:
             self.observer(self.layer, self.seqs, [[[c for c, ok in zip(cols, oks) if ok] for cols, oks in zip(h, o)]

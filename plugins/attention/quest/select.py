@@ -63,12 +63,19 @@ def gather_heads(kv: KVStorage, slots: torch.Tensor, dtype: torch.dtype) -> tupl
     ``dtype`` (the compute dtype), read in place through ``kv_tensors`` (and ``kv_scales``
     for int8, dequantized as ``gather`` does)."""
     k_all, v_all = kv.kv_tensors()
-    heads = torch.arange(slots.shape[1], device=slots.device)[None, :, None]
-    k, v = k_all[slots, heads], v_all[slots, heads]
+    hkv = k_all.shape[1]
+    # rows of [slots * Hkv, D]: index_select copies whole rows (advanced indexing with a
+    # slot and a head index goes element by element, several times slower on a CPU)
+    rows = (slots * hkv + torch.arange(slots.shape[1], device=slots.device)[None, :, None]).flatten()
+
+    def pick(t: torch.Tensor) -> torch.Tensor:
+        return t.reshape(-1, t.shape[-1]).index_select(0, rows).view(*slots.shape, t.shape[-1])
+
+    k, v = pick(k_all), pick(v_all)
     if k_all.dtype == torch.int8:
         k_scale, v_scale = kv.kv_scales()
-        k = (k.float() * k_scale[slots, heads].float()).to(dtype)
-        v = (v.float() * v_scale[slots, heads].float()).to(dtype)
+        k = (k.float() * pick(k_scale).float()).to(dtype)
+        v = (v.float() * pick(v_scale).float()).to(dtype)
     return k.to(dtype), v.to(dtype)
 
 
@@ -107,9 +114,10 @@ def decode_page_scores(q: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor
     b, hkv = tables.shape[0], kmin.shape[1]
     cols = torch.arange(num_cols, device=q.device)
     num_pages = (seq_lens.long() + page - 1) // page
-    pages = page_ids(tables, cols.expand(b, -1), per_block).clamp(min=0)  # [B, N]
-    query = q[rows.long()].view(b, 1, hkv, -1, q.shape[-1])
-    scores = block_scores(query, kmin[pages], kmax[pages]).amax(dim=(1, 3))  # [B, Hkv, N]
+    pages = page_ids(tables, cols.expand(b, -1), per_block).clamp(min=0).flatten()  # [B * N]
+    query = q.index_select(0, rows.long()).view(b, 1, hkv, -1, q.shape[-1])
+    lo, hi = (t.index_select(0, pages).view(b, num_cols, *t.shape[1:]) for t in (kmin, kmax))
+    scores = block_scores(query, lo, hi).amax(dim=(1, 3))  # [B, Hkv, N]
     scores = scores.masked_fill((cols == 0)[None, None, :], float("inf"))
     past = (cols[None, :] >= num_pages[:, None] - 1)[:, None, :]  # the newest page and beyond
     return scores.masked_fill(past, float("-inf"))
