@@ -291,6 +291,16 @@ class QuestAttention(SdpaAttention):
             flash_ctx = SelectionContext(device=ctx.device, dtype=ctx.dtype, model=ctx.model, options=FlashOptions(),
                                          max_model_len=ctx.max_model_len, kv_layout=ctx.kv_layout)
             reasons += [f"dense_backend flash: {r}" for r in FlashAttention.unsupported_reasons(flash_ctx)]
+        layout = ctx.kv_layout
+        if layout is not None and _kernel_is_triton(ctx.options, ctx.device) and importlib.util.find_spec("triton"):
+            from tessellm.plugins.attention.quest.kernels import MAX_SCORE_PROGRAMS, SCORE_TILE
+
+            pages = -(-ctx.max_model_len // layout.bounds_page)
+            if -(-pages // SCORE_TILE) > MAX_SCORE_PROGRAMS:
+                reasons.append(f"kernel: triton scores at most {MAX_SCORE_PROGRAMS * SCORE_TILE} pages per sequence "
+                               f"(a CUDA grid's limit); max_model_len {ctx.max_model_len} at pages of "
+                               f"{layout.bounds_page} tokens makes {pages} (raise the cache's bounds_page_size, or "
+                               f"set kernel: torch)")
         if ctx.options.kernel == "triton":
             if importlib.util.find_spec("triton") is None:
                 reasons.append("kernel: triton needs triton, which is not installed")

@@ -28,6 +28,10 @@ from tessellm.plugins.attention.flash.common import interpreting
 
 SCORE_TILE = 64
 """Pages a score program handles."""
+TABLE_TILE = 1024
+"""Table columns a table program writes at a time (a large budget loops, never a larger tile)."""
+MAX_SCORE_PROGRAMS = 65535
+"""CUDA's limit on a grid's third dimension: score tiles per sequence and KV head."""
 
 
 @triton.jit(do_not_specialize=["stride_tb", "stride_sb", "stride_sh", "num_cols"])
@@ -72,16 +76,17 @@ def _table_kernel(Picks, Tables, SeqLens, PagesOut, LensOut,
                   NUM_PICKS: tl.constexpr, PAGE: tl.constexpr, PER_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    k = tl.arange(0, BLOCK_K)  # table columns: NUM_PICKS picks, then the newest page
     seq_len = tl.load(SeqLens + seq)
     num_pages = tl.cdiv(seq_len, PAGE)
     dense = num_pages <= NUM_PICKS + 1  # every page fits the table: all of them, in order
-    picked = tl.load(Picks + seq * stride_pb + kv_head * stride_ph + k, mask=k < NUM_PICKS, other=0)
-    col = tl.where(dense, k, tl.where(k == NUM_PICKS, num_pages - 1, picked))
-    ok = (k <= NUM_PICKS) & (col < num_pages)
-    block = tl.load(Tables + seq * stride_tb + col // PER_BLOCK, mask=ok, other=0)
-    page = tl.where(ok, block * PER_BLOCK + col % PER_BLOCK, 0)  # a column past the length is never read
-    tl.store(PagesOut + seq * stride_ob + kv_head * stride_oh + k, page.to(tl.int32), mask=k <= NUM_PICKS)
+    for start in range(0, NUM_PICKS + 1, BLOCK_K):  # table columns: NUM_PICKS picks, then the newest page
+        k = start + tl.arange(0, BLOCK_K)
+        picked = tl.load(Picks + seq * stride_pb + kv_head * stride_ph + k, mask=k < NUM_PICKS, other=0)
+        col = tl.where(dense, k, tl.where(k == NUM_PICKS, num_pages - 1, picked))
+        ok = (k <= NUM_PICKS) & (col < num_pages)
+        block = tl.load(Tables + seq * stride_tb + col // PER_BLOCK, mask=ok, other=0)
+        page = tl.where(ok, block * PER_BLOCK + col % PER_BLOCK, 0)  # a column past the length is never read
+        tl.store(PagesOut + seq * stride_ob + kv_head * stride_oh + k, page.to(tl.int32), mask=k <= NUM_PICKS)
     length = tl.where(dense, seq_len, NUM_PICKS * PAGE + seq_len - (num_pages - 1) * PAGE)
     tl.store(LensOut + seq * stride_lb + kv_head, length.to(tl.int32))
 
@@ -123,5 +128,6 @@ def page_tables(picks: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tenso
     _table_kernel[(b, hkv)](
         picks, tables, seq_lens, pages, lengths, picks.stride(0), picks.stride(1), tables.stride(0),
         pages.stride(0), pages.stride(1), lengths.stride(0),
-        NUM_PICKS=num_picks, PAGE=page, PER_BLOCK=per_block, BLOCK_K=triton.next_power_of_2(num_picks + 1))
+        NUM_PICKS=num_picks, PAGE=page, PER_BLOCK=per_block,
+        BLOCK_K=min(triton.next_power_of_2(num_picks + 1), TABLE_TILE))
     return pages, lengths

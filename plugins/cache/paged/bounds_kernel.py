@@ -28,22 +28,26 @@ def _page_bounds_kernel(K, KScale, Slots, KMin, KMax, num_tokens,
     offset = slot % PAGE
     # a run of writes fills its page in order: the token that ends it covers the run's others
     if (t + 1 == num_tokens) | (nxt // PAGE != page) | (nxt % PAGE <= offset):
-        offs = tl.arange(0, BLOCK_P)  # offsets past the written one (or the page) load nothing
         offs_d = tl.arange(0, BLOCK_D)
-        ok = (offs[:, None] <= offset) & (offs_d[None, :] < HEAD_DIM)
-        slots = page * PAGE + offs
-        keys = tl.load(K + slots[:, None] * stride_kt + head * stride_kh + offs_d[None, :], mask=ok, other=0.0)
-        keys = keys.to(tl.float32)
-        if QUANT:  # as ``dequantize_heads``: the float32 product (rounded to the bounds' dtype below)
-            keys = keys * tl.load(KScale + slots * stride_st + head * stride_sh, mask=offs <= offset,
-                                  other=0.0).to(tl.float32)[:, None]
+        d_ok = offs_d < HEAD_DIM
+        lo = tl.full([BLOCK_D], float("inf"), tl.float32)
+        hi = tl.full([BLOCK_D], float("-inf"), tl.float32)
+        for start in range(0, offset + 1, BLOCK_P):  # the page's offsets 0..offset, BLOCK_P at a time
+            offs = start + tl.arange(0, BLOCK_P)
+            ok = (offs[:, None] <= offset) & d_ok[None, :]
+            slots = page * PAGE + offs
+            keys = tl.load(K + slots[:, None] * stride_kt + head * stride_kh + offs_d[None, :], mask=ok, other=0.0)
+            keys = keys.to(tl.float32)
+            if QUANT:  # as ``dequantize_heads``: the float32 product (rounded to the bounds' dtype below)
+                keys = keys * tl.load(KScale + slots * stride_st + head * stride_sh, mask=offs <= offset,
+                                      other=0.0).to(tl.float32)[:, None]
+            lo = tl.minimum(lo, tl.min(tl.where(ok, keys, float("inf")), 0))
+            hi = tl.maximum(hi, tl.max(tl.where(ok, keys, float("-inf")), 0))
         # rounding to the bounds' dtype is monotonic: the bound of the rounded keys is the
         # rounded bound, as the torch path computes it
-        lo = tl.min(tl.where(ok, keys, float("inf")), 0)
-        hi = tl.max(tl.where(ok, keys, float("-inf")), 0)
         out = page * stride_bp + head * stride_bh + offs_d
-        tl.store(KMin + out, lo.to(KMin.dtype.element_ty), mask=offs_d < HEAD_DIM)
-        tl.store(KMax + out, hi.to(KMax.dtype.element_ty), mask=offs_d < HEAD_DIM)
+        tl.store(KMin + out, lo.to(KMin.dtype.element_ty), mask=d_ok)
+        tl.store(KMax + out, hi.to(KMax.dtype.element_ty), mask=d_ok)
 
 
 def update_page_bounds(k: torch.Tensor, k_scale: torch.Tensor | None, slots: torch.Tensor, kmin: torch.Tensor,
@@ -60,4 +64,4 @@ def update_page_bounds(k: torch.Tensor, k_scale: torch.Tensor | None, slots: tor
         k, scale, slots, kmin, kmax, num_tokens, k.stride(0), k.stride(1),
         scale.stride(0) if k_scale is not None else 0, scale.stride(1) if k_scale is not None else 0,
         kmin.stride(0), kmin.stride(1),
-        PAGE=page, BLOCK_P=max(2, page), HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), QUANT=k_scale is not None)
+        PAGE=page, BLOCK_P=min(max(2, page), 16), HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), QUANT=k_scale is not None)

@@ -7,6 +7,7 @@ and whole pipelines (chunked prefill, speculative decoding, int8 K/V) run throug
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 from unittest import mock
 
 CUDA_AVAILABLE = __import__("torch").cuda.is_available()
@@ -317,6 +318,26 @@ def test_a_decode_at_128k_tokens_in_pages_of_2_runs_and_no_kernel_depends_on_the
     assert group.num_cols == 65536 and group.num_picks == 1023
     out = backend.forward(5, case.q, case.k_new, case.v_new, case.storage, plan)
     assert torch.isfinite(out).all()
+
+
+def test_a_context_beyond_what_the_score_grid_holds_is_refused_at_selection():
+    """The only context limit left: the score kernel's grid (65,535 tiles of 64 pages per
+    sequence, CUDA's limit), refused at selection with the way out, never a failure mid-step."""
+    from tessellm.core.interfaces.kv import KVLayout
+    from tessellm.core.plugin import SelectionContext
+    from tessellm.plugins.attention.quest.kernels import MAX_SCORE_PROGRAMS, SCORE_TILE
+
+    most = MAX_SCORE_PROGRAMS * SCORE_TILE
+
+    def reasons(max_len, page):
+        ctx = SelectionContext(device=torch.device("cpu"), dtype=torch.float32, options=QuestOptions(kernel="triton"),
+                               model=SimpleNamespace(head_dim=16, sliding_window=None), max_model_len=max_len,
+                               kv_layout=KVLayout("kv", 16, torch.float32, BOUNDS, page))
+        return [r for r in QuestAttention.unsupported_reasons(ctx) if "pages per sequence" in r]
+
+    assert not reasons(2 * most, 2) and not reasons(1 << 20, 1)
+    reason, = reasons(2 * most + 1, 2)
+    assert f"max_model_len {2 * most + 1} at pages of 2 tokens" in reason and "set kernel: torch" in reason
 
 
 def _llm(cpu_config, tiny_model, attention, budget=None, **overrides):
