@@ -103,11 +103,16 @@ def select_only(backend: QuestAttention, plan, q: torch.Tensor, storage) -> None
 
     group = plan.groups[0]
     kmin, kmax = storage.key_bounds()
-    score, tables = ((kernels.score_pages, kernels.page_tables) if group.kernel
-                     else (select.decode_page_scores, select.decode_page_tables))
-    scores = score(q, group.rows, group.tables, group.seq_lens, kmin, kmax, group.page, group.per_block,
-                   group.num_cols)
-    tables(select.pick_pages(scores, group.num_picks), group.tables, group.seq_lens, group.page, group.per_block)
+    if group.kernel:
+        scores = kernels.score_pages(q, group.rows, group.tables, group.seq_lens, kmin, kmax, group.page,
+                                     group.per_block, group.num_cols)
+        kernels.page_tables(select.pick_pages(scores, group.num_picks), group.tables, group.seq_lens, group.page,
+                            group.per_block)
+        return
+    pages = group.pages or select.DecodePages.of(group.tables, group.seq_lens, group.page, group.per_block,
+                                                 group.num_cols)
+    select.decode_page_tables(select.pick_pages(select.decode_page_scores(q, group.rows, pages, kmin, kmax),
+                                                group.num_picks), pages)
 
 
 def point(context: int, batch: int, budgets: list[int], dtype: torch.dtype, device: torch.device, reps: int,

@@ -39,9 +39,9 @@ from tessellm.core.interfaces.batch import BatchMetadata
 from tessellm.core.interfaces.cache import CacheManager
 from tessellm.core.interfaces.kv import KVStorage
 from tessellm.core.plugin import SelectionContext
-from tessellm.plugins.attention.quest.select import (block_scores, decode_attention, decode_page_scores,
-                                                     decode_page_tables, gather_heads, page_ids, pick_pages,
-                                                     select_blocks, sparse_attention)
+from tessellm.plugins.attention.quest.select import (DecodePages, block_scores, decode_attention,
+                                                     decode_page_scores, decode_page_tables, gather_heads, page_ids,
+                                                     pick_pages, select_blocks, sparse_attention)
 from tessellm.plugins.attention.sdpa import SdpaAttention, SdpaOptions, SdpaPlan
 
 
@@ -110,6 +110,7 @@ class _DecodeGroup:
     per_block: int  # pages per cache block
     kernel: bool  # Triton (scores, tables, `flash`'s split-K decode) or torch
     splits: int | None = None  # the decode kernel's split count (fixed in a graph; None: per step)
+    pages: DecodePages | None = None  # the torch path's page layout, made by the first layer
     seqs: list = field(default_factory=list)  # the member sequences, for an observer
     observer: Any = None
     layer: int = -1
@@ -120,15 +121,16 @@ class _DecodeGroup:
             from tessellm.plugins.attention.quest.kernels import page_tables, score_pages
 
             q = q if q.is_contiguous() else q.contiguous()
-            score, tables = score_pages, page_tables
-        else:
-            score, tables = decode_page_scores, decode_page_tables
-        scores = score(q, self.rows, self.tables, self.seq_lens, kmin, kmax, self.page, self.per_block, self.num_cols)
-        picks = pick_pages(scores, self.num_picks)
-        pages, lengths = tables(picks, self.tables, self.seq_lens, self.page, self.per_block)
-        if self.kernel:
+            scores = score_pages(q, self.rows, self.tables, self.seq_lens, kmin, kmax, self.page, self.per_block,
+                                 self.num_cols)
+            picks = pick_pages(scores, self.num_picks)
+            pages, lengths = page_tables(picks, self.tables, self.seq_lens, self.page, self.per_block)
             self._attend_kernel(q, kv, scale, out, pages, lengths)
         else:
+            if self.pages is None:  # the step's page layout, shared by its layers
+                self.pages = DecodePages.of(self.tables, self.seq_lens, self.page, self.per_block, self.num_cols)
+            picks = pick_pages(decode_page_scores(q, self.rows, self.pages, kmin, kmax), self.num_picks)
+            pages, lengths = decode_page_tables(picks, self.pages)
             self._attend_torch(q, kv, scale, out, pages, lengths)
         if self.observer is not None:
             self._report(picks, lengths)

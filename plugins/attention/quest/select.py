@@ -16,6 +16,8 @@ speculative verification) go through ``block_scores`` and ``select_blocks``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from tessellm.core.interfaces.kv import KVStorage
@@ -105,22 +107,45 @@ def page_ids(tables: torch.Tensor, cols: torch.Tensor, per_block: int) -> torch.
     return blocks * per_block + cols % per_block
 
 
-def decode_page_scores(q: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
-                       kmin: torch.Tensor, kmax: torch.Tensor, page: int, per_block: int,
-                       num_cols: int) -> torch.Tensor:
-    """What ``_score_kernel`` computes: scores [B, Hkv, num_cols] of each sequence's pages for
-    its decoding row ``rows[b]`` of q [T, Hq, D], read through block tables [B, W]; +inf for
-    the first page, -inf for the newest and for columns past the sequence's pages."""
-    b, hkv = tables.shape[0], kmin.shape[1]
-    cols = torch.arange(num_cols, device=q.device)
-    num_pages = (seq_lens.long() + page - 1) // page
-    pages = page_ids(tables, cols.expand(b, -1), per_block).clamp(min=0).flatten()  # [B * N]
+@dataclass
+class DecodePages:
+    """What every layer of a step's torch decode path shares, made once a step (``of``): each
+    sequence's page ids in position order, table [B, N] (0 past its pages); its page count
+    and context, num_pages, seq_lens [B] int64; the columns scored -inf, past [B, 1, N] (its
+    newest page and beyond)."""
+
+    table: torch.Tensor
+    num_pages: torch.Tensor
+    seq_lens: torch.Tensor
+    past: torch.Tensor
+    page: int
+
+    @classmethod
+    def of(cls, tables: torch.Tensor, seq_lens: torch.Tensor, page: int, per_block: int,
+           num_cols: int) -> "DecodePages":
+        """From block tables [B, W] of ``per_block`` pages of ``page`` tokens, and seq_lens [B]."""
+        b = tables.shape[0]
+        cols = torch.arange(num_cols, device=tables.device)
+        seq_lens = seq_lens.long()
+        num_pages = (seq_lens + page - 1) // page
+        past = cols[None, :] >= num_pages[:, None] - 1
+        table = page_ids(tables, cols.expand(b, -1), per_block).masked_fill(cols[None, :] >= num_pages[:, None], 0)
+        return cls(table, num_pages, seq_lens, past[:, None, :], page)
+
+
+def decode_page_scores(q: torch.Tensor, rows: torch.Tensor, pages: DecodePages, kmin: torch.Tensor,
+                       kmax: torch.Tensor) -> torch.Tensor:
+    """What ``_score_kernel`` computes: scores [B, Hkv, N] of each sequence's pages for its
+    decoding row ``rows[b]`` of q [T, Hq, D]; +inf for the first page, -inf for the newest and
+    for columns past the sequence's pages."""
+    b, num_cols = pages.table.shape
+    hkv = kmin.shape[1]
     query = q.index_select(0, rows.long()).view(b, 1, hkv, -1, q.shape[-1])
-    lo, hi = (t.index_select(0, pages).view(b, num_cols, *t.shape[1:]) for t in (kmin, kmax))
+    flat = pages.table.flatten()
+    lo, hi = (t.index_select(0, flat).view(b, num_cols, *t.shape[1:]) for t in (kmin, kmax))
     scores = block_scores(query, lo, hi).amax(dim=(1, 3))  # [B, Hkv, N]
-    scores = scores.masked_fill((cols == 0)[None, None, :], float("inf"))
-    past = (cols[None, :] >= num_pages[:, None] - 1)[:, None, :]  # the newest page and beyond
-    return scores.masked_fill(past, float("-inf"))
+    scores[..., 0] = float("inf")
+    return scores.masked_fill(pages.past, float("-inf"))
 
 
 def pick_pages(scores: torch.Tensor, num_picks: int) -> torch.Tensor:
@@ -129,24 +154,20 @@ def pick_pages(scores: torch.Tensor, num_picks: int) -> torch.Tensor:
     return scores.topk(num_picks, dim=-1, sorted=False).indices
 
 
-def decode_page_tables(picks: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, page: int,
-                       per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_page_tables(picks: torch.Tensor, pages: DecodePages) -> tuple[torch.Tensor, torch.Tensor]:
     """What ``_table_kernel`` computes: from picks [B, Hkv, P] (columns), each KV head's pages
     [B, Hkv, P + 1] int64 (the picks, then the newest page) and their token count [B, Hkv];
     a sequence of at most P + 1 pages gets all of them in position order. Entries past a
     head's tokens are page 0, never read."""
     b, hkv, num_picks = picks.shape
-    k = torch.arange(num_picks + 1, device=picks.device)
-    seq_lens = seq_lens.long()
-    num_pages = (seq_lens + page - 1) // page  # [B]
-    dense = (num_pages <= num_picks + 1)[:, None, None]
-    newest = (num_pages - 1)[:, None, None].expand(b, hkv, 1)
-    cols = torch.where(dense, k.expand(b, hkv, -1), torch.cat([picks, newest], dim=-1))
-    ok = cols < num_pages[:, None, None]
-    pages = torch.where(ok, page_ids(tables, cols, per_block), 0)
-    lengths = torch.where(dense[..., 0], seq_lens[:, None], num_picks * page + seq_lens[:, None]
-                          - (num_pages[:, None] - 1) * page).expand(b, hkv)
-    return pages, lengths
+    page = pages.page
+    dense = (pages.num_pages <= num_picks + 1)[:, None, None]
+    newest = (pages.num_pages - 1)[:, None, None].expand(b, hkv, 1)
+    k = torch.arange(num_picks + 1, device=picks.device).expand(b, hkv, -1)
+    cols = torch.where(dense, k, torch.cat([picks, newest], dim=-1)).clamp(max=pages.table.shape[1] - 1)
+    ids = pages.table.gather(1, cols.reshape(b, -1)).view(b, hkv, -1)  # 0 past the sequence's pages
+    extra = torch.where(dense[..., 0], 0, num_picks * page - (pages.num_pages[:, None] - 1) * page)
+    return ids, (pages.seq_lens[:, None] + extra).expand(b, hkv)
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_ok: torch.Tensor,

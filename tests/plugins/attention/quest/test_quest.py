@@ -221,7 +221,7 @@ def test_the_triton_scores_and_tables_are_the_torch_references(kv_lens, heads, p
     too), and the table kernel turns the same picks into ``decode_page_tables``' pages and
     lengths exactly: the picks' page ids then the newest, or every page of a short context."""
     from tessellm.plugins.attention.quest.kernels import page_tables, score_pages
-    from tessellm.plugins.attention.quest.select import decode_page_scores, decode_page_tables, pick_pages
+    from tessellm.plugins.attention.quest.select import DecodePages, decode_page_scores, decode_page_tables, pick_pages
 
     block, page = pages
     dt = getattr(torch, dtype)
@@ -232,14 +232,15 @@ def test_the_triton_scores_and_tables_are_the_torch_references(kv_lens, heads, p
     rows = batch.query_start_loc[:-1].contiguous()
     tables = batch.block_tables.to(torch.int32)
     num_cols = -(-max(kv_lens) // page) + 3
-    args = (case.q, rows, tables, batch.seq_lens, kmin, kmax, page, block // page, num_cols)
-    got, want = score_pages(*args), decode_page_scores(*args)
+    pages = DecodePages.of(tables, batch.seq_lens, page, block // page, num_cols)
+    got = score_pages(case.q, rows, tables, batch.seq_lens, kmin, kmax, page, block // page, num_cols)
+    want = decode_page_scores(case.q, rows, pages, kmin, kmax)
     assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got > 0, want > 0)
     finite = torch.isfinite(want)
     assert torch.allclose(got[finite].cpu(), want[finite].float().cpu(), rtol=1e-5, atol=1e-4 if dtype == "float32" else 1e-2)
     picks = pick_pages(want, min(num_picks, num_cols - 1))
     got_pages, got_lens = page_tables(picks, tables, batch.seq_lens, page, block // page)
-    want_pages, want_lens = decode_page_tables(picks, tables, batch.seq_lens, page, block // page)
+    want_pages, want_lens = decode_page_tables(picks, pages)
     assert torch.equal(got_lens.long(), want_lens)
     used = torch.arange(want_pages.shape[-1], device=DEVICE) < -(-want_lens[..., None] // page)
     assert torch.equal(got_pages.long()[used], want_pages[used])
