@@ -34,6 +34,7 @@ How to run
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -52,8 +53,12 @@ from tessellm.bench.workloads import BenchRequest
 CPU_SHAPE = dict(LLAMA_32_1B, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=1,
                  vocab_size=2048, bos_token_id=0, eos_token_id=1)
 """Llama-3.2-1B's 16 layers, head dim 64, GQA 4 and long RoPE; one KV head and narrow
-projections, so a decode step at 8k-16k tokens is mostly attention on a CPU too, and a 16k
-prompt's prefill takes seconds, not minutes."""
+projections: a 16k prompt's prefill in a minute or two on a CPU."""
+CPU_WIDE_SHAPE = dict(CPU_SHAPE, num_attention_heads=32, num_key_value_heads=8)
+"""Llama-3.2-1B's whole attention (32 query heads, 8 KV heads, head dim 64) on a 256-wide
+residual: a decode step at 8k-16k tokens is mostly attention on a CPU too (its prompts take
+hours to prefill there: for decode rates, whose contexts are written straight into the cache)."""
+SHAPES = {"llama-3.2-1b": LLAMA_32_1B, "cpu": CPU_SHAPE, "cpu-wide": CPU_WIDE_SHAPE}
 
 
 def make_llm(folder: Path, cuda: bool, dtype: torch.dtype, max_len: int, attention: dict, page: int,
@@ -62,7 +67,7 @@ def make_llm(folder: Path, cuda: bool, dtype: torch.dtype, max_len: int, attenti
     if cuda:
         cache["gpu_memory_fraction"] = memory_share
     else:  # the OS commits a CPU cache's pages as they are written: room for the rates' sequences
-        cache["cpu_memory_bytes"] = 4 * 2**30
+        cache["cpu_memory_bytes"] = 8 * 2**30
     return LLM({"model": str(folder), "device": "cuda" if cuda else "cpu", "dtype": str(dtype).split(".")[1],
                 "max_model_len": max_len, "attention": attention, "cache": {"name": "paged", "options": cache},
                 "scheduler": {"name": "continuous", "options": {"max_num_seqs": max_seqs,
@@ -134,37 +139,52 @@ def arms_of(args, cuda: bool) -> list[dict]:
     return arms
 
 
-def summarize(arms: list[dict], contexts: list[int]) -> None:
-    """Per arm and context: medians over rounds, and the median and range of the per-round
-    ratios to dense (``ttft_ratio``: quest / dense; ``tpot_ratio``: quest / dense)."""
+def ratio_row(runs: list[dict], dense_runs: list[dict] | None, keys: tuple[str, ...], higher: str = "") -> dict:
+    """Medians over rounds of ``keys``, and for each the median and range of the per-round
+    ratio to dense's run of the same round (quest / dense)."""
+    row = {k: round(statistics.median(r[k] for r in runs), 3) for k in keys}
+    for k in keys if dense_runs else ():
+        ratios = [r[k] / d[k] for r, d in zip(runs, dense_runs)]
+        name = k.removesuffix("_ms").removesuffix("_per_s")
+        row[f"{name}_ratio"] = round(statistics.median(ratios), 3)
+        row[f"{name}_ratio_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
+    return row
+
+
+def summarize(arms: list[dict]) -> None:
+    """Per arm: ``results`` per context (TTFT, TPOT) and ``rates`` per sequences x context
+    (step time, tokens/s), medians over rounds with their ratios to dense."""
     dense = arms[0] if arms[0]["attention"]["name"] != "quest" else None
     for arm in arms:
-        arm["results"] = {}
-        for context in contexts:
-            runs = arm["runs"][str(context)]
-            row = {k: round(statistics.median(r[k] for r in runs), 3) for k in ("ttft_ms", "tpot_ms")}
-            row["kernel_builds"] = sum(r["kernel_builds"] or 0 for r in runs)
-            if dense is not None and arm is not dense:
-                for k in ("ttft", "tpot"):
-                    ratios = [r[f"{k}_ms"] / d[f"{k}_ms"] for r, d in zip(runs, dense["runs"][str(context)])]
-                    row[f"{k}_ratio"] = round(statistics.median(ratios), 3)
-                    row[f"{k}_ratio_range"] = [round(min(ratios), 3), round(max(ratios), 3)]
-            arm["results"][str(context)] = row
+        base = dense if dense is not None and arm is not dense else None
+        arm["results"] = {c: {**ratio_row(runs, base and base["runs"][c], ("ttft_ms", "tpot_ms")),
+                              "kernel_builds": sum(r["kernel_builds"] or 0 for r in runs)}
+                          for c, runs in arm["runs"].items()}
+        arm["rates"] = []
+        for key, runs in arm["rate_runs"].items():
+            row = ratio_row(runs, base and base["rate_runs"][key], ("step_ms", "tokens_per_s"))
+            row.pop("step_ratio", None), row.pop("step_ratio_range", None)
+            if "tokens_ratio" in row:
+                row["rate_ratio"], row["rate_ratio_range"] = row.pop("tokens_ratio"), row.pop("tokens_ratio_range")
+            arm["rates"].append({"sequences": runs[0]["sequences"], "context": runs[0]["context"], **row,
+                                 "cuda_graphs": all(r["cuda_graphs"] for r in runs)})
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--contexts", "--context", dest="contexts", type=int, nargs="+", default=[32768])
+    ap.add_argument("--contexts", "--context", dest="contexts", type=int, nargs="*", default=[32768])
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--budgets", type=int, nargs="+", default=[2048])
     ap.add_argument("--pages", "--page", dest="pages", type=int, nargs="+", default=[4],
                     help="tokens per key-bounds page (the cache's bounds_page_size): a quest arm each")
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--shape", choices=["llama-3.2-1b", "cpu"], default=None,
+    ap.add_argument("--shape", choices=list(SHAPES), default=None,
                     help="the model's shapes (default: llama-3.2-1b on CUDA, cpu on a CPU)")
     ap.add_argument("--concurrent", type=int, nargs="*", default=[], help="decode rates of this many sequences")
-    ap.add_argument("--concurrent-context", type=int, default=32768)
+    ap.add_argument("--concurrent-context", type=int, nargs="+", default=[32768])
     ap.add_argument("--rate-steps", type=int, default=20)
+    ap.add_argument("--reload", action="store_true",
+                    help="on a CPU, load each arm's engine for each round and free it after (memory), not once")
     ap.add_argument("--no-dense", action="store_true", help="quest arms only")
     ap.add_argument("--model-dir", help="the model's folder, built there if it holds none (reused across runs)")
     ap.add_argument("--smoke", action="store_true", help="a tiny model (CPU), short contexts")
@@ -173,61 +193,56 @@ def main(argv: list[str] | None = None) -> int:
     cuda = torch.cuda.is_available() and not args.smoke
     dtype = torch.bfloat16 if cuda else torch.float32
     shape = args.shape or ("llama-3.2-1b" if cuda else "cpu")
-    shapes = dict(TINY) if args.smoke else dict(LLAMA_32_1B if shape == "llama-3.2-1b" else CPU_SHAPE)
+    shapes = dict(TINY) if args.smoke else dict(SHAPES[shape])
     if args.smoke:
         args.contexts, args.budgets, args.new_tokens, args.rounds = [200], [32], min(args.new_tokens, 4), 1
-        args.concurrent, args.concurrent_context, args.rate_steps = [2], 200, 2
-    rate_len = args.concurrent_context + args.rate_steps + 2 if args.concurrent else 0
-    max_len = max(max(args.contexts) + args.new_tokens, rate_len) + 16
+        args.concurrent, args.concurrent_context, args.rate_steps = [2], [200], 2
+    rate_len = max(args.concurrent_context) + args.rate_steps + 2 if args.concurrent else 0
+    max_len = max(max(args.contexts, default=0) + args.new_tokens, rate_len) + 16
     shapes["max_position_embeddings"] = max(shapes["max_position_embeddings"], max_len)
     arms = arms_of(args, cuda)
     report = {"command": "python bench/quest_e2e.py " + " ".join(sys.argv[1:] if argv is None else argv),
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "device": describe_device("cuda" if cuda else "cpu"), "shape": "tiny" if args.smoke else shape,
-              "contexts": args.contexts, "new_tokens": args.new_tokens, "rounds": args.rounds, "arms": arms}
+              "threads": torch.get_num_threads(), "contexts": args.contexts, "new_tokens": args.new_tokens,
+              "rounds": args.rounds, "arms": arms}
+    for arm in arms:
+        arm["runs"] = {str(c): [] for c in args.contexts}
+        arm["rate_runs"] = {f"{n}x{c}": [] for n in args.concurrent for c in args.concurrent_context}
+    # on CUDA arm after arm (each engine takes most of the memory); on a CPU rounds of every
+    # arm in turn, the order rotating
+    n = len(arms)
+    order = [(i, r) for i in range(n) for r in range(args.rounds)] if cuda else \
+        [(i, r) for r in range(args.rounds) for i in (list(range(n))[r % n:] + list(range(n))[:r % n])]
+    keep = not cuda and not args.reload
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.model_dir or tmp)
         if not (folder / "config.json").exists():
             build_model(folder, shapes, dtype)
-        max_seqs = max([1, *args.concurrent])
-        for arm in arms:
-            arm["runs"] = {str(c): [] for c in args.contexts}
-
-        def load(arm: dict, share: float) -> LLM:
-            return make_llm(folder, cuda, dtype, max_len, arm["attention"], arm["page"], share, max_seqs)
-
-        def run_round(arm: dict, llm: LLM, r: int) -> None:
+        llms: dict[int, LLM] = {}
+        for i, r in order:
+            arm = arms[i]
+            if i not in llms:
+                if not keep:
+                    llms.clear()
+                    gc.collect()
+                    if cuda:
+                        torch.cuda.empty_cache()
+                llms[i] = make_llm(folder, cuda, dtype, max_len, arm["attention"], arm["page"], 0.85,
+                                   max([1, *args.concurrent]))
             for context in args.contexts:
-                arm["runs"][str(context)].append(one_request(llm, context, args.new_tokens, seed=r))
+                arm["runs"][str(context)].append(one_request(llms[i], context, args.new_tokens, seed=r))
                 print(json.dumps({"round": r, **arm["attention"], "page": arm["page"], "context": context,
                                   **arm["runs"][str(context)][-1]}), flush=True)
-
-        def run_rates(arm: dict, llm: LLM) -> None:
-            arm["rates"] = [decode_rate(llm, n, args.concurrent_context, args.rate_steps) for n in args.concurrent]
-            for rate in arm["rates"]:
-                print(json.dumps({**arm["attention"], "page": arm["page"], **rate}), flush=True)
-
-        if cuda:  # one engine at a time
-            for arm in arms:
-                llm = load(arm, 0.85)
-                for r in range(args.rounds):
-                    run_round(arm, llm, r)
-                run_rates(arm, llm)
-                del llm
-                torch.cuda.empty_cache()
-        else:
-            llms = [load(arm, 0.0) for arm in arms]
-            for r in range(args.rounds):
-                order = list(range(len(arms)))
-                for i in order[r % len(order):] + order[:r % len(order)]:
-                    run_round(arms[i], llms[i], r)
-            for arm, llm in zip(arms, llms):
-                run_rates(arm, llm)
-        summarize(arms, args.contexts)
-        if arms and arms[0]["attention"]["name"] != "quest":
-            for arm in arms[1:]:
-                for rate, base in zip(arm["rates"], arms[0]["rates"]):
-                    rate["rate_ratio"] = round(rate["tokens_per_s"] / base["tokens_per_s"], 3)
+            for key in arm["rate_runs"]:
+                batch, context = (int(x) for x in key.split("x"))
+                arm["rate_runs"][key].append(decode_rate(llms[i], batch, context, args.rate_steps))
+                print(json.dumps({"round": r, **arm["attention"], "page": arm["page"], **arm["rate_runs"][key][-1]}),
+                      flush=True)
+            if args.reload:
+                llms.clear()
+                gc.collect()
+        summarize(arms)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
