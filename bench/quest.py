@@ -22,6 +22,12 @@ How to run
     python bench/quest.py --contexts 32768 131072 --budgets 2048 --json out.json       # on a GPU
     python bench/quest.py --contexts 131072 --pages 2 4 8 16 --budgets 2048           # page sizes
     OMP_NUM_THREADS=2 python bench/quest.py --contexts 16384 32768 --budgets 2048      # a CPU
+    OMP_NUM_THREADS=1 python bench/quest.py --prefill 1024 --contexts 8192 16384 --pages 4 16 --reps 20
+
+``--prefill CHUNK`` times instead one layer's prompt chunk (the engine's 1,024 tokens a step by
+default) at the end of each context: `sdpa` against `quest`, which runs prompts through `sdpa`
+plus the cache's bounds upkeep, alternated call by call (the CPU path: on CUDA the upkeep is
+one Triton kernel).
 """
 
 from __future__ import annotations
@@ -153,6 +159,38 @@ def point(context: int, batch: int, budgets: list[int], dtype: torch.dtype, devi
     return out
 
 
+def prefill_point(context: int, chunk: int, dtype: torch.dtype, device: torch.device, reps: int, page: int) -> dict:
+    """One layer's forward of a prompt chunk of ``chunk`` tokens after ``context - chunk``
+    cached ones: `sdpa` against `quest` (whose prompts run `sdpa` plus the cache's bounds
+    upkeep), the two alternated call by call; medians and the median of the per-call ratios."""
+    case = ref.make_case([context], [chunk], HEADS, KV_HEADS, HEAD_DIM, BLOCK, dtype, seed=0,
+                         extras=frozenset({"key_bounds"}), page_size=page)
+    layout = KVLayout("kv", BLOCK, dtype, frozenset({"key_bounds"}), page)
+    storage = BoundedDenseKVStorage(layout, case.storage.k.shape[0], KV_HEADS, HEAD_DIM, device)
+    storage.k.copy_(case.storage.k)
+    storage.v.copy_(case.storage.v)
+    batch = ref.batch_to(case.batch, device)
+    batch.seqs = [SimpleNamespace(num_prompt_tokens=context)]  # a prompt chunk
+    q, k, v = (t.to(device) for t in (case.q, case.k_new, case.v_new))
+    model = SimpleNamespace(**vars(ref.model_stub(HEAD_DIM)), num_kv_heads=KV_HEADS)
+    sdpa = SdpaAttention(SdpaOptions(), model, device, dtype)
+    quest = QuestAttention(QuestOptions(dense_layers=0, dense_backend="sdpa", kernel="torch"), model, device, dtype)
+    plans = {"sdpa": sdpa.plan(batch, None), "quest": quest.plan(batch, SimpleNamespace(layout=layout))}
+    assert not plans["quest"].groups  # a prompt: dense
+    times: dict[str, list[float]] = {"sdpa": [], "quest": []}
+    for _ in range(reps + 1):
+        for name, backend in (("sdpa", sdpa), ("quest", quest)):
+            start = time.perf_counter()
+            backend.forward(5, q, k, v, storage, plans[name])
+            times[name].append(1e3 * (time.perf_counter() - start))
+    ratios = [b / a for a, b in zip(times["sdpa"][1:], times["quest"][1:])]
+    return {"context": context, "chunk": chunk, "page": page, "timing": "wall clock, alternated",
+            "prefill_sdpa_ms": round(statistics.median(times["sdpa"][1:]), 3),
+            "prefill_quest_ms": round(statistics.median(times["quest"][1:]), 3),
+            "prefill_ratio": round(statistics.median(ratios), 4),
+            "prefill_ratio_range": [round(min(ratios), 4), round(max(ratios), 4)]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768])
@@ -165,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="tokens per key-bounds page (the cache's bounds_page_size); several: a point each")
     ap.add_argument("--eager", action="store_true", help="on CUDA, time eager calls, not graph replays")
     ap.add_argument("--no-dense", action="store_true", help="skip `sdpa` (slow at long contexts)")
+    ap.add_argument("--prefill", type=int, metavar="CHUNK",
+                    help="instead: one layer's prompt chunk of CHUNK tokens at the end of each context, `sdpa` "
+                         "against `quest` (the CPU path), alternated")
     ap.add_argument("--json", help="write the report here too")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -176,6 +217,10 @@ def main(argv: list[str] | None = None) -> int:
               "threads": torch.get_num_threads(), "dtype": str(dtype), "points": []}
     for context in args.contexts:
         for page in args.pages:
+            if args.prefill:
+                report["points"].append(prefill_point(context, args.prefill, dtype, device, args.reps, page))
+                print(json.dumps(report["points"][-1]), flush=True)
+                continue
             report["points"].append(point(context, args.batch, args.budgets, dtype, device, reps, args.kernel, page,
                                           not args.eager, not args.no_dense))
             print(json.dumps(report["points"][-1]), flush=True)

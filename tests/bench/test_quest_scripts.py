@@ -29,6 +29,10 @@ def test_attention_microbenchmark_reports_dense_quest_and_the_ratio(tmp_path):
     assert point["context"] == 512 and point["dense_ms"] > 0 and point["quest_64_ms"] > 0
     assert abs(point["speedup_64"] - point["dense_ms"] / point["quest_64_ms"]) < 0.02 * point["speedup_64"] + 0.01
     assert 0 < point["quest_64_select_ms"] and point["quest_64_select_share"] > 0
+    run("quest.py", "--prefill", "64", "--contexts", "256", "--reps", "2", "--json", str(out))
+    point, = json.loads(out.read_text())["points"]
+    assert point["chunk"] == 64 and point["prefill_sdpa_ms"] > 0 and point["prefill_quest_ms"] > 0
+    assert point["prefill_ratio_range"][0] <= point["prefill_ratio"] <= point["prefill_ratio_range"][1]
     assert report["command"].startswith("python bench/quest.py") and report["date"] and report["device"]
 
 
