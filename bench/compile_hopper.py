@@ -95,18 +95,23 @@ def decode_launches(int8: bool = False):
 
 
 def quest_launches():
-    """QUEST's block scoring and selection for 16 decodes at 32k context (2048 blocks of 16),
-    Llama-3.2-1B's heads, a budget of 128 blocks."""
+    """QUEST's page scoring and page tables for 16 decodes at 32k context in pages of 4 (8,192
+    pages, blocks of 16), Llama-3.2-1B's heads, a budget of 2,048 tokens (512 pages); and the
+    paged cache's key-bounds upkeep of a prompt chunk."""
     from tessellm.plugins.attention.quest import kernels as quest_kernels
+    from tessellm.plugins.cache.paged import bounds_kernel
 
-    b, hq, hkv, d, n = 16, 32, 8, 64, 2048
+    b, hq, hkv, d, n, page = 16, 32, 8, 64, 8192, 4
     q = torch.zeros(b, hq, d, dtype=torch.bfloat16)
     bounds = torch.zeros(b * n, hkv, d, dtype=torch.bfloat16)
-    tables = torch.arange(b * n).view(b, n)
+    tables = torch.arange(b * n // 4, dtype=torch.int32).view(b, -1)
+    lens = torch.full((b,), page * n, dtype=torch.int32)
+    rows = torch.arange(b, dtype=torch.int32)
+    cache = torch.zeros(b * n * page, hkv, d, dtype=torch.bfloat16)
     with recorded_launches() as launches:
-        quest_kernels.select_decode_blocks(q, torch.arange(b, dtype=torch.int32), tables,
-                                           torch.full((b,), n, dtype=torch.int32), torch.full((b,), 16 * n, dtype=torch.int32),
-                                           torch.full((b,), 128, dtype=torch.int32), 128, bounds, bounds, 16)
+        quest_kernels.score_pages(q, rows, tables, lens, bounds, bounds, page, 4, n)
+        quest_kernels.page_tables(torch.zeros(b, hkv, 511, dtype=torch.long), tables, lens, page, 4)
+        bounds_kernel.update_page_bounds(cache, None, torch.arange(1024), bounds, bounds.clone(), page)
     return launches
 
 

@@ -55,12 +55,15 @@ def scratch_batch(shape: list[tuple[int, int]], scratch: int, block_size: int, d
                   lora_slot: int = -1) -> BatchMetadata:
     """A batch of dummy sequences, (query tokens, context length after the step) each, laid out
     by ``build_batch`` exactly as real ones are, all of their KV in the scratch block (each
-    under LoRA slot ``lora_slot``; -1: none)."""
+    under LoRA slot ``lora_slot``; -1: none). A one-token query after context is a decode:
+    its sequence is past its prompt (a backend may attend decodes otherwise than prompts)."""
     params = SamplingParams(max_tokens=1, ignore_eos=True)
     scheduled = []
     for query, context in shape:
         seq = Sequence("warm-up", [0] * context, params)
         seq.num_computed_tokens = context - query
+        if query == 1 < context:
+            seq.num_prompt_tokens = context - 1
         seq.lora_slot = lora_slot
         scheduled.append(ScheduledSeq(seq, query))
     return build_batch(scheduled, _ScratchTables(scratch, block_size), device)

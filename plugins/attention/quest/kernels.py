@@ -1,17 +1,21 @@
-"""QUEST's decode path in Triton: block scoring and top-K selection, feeding `flash`'s split-K
-decode kernel per-KV-head tables of the chosen blocks, so a decode reads the key bounds of
-its blocks and the K/V of the chosen ones only.
+"""QUEST's decode path in Triton: page scores from the key bounds, then (after torch's top-K)
+per-KV-head page tables for `flash`'s split-K decode kernel, so a decode reads every page's
+bounds and its chosen pages' K/V only.
 
-- ``_score_kernel``: one program per (sequence, KV head, tile of blocks) reads the tile's
-  key bounds through the block table and the KV head's query heads, and writes each block's
-  score, the largest over the query heads of relu(q) . max - relu(-q) . min (+inf for the
-  forced first and newest blocks, -inf past the sequence's blocks).
-- ``_select_kernel``: one program per (sequence, KV head) sorts the scores (each packed with
-  its column into one int64 key, so one sort carries both), keeps the best ``num_chosen``,
-  sorts their columns back into position order and writes their block ids and the head's
-  length in tokens (the newest, partly filled block last).
+- ``_score_kernel``: one program per (sequence, KV head, tile of BLOCK_N pages) finds each
+  page through the sequence's block table (page id = block * pages_per_block + j), reads its
+  bounds and the KV head's query heads, and writes the page's score, the largest over the
+  query heads of relu(q) . max - relu(-q) . min; +inf for the first page (always kept), -inf
+  for the newest (always appended after the selection) and past the sequence's pages.
+- ``_table_kernel``: one program per (sequence, KV head) turns the top-K columns into page
+  ids with the newest page last, and writes the head's token count; a sequence with no more
+  pages than the table holds gets all of them in position order (dense).
 
-select.py holds the torch reference of both (``block_scores``, ``select_blocks``).
+Nothing about the context is a compile-time constant (the page count is a runtime argument,
+never specialised), so a longer context never builds a new variant; nothing is read back on
+the host; every launch's grid depends on the batch size and the table width alone: a decode
+step can be captured in a CUDA graph. select.py holds the torch reference of both kernels
+(``decode_page_scores``, ``decode_page_tables``).
 """
 
 from __future__ import annotations
@@ -22,15 +26,19 @@ import triton.language as tl
 
 from tessellm.plugins.attention.flash.common import interpreting
 
-MAX_BLOCKS = 65536
-"""Blocks a sequence may have for the select kernel (its sort keys hold a 16-bit column)."""
+SCORE_TILE = 64
+"""Pages a score program handles."""
+TABLE_TILE = 1024
+"""Table columns a table program writes at a time (a large budget loops, never a larger tile)."""
+MAX_SCORE_PROGRAMS = 65535
+"""CUDA's limit on a grid's third dimension: score tiles per sequence and KV head."""
 
 
-@triton.jit(do_not_specialize=["stride_tb", "num_cols"])
-def _score_kernel(Q, Rows, Tables, NumBlocks, KMin, KMax, Scores,
-                  stride_qt, stride_qh, stride_tb, stride_bb, stride_bh, stride_sb, stride_sh, num_cols,
+@triton.jit(do_not_specialize=["stride_tb", "stride_sb", "stride_sh", "num_cols"])
+def _score_kernel(Q, Rows, Tables, SeqLens, KMin, KMax, Scores,
+                  stride_qt, stride_qh, stride_tb, stride_bp, stride_bh, stride_sb, stride_sh, num_cols,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_N: tl.constexpr, FP32_DOT: tl.constexpr):
+                  BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PER_BLOCK: tl.constexpr, FP32_DOT: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -41,10 +49,11 @@ def _score_kernel(Q, Rows, Tables, NumBlocks, KMin, KMax, Scores,
     row = tl.load(Rows + seq)
     q = tl.load(Q + row * stride_qt + (kv_head * GROUP + offs_g)[:, None] * stride_qh + offs_d[None, :],
                 mask=g_ok[:, None] & d_ok[None, :], other=0.0)
-    num_blocks = tl.load(NumBlocks + seq)
-    col_ok = cols < num_blocks
-    block = tl.load(Tables + seq * stride_tb + cols, mask=col_ok, other=0).to(tl.int64)
-    ptr = block[:, None] * stride_bb + kv_head * stride_bh + offs_d[None, :]
+    num_pages = tl.cdiv(tl.load(SeqLens + seq), PAGE)
+    col_ok = cols < num_pages  # a tile past the sequence's pages loads nothing
+    block = tl.load(Tables + seq * stride_tb + cols // PER_BLOCK, mask=col_ok, other=0).to(tl.int64)
+    page = block * PER_BLOCK + cols % PER_BLOCK
+    ptr = page[:, None] * stride_bp + kv_head * stride_bh + offs_d[None, :]
     hi = tl.load(KMax + ptr, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
     lo = tl.load(KMin + ptr, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
     if FP32_DOT:  # float32 models, and the interpreter (it cannot multiply bfloat16)
@@ -56,66 +65,69 @@ def _score_kernel(Q, Rows, Tables, NumBlocks, KMin, KMax, Scores,
         pos, neg = tl.maximum(q, zero).to(hi.dtype), tl.maximum(-q, zero).to(lo.dtype)
         s = tl.dot(pos, tl.trans(hi)) - tl.dot(neg, tl.trans(lo))
     score = tl.max(tl.where(g_ok[:, None], s, float("-inf")), 0)  # [BLOCK_N]
-    forced = (cols == 0) | (cols == num_blocks - 1)
-    score = tl.where(forced, float("inf"), score)
-    score = tl.where(col_ok, score, float("-inf"))
+    score = tl.where(cols == 0, float("inf"), score)
+    score = tl.where(col_ok & (cols != num_pages - 1), score, float("-inf"))
     tl.store(Scores + seq * stride_sb + kv_head * stride_sh + cols, score, mask=cols < num_cols)
 
 
-@triton.jit
-def _select_kernel(Scores, Tables, NumBlocks, SeqLens, NumChosen, BlocksOut, LensOut,
-                   stride_sb, stride_sh, stride_tb, stride_ob, stride_oh, stride_lb, num_cols,
-                   KV_BLOCK: tl.constexpr, N_PAD: tl.constexpr):
+@triton.jit(do_not_specialize=["stride_tb"])
+def _table_kernel(Picks, Tables, SeqLens, PagesOut, LensOut,
+                  stride_pb, stride_ph, stride_tb, stride_ob, stride_oh, stride_lb,
+                  NUM_PICKS: tl.constexpr, PAGE: tl.constexpr, PER_BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    cols = tl.arange(0, N_PAD)
-    score = tl.load(Scores + seq * stride_sb + kv_head * stride_sh + cols, mask=cols < num_cols,
-                    other=float("-inf"))
-    # float32 bits -> an unsigned order-preserving integer, then the column in the low 16 bits
-    # (a lower column first among equal scores)
-    bits = score.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-    ordered = tl.where(bits >= 0x80000000, (~bits) & 0xFFFFFFFF, bits | 0x80000000)
-    keys = tl.sort((ordered << 16) | (N_PAD - 1 - cols), descending=True)
-    ranked = N_PAD - 1 - (keys & 0xFFFF)  # columns, best first
-    num_blocks = tl.load(NumBlocks + seq)
-    take = tl.minimum(tl.load(NumChosen + seq), num_blocks)
-    chosen = tl.sort(tl.where(cols < take, ranked, N_PAD))  # the chosen columns in position order
-    ok = cols < take
-    block = tl.load(Tables + seq * stride_tb + chosen, mask=ok, other=0)
-    tl.store(BlocksOut + seq * stride_ob + kv_head * stride_oh + cols, block.to(tl.int32), mask=ok)
-    kv_len = tl.load(SeqLens + seq)
-    tl.store(LensOut + seq * stride_lb + kv_head, (take - 1) * KV_BLOCK + kv_len - (num_blocks - 1) * KV_BLOCK)
+    seq_len = tl.load(SeqLens + seq)
+    num_pages = tl.cdiv(seq_len, PAGE)
+    dense = num_pages <= NUM_PICKS + 1  # every page fits the table: all of them, in order
+    for start in range(0, NUM_PICKS + 1, BLOCK_K):  # table columns: NUM_PICKS picks, then the newest page
+        k = start + tl.arange(0, BLOCK_K)
+        picked = tl.load(Picks + seq * stride_pb + kv_head * stride_ph + k, mask=k < NUM_PICKS, other=0)
+        col = tl.where(dense, k, tl.where(k == NUM_PICKS, num_pages - 1, picked))
+        ok = (k <= NUM_PICKS) & (col < num_pages)
+        block = tl.load(Tables + seq * stride_tb + col // PER_BLOCK, mask=ok, other=0)
+        page = tl.where(ok, block * PER_BLOCK + col % PER_BLOCK, 0)  # a column past the length is never read
+        tl.store(PagesOut + seq * stride_ob + kv_head * stride_oh + k, page.to(tl.int32), mask=k <= NUM_PICKS)
+    length = tl.where(dense, seq_len, NUM_PICKS * PAGE + seq_len - (num_pages - 1) * PAGE)
+    tl.store(LensOut + seq * stride_lb + kv_head, length.to(tl.int32))
 
 
-def select_decode_blocks(q: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor, num_blocks: torch.Tensor,
-                         seq_lens: torch.Tensor, num_chosen: torch.Tensor, max_chosen: int, kmin: torch.Tensor,
-                         kmax: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Score and choose blocks for one decoding query row per sequence.
+def score_pages(q: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor,
+                kmin: torch.Tensor, kmax: torch.Tensor, page: int, per_block: int, num_cols: int) -> torch.Tensor:
+    """Scores [B, Hkv, num_cols] float32 of each sequence's pages for its one decoding query row.
 
-    q [T, Hq, D] packed queries; rows [B] the row of each sequence; tables [B, N] its block ids
-    (N columns, ``num_blocks`` [B] of them real); seq_lens [B]; num_chosen [B] blocks to keep
-    (forced first and newest included), at most ``max_chosen``; kmin, kmax [num_blocks_total,
-    Hkv, D]. Returns (blocks [B, Hkv, K] int32, the chosen block ids in position order,
-    lengths [B, Hkv] int32, each head's tokens in them), K = min(max_chosen, N), for
-    ``paged_decode_attention``'s per-head tables. No host synchronisation.
-    """
-    b, n = tables.shape
-    if n > MAX_BLOCKS:
-        raise ValueError(f"QUEST's select kernel takes at most {MAX_BLOCKS} blocks per sequence, got {n}")
+    q [T, Hq, D] packed queries; rows [B] int32 the row of each sequence; tables [B, W] int32
+    its cache blocks (``per_block`` pages of ``page`` tokens each); seq_lens [B] int32;
+    kmin, kmax [num_pages_total, Hkv, D] the bounds. The first page scores +inf, the newest
+    and any column past a sequence's pages -inf (``decode_page_scores`` in select.py)."""
+    b, _ = tables.shape
     _, hq, d = q.shape
     hkv = kmin.shape[1]
-    n_pad = max(16, triton.next_power_of_2(n))
-    scores = torch.empty(b, hkv, n_pad, dtype=torch.float32, device=q.device)
-    block_n = 32
-    upcast = interpreting() or q.dtype == torch.float32
-    _score_kernel[(b, hkv, triton.cdiv(n_pad, block_n))](
-        q, rows, tables, num_blocks, kmin, kmax, scores, q.stride(0), q.stride(1), tables.stride(0),
-        kmin.stride(0), kmin.stride(1), scores.stride(0), scores.stride(1), n_pad,
+    scores = torch.empty(b, hkv, num_cols, dtype=torch.float32, device=q.device)
+    if b == 0 or num_cols == 0:
+        return scores
+    _score_kernel[(b, hkv, triton.cdiv(num_cols, SCORE_TILE))](
+        q, rows, tables, seq_lens, kmin, kmax, scores, q.stride(0), q.stride(1), tables.stride(0),
+        kmin.stride(0), kmin.stride(1), scores.stride(0), scores.stride(1), num_cols,
         GROUP=hq // hkv, HEAD_DIM=d, BLOCK_G=max(16, triton.next_power_of_2(hq // hkv)),
-        BLOCK_D=triton.next_power_of_2(d), BLOCK_N=block_n, FP32_DOT=upcast)
-    blocks = torch.zeros(b, hkv, n_pad, dtype=torch.int32, device=q.device)
-    lengths = torch.empty(b, hkv, dtype=torch.int32, device=q.device)
-    _select_kernel[(b, hkv)](
-        scores, tables, num_blocks, seq_lens, num_chosen, blocks, lengths, scores.stride(0), scores.stride(1),
-        tables.stride(0), blocks.stride(0), blocks.stride(1), lengths.stride(0), n, KV_BLOCK=block_size, N_PAD=n_pad)
-    return blocks[:, :, :min(max_chosen, n)].contiguous(), lengths
+        BLOCK_D=triton.next_power_of_2(d), BLOCK_N=SCORE_TILE, PAGE=page, PER_BLOCK=per_block,
+        FP32_DOT=interpreting() or q.dtype == torch.float32)
+    return scores
+
+
+def page_tables(picks: torch.Tensor, tables: torch.Tensor, seq_lens: torch.Tensor, page: int,
+                per_block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-KV-head page tables for the split-K decode kernel: picks [B, Hkv, P] the columns
+    top-K chose (any order) -> (pages [B, Hkv, P + 1] int32, the picks' page ids and the
+    newest page last, lengths [B, Hkv] int32 the tokens they hold); a sequence of at most
+    P + 1 pages gets all of them in order (``decode_page_tables`` in select.py)."""
+    b, hkv, num_picks = picks.shape
+    pages = torch.empty(b, hkv, num_picks + 1, dtype=torch.int32, device=picks.device)
+    lengths = torch.empty(b, hkv, dtype=torch.int32, device=picks.device)
+    if b == 0:
+        return pages, lengths
+    _table_kernel[(b, hkv)](
+        picks, tables, seq_lens, pages, lengths, picks.stride(0), picks.stride(1), tables.stride(0),
+        pages.stride(0), pages.stride(1), lengths.stride(0),
+        NUM_PICKS=num_picks, PAGE=page, PER_BLOCK=per_block,
+        BLOCK_K=min(triton.next_power_of_2(num_picks + 1), TABLE_TILE))
+    return pages, lengths

@@ -8,7 +8,9 @@ valid tokens are its offsets 0 up to the largest offset just written. The bounds
 recomputed over exactly those tokens, read back as stored (dequantized for int8), so they
 are exact, not merely grown: tokens past a rollback that a later step overwrites never
 linger in them. Per store that reads at most one page's tokens per written page (decode:
-one page per sequence).
+one page per sequence): O(new tokens), whatever the context. On CUDA one Triton kernel does
+it (bounds_kernel.py), with nothing read back on the host, so a store never synchronises
+and a decode step stays capturable; elsewhere torch does.
 
 Copy-on-write copies a block's page bounds with its tokens; ``refresh_bounds`` recomputes
 the pages of a block that a truncation left partly filled (the manager calls it for blocks
@@ -28,6 +30,14 @@ from tessellm.core.interfaces.kv import DenseKVStorage, KVLayout, KVStorage, den
 from tessellm.plugins.cache.paged.int8_kv import Int8KVStorage
 
 KEY_BOUNDS = "key_bounds"
+
+
+def bounds_by_kernel(slots: torch.Tensor) -> bool:
+    """Whether a store's bounds upkeep runs in the Triton kernel: on CUDA, where Triton comes
+    with torch (tests force it on a CPU, interpreted)."""
+    import importlib.util
+
+    return slots.is_cuda and importlib.util.find_spec("triton") is not None
 
 
 class KeyBoundsMixin:
@@ -58,13 +68,29 @@ class KeyBoundsMixin:
         if slots.numel() == 0:
             return
         ps = self.layout.bounds_page
+        if bounds_by_kernel(slots):
+            from tessellm.plugins.cache.paged.bounds_kernel import update_page_bounds
+
+            k, _ = self.kv_tensors()  # type: ignore[attr-defined]
+            scale = self.kv_scales()[0] if k.dtype == torch.int8 else None  # type: ignore[attr-defined]
+            update_page_bounds(k, scale, slots, self.kmin, self.kmax, ps)
+            return
         pages, offsets = slots // ps, slots % ps
-        if not (slots.is_cuda and torch.cuda.is_current_stream_capturing()):
+        if slots.device.type == "cpu":
             # only the token that ends a run of its page needs to recompute: its prefix
-            # covers the run's earlier tokens (the page's largest offset always ends a run)
+            # covers the run's earlier tokens (the page's largest offset always ends a run);
+            # picking them reads a count back, free on a CPU. A page is written by one run a
+            # step, so each is written once (a plain copy: a scatter-reduce enters a parallel
+            # region, which stalls on a busy machine)
             ends = torch.ones_like(pages, dtype=torch.bool)
             ends[:-1] = (pages[1:] != pages[:-1]) | (offsets[1:] <= offsets[:-1])
             pages, offsets = pages[ends], offsets[ends]
+            lo, hi = self._prefix_bounds(pages, offsets)
+            self.kmin.index_copy_(0, pages, lo)
+            self.kmax.index_copy_(0, pages, hi)
+            return
+        # elsewhere, without the kernel, every token recomputes its page's prefix: no read-
+        # back, page times the work; a page's largest prefix wins (the bounds of the others)
         lo, hi = self._prefix_bounds(pages, offsets)
         index = pages[:, None, None].expand_as(lo)
         self.kmin.scatter_reduce_(0, index, lo, "amin", include_self=False)

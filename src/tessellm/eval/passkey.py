@@ -223,6 +223,7 @@ class SelectionRecorder:
         self._key_blocks = [frozenset(t // block_size for t in keys) for keys in key_tokens]  # QUEST's pages
         self._prompt_lens = [len(p) for p in prompts]
         self._sums: dict[tuple[int, int], list[float]] = {}  # (trial, layer) -> [sum of shares, count]
+        self._runner = self._graphs = None  # the runner whose CUDA graphs rest while attached
 
     @classmethod
     def attach(cls, llm: LLM, prompts: list[list[int]], key_tokens: list[list[int]]) -> SelectionRecorder | None:
@@ -231,10 +232,16 @@ class SelectionRecorder:
             return None
         recorder = cls(backend, prompts, key_tokens, llm.pipeline.cache.layout.bounds_page)
         backend.observe_selection(recorder)
+        # a decode step replayed from a CUDA graph runs no Python: the selection is observed
+        # in eager steps only, so the graphs rest while the recorder listens
+        recorder._runner, recorder._graphs = llm.pipeline.runner, llm.pipeline.runner.graphs
+        recorder._runner.graphs = None
         return recorder
 
     def detach(self) -> None:
         self.backend.observe_selection(None)
+        if self._runner is not None:
+            self._runner.graphs = self._graphs
 
     def _trial(self, seq) -> int | None:
         trial = self._trial_of_seq.get(seq.request_id)

@@ -7,6 +7,7 @@ and whole pipelines (chunked prefill, speculative decoding, int8 K/V) run throug
 from __future__ import annotations
 
 import os
+from types import SimpleNamespace
 from unittest import mock
 
 CUDA_AVAILABLE = __import__("torch").cuda.is_available()
@@ -126,38 +127,56 @@ def test_above_the_budget_each_query_attends_its_chosen_blocks(kv_lens, heads, b
     """Decodes and speculative verifications (up to 4 rows) over contexts beyond the budget,
     pages of the cache's blocks or parts of them: the output equals the float64 reference
     over the pages chosen for each KV head, and those are the first page, the pages of the
-    query positions and budget-many in all."""
+    query positions and budget-many in all; a decode's others are the best scored."""
     from types import SimpleNamespace
 
     block, bs = pages  # cache block, key-bounds page: QUEST's unit
     q_lens = [data.draw(st.integers(1, min(4, n - 1))) for n in kv_lens]
     case = bounded_case(kv_lens, q_lens, heads=heads, seed=seed, block_size=block, page=bs)
-    chosen = []
-    real = quest_backend.select_blocks
+    picked, selected = [], []
+    real_pick, real_select = quest_backend.pick_pages, quest_backend.select_blocks
 
-    def recording(*args):
-        index, ok = real(*args)
-        chosen.append((index, ok))
+    def recording_pick(scores, num_picks):
+        picks = real_pick(scores, num_picks)
+        picked.append((scores, picks))
+        return picks
+
+    def recording_select(*args):
+        index, ok = real_select(*args)
+        selected.append((index, ok))
         return index, ok
 
     backend = quest(budget)
     cache = SimpleNamespace(layout=case.storage.layout)
-    with mock.patch.object(quest_backend, "select_blocks", recording):
+    with mock.patch.object(quest_backend, "pick_pages", recording_pick), \
+            mock.patch.object(quest_backend, "select_blocks", recording_select):
         out = backend.forward(5, case.q, case.k_new, case.v_new, case.storage, backend.plan(case.batch, cache))
-    sparse = [i for i, n in enumerate(kv_lens) if n > budget]
+    sparse = [i for i, n in enumerate(kv_lens) if n > budget and -(-n // bs) > max(budget // bs, 1)]
+    decodes = [i for i in sparse if q_lens[i] == 1]
+    verifies = [i for i in sparse if q_lens[i] > 1]
     row0 = [sum(q_lens[:i]) for i in range(len(kv_lens))]
     expected_all = ref.reference_packed(case, 16 ** -0.5)
-    if not sparse:
-        assert not chosen
-        assert (out.double() - expected_all).abs().max() < 2e-5
-        return
-    (index, ok), = chosen
-    for j, i in enumerate(sparse):
+    assert len(picked) == bool(decodes) and len(selected) == bool(verifies)
+    table = max(budget // bs, 2)
+    for j, i in enumerate(decodes):  # the picks (any order), then the newest page
+        scores, picks = picked[0]
+        num_pages = -(-kv_lens[i] // bs)
+        chosen = torch.cat([picks[j].sort(-1).values, torch.full((heads[1], 1), num_pages - 1)], dim=-1)
+        for h in range(heads[1]):
+            cols = chosen[h].tolist()
+            assert len(set(cols)) == table and 0 in cols and cols[-1] == num_pages - 1
+            rest = sorted(range(1, num_pages - 1), key=lambda c: -scores[j, h, c].item())
+            assert set(cols[1:-1]) == set(rest[:table - 2])
+        expected = restricted_reference(case, i, row0[i], chosen, torch.ones_like(chosen, dtype=torch.bool), bs,
+                                        16 ** -0.5)
+        assert (out[row0[i]:row0[i] + 1].double() - expected).abs().max() < 2e-5, i
+    for j, i in enumerate(verifies):
+        index, ok = selected[0]
         first_query_block = (kv_lens[i] - q_lens[i]) // bs
         for h in range(heads[1]):
-            picked = set(index[j, h][ok[j, h]].tolist())
-            assert 0 in picked and set(range(first_query_block, -(-kv_lens[i] // bs))) <= picked
-            assert len(picked) == min(max(budget // bs, 1 + len(range(first_query_block, -(-kv_lens[i] // bs)))),
+            chosen = set(index[j, h][ok[j, h]].tolist())
+            assert 0 in chosen and set(range(first_query_block, -(-kv_lens[i] // bs))) <= chosen
+            assert len(chosen) == min(max(budget // bs, 1 + len(range(first_query_block, -(-kv_lens[i] // bs)))),
                                       -(-kv_lens[i] // bs))
         expected = restricted_reference(case, i, row0[i], index[j], ok[j], bs, 16 ** -0.5)
         got = out[row0[i]:row0[i] + q_lens[i]].double()
@@ -193,33 +212,38 @@ def test_the_triton_decode_reads_the_chosen_blocks_as_the_torch_path_does(kv_len
 
 
 @settings(max_examples=15)
-@given(st.lists(st.integers(9, 90), min_size=1, max_size=3), st.sampled_from([(4, 2), (8, 1), (2, 2)]),
-       st.sampled_from([4, 8, 24]), st.integers(0, 2**16))
-def test_the_triton_scoring_and_selection_choose_what_torch_chooses(kv_lens, heads, budget, seed):
-    """For decodes, the Triton score and select kernels pick, per KV head, the blocks the
-    torch reference picks (``block_scores`` then ``select_blocks``), hand them over in
-    position order, and give each head's token count."""
-    from tessellm.plugins.attention.quest.kernels import select_decode_blocks
+@given(st.lists(st.integers(1, 90), min_size=1, max_size=3), st.sampled_from([(4, 2), (8, 1), (2, 2)]),
+       st.sampled_from([(4, 4), (8, 2), (4, 1)]), st.integers(2, 9), st.sampled_from(["float32", "bfloat16"]),
+       st.integers(0, 2**16))
+def test_the_triton_scores_and_tables_are_the_torch_references(kv_lens, heads, pages, num_picks, dtype, seed):
+    """The score kernel gives ``decode_page_scores`` (+inf first page, -inf newest and past
+    the context, each page's bound over the query heads; a score column past every context
+    too), and the table kernel turns the same picks into ``decode_page_tables``' pages and
+    lengths exactly: the picks' page ids then the newest, or every page of a short context."""
+    from tessellm.plugins.attention.quest.kernels import page_tables, score_pages
+    from tessellm.plugins.attention.quest.select import DecodePages, decode_page_scores, decode_page_tables, pick_pages
 
-    case = ref.case_to(bounded_case(kv_lens, [1] * len(kv_lens), heads=heads, seed=seed), DEVICE)
-    backend = quest(budget, kernel="triton", device=DEVICE)
-    backend.forward(4, case.q, case.k_new, case.v_new, case.storage, backend.plan(case.batch, None))  # stores
-    group = backend.plan(case.batch, None).sparse.groups[0]
-    if not hasattr(group, "num_chosen"):
-        return  # every context within the budget: nothing sparse
+    block, page = pages
+    dt = getattr(torch, dtype)
+    case = ref.case_to(bounded_case(kv_lens, [1] * len(kv_lens), heads=heads, seed=seed, block_size=block,
+                                    page=page, dtype=dt), DEVICE)
     kmin, kmax = case.storage.key_bounds()
-    b, hkv = group.rows.shape[0], heads[1]
-    query = case.q[group.rows].view(b, 1, hkv, -1, 16)
-    index, ok = select_blocks(block_scores(query, kmin[group.tables], kmax[group.tables]), group.block_ok,
-                              group.forced, group.num_chosen)
-    blocks, lengths = select_decode_blocks(case.q, group.rows[:, 0].to(torch.int32), group.tables, group.num_blocks,
-                                           group.kv_lens, group.num_chosen, group.max_chosen, kmin, kmax, 4)
-    for i in range(b):
-        for h in range(hkv):
-            expected = group.tables[i][index[i, h][ok[i, h]]].tolist()
-            count = len(expected)
-            assert blocks[i, h, :count].tolist() == expected, (i, h)  # position order, the same blocks
-            assert lengths[i, h].item() == (count - 1) * 4 + int(group.kv_lens[i]) - (int(group.num_blocks[i]) - 1) * 4
+    batch = case.batch
+    rows = batch.query_start_loc[:-1].contiguous()
+    tables = batch.block_tables.to(torch.int32)
+    num_cols = -(-max(kv_lens) // page) + 3
+    pages = DecodePages.of(tables, batch.seq_lens, page, block // page, num_cols)
+    got = score_pages(case.q, rows, tables, batch.seq_lens, kmin, kmax, page, block // page, num_cols)
+    want = decode_page_scores(case.q, rows, pages, kmin, kmax)
+    assert torch.equal(torch.isinf(got), torch.isinf(want)) and torch.equal(got > 0, want > 0)
+    finite = torch.isfinite(want)
+    assert torch.allclose(got[finite].cpu(), want[finite].float().cpu(), rtol=1e-5, atol=1e-4 if dtype == "float32" else 1e-2)
+    picks = pick_pages(want, min(num_picks, num_cols - 1))
+    got_pages, got_lens = page_tables(picks, tables, batch.seq_lens, page, block // page)
+    want_pages, want_lens = decode_page_tables(picks, pages)
+    assert torch.equal(got_lens.long(), want_lens)
+    used = torch.arange(want_pages.shape[-1], device=DEVICE) < -(-want_lens[..., None] // page)
+    assert torch.equal(got_pages.long()[used], want_pages[used])
 
 
 @settings(max_examples=10)
@@ -266,24 +290,55 @@ def test_quest_needs_key_bounds_and_no_window(cpu_config, tiny_model):
         LLM(cpu_config(tiny_model("mistral"), attention={"name": "quest"}, cache={"name": "paged"}))
 
 
-def test_a_context_beyond_the_select_kernels_reach_is_a_config_error():
-    """The Triton select kernel sorts at most MAX_BLOCKS blocks per sequence: a longer
-    max_model_len is refused at selection with the way out, not a failure mid-step."""
+def test_a_decode_at_128k_tokens_in_pages_of_2_runs_and_no_kernel_depends_on_the_context():
+    """No context is too long for the decode path: nothing about it is a compile-time
+    constant (a longer context never builds another kernel variant; a 65,536-page sort took
+    Triton minutes to compile before), and one decode over 131,072 tokens in pages of 2 runs
+    in torch (tiny heads) and picks the budget's pages."""
     from types import SimpleNamespace
 
+    from tessellm.plugins.attention.quest import kernels
+    from tessellm.plugins.attention.quest.select import pick_pages
+    from tessellm.testing.triton_variants import VariantRecorder
+
+    seen = []
+    for context in (40, 700, 3000):
+        case = ref.case_to(bounded_case([context], [1], heads=(2, 1), head_dim=16, block_size=16, page=2), DEVICE)
+        kmin, kmax = case.storage.key_bounds()
+        batch, tables = case.batch, case.batch.block_tables.to(torch.int32)
+        rows = batch.query_start_loc[:-1].contiguous()
+        with VariantRecorder([kernels._score_kernel, kernels._table_kernel]) as rec:
+            scores = kernels.score_pages(case.q, rows, tables, batch.seq_lens, kmin, kmax, 2, 8, -(-context // 2))
+            kernels.page_tables(pick_pages(scores, 7), tables, batch.seq_lens, 2, 8)
+        seen.append(rec.seen)
+    assert seen[0] == seen[1] == seen[2] and len(seen[0]) == 2
+    case = bounded_case([131072], [1], heads=(2, 1), head_dim=8, block_size=16, page=2)
+    backend = quest(2048, head_dim=8)
+    plan = backend.plan(case.batch, SimpleNamespace(layout=case.storage.layout))
+    group, = plan.groups
+    assert group.num_cols == 65536 and group.num_picks == 1023
+    out = backend.forward(5, case.q, case.k_new, case.v_new, case.storage, plan)
+    assert torch.isfinite(out).all()
+
+
+def test_a_context_beyond_what_the_score_grid_holds_is_refused_at_selection():
+    """The only context limit left: the score kernel's grid (65,535 tiles of 64 pages per
+    sequence, CUDA's limit), refused at selection with the way out, never a failure mid-step."""
     from tessellm.core.interfaces.kv import KVLayout
     from tessellm.core.plugin import SelectionContext
-    from tessellm.plugins.attention.quest.kernels import MAX_BLOCKS
+    from tessellm.plugins.attention.quest.kernels import MAX_SCORE_PROGRAMS, SCORE_TILE
 
-    def reasons(max_len, page=1):
+    most = MAX_SCORE_PROGRAMS * SCORE_TILE
+
+    def reasons(max_len, page):
         ctx = SelectionContext(device=torch.device("cpu"), dtype=torch.float32, options=QuestOptions(kernel="triton"),
                                model=SimpleNamespace(head_dim=16, sliding_window=None), max_model_len=max_len,
                                kv_layout=KVLayout("kv", 16, torch.float32, BOUNDS, page))
-        return QuestAttention.unsupported_reasons(ctx)
+        return [r for r in QuestAttention.unsupported_reasons(ctx) if "pages per sequence" in r]
 
-    assert not any("MAX" in r or "at most" in r for r in reasons(MAX_BLOCKS))
-    assert any("raise the cache's bounds_page_size, or set kernel: torch" in r for r in reasons(MAX_BLOCKS + 1))
-    assert not any("at most" in r for r in reasons(4 * MAX_BLOCKS, page=4))  # pages, not tokens, count
+    assert not reasons(2 * most, 2) and not reasons(1 << 20, 1)
+    reason, = reasons(2 * most + 1, 2)
+    assert f"max_model_len {2 * most + 1} at pages of 2 tokens" in reason and "set kernel: torch" in reason
 
 
 def _llm(cpu_config, tiny_model, attention, budget=None, **overrides):

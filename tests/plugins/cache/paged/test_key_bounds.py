@@ -168,3 +168,89 @@ def test_the_memory_budget_pays_for_the_bounds():
 def test_a_page_size_that_is_no_power_of_two_is_refused_naming_it():
     with pytest.raises(ValueError, match="bounds_page_size must be a power of two"):
         PagedOptions(bounds_page_size=3)
+
+
+def _bounded_storage(dtype: torch.dtype, int8: bool, page: int, slots: int = 256, heads: int = 2, dim: int = 16):
+    layout = KVLayout("kv", 16, torch.int8 if int8 else dtype, BOUNDS, page)
+    if int8:
+        return BoundedInt8KVStorage(layout, slots, heads, dim, torch.device("cpu"), dtype)
+    return BoundedDenseKVStorage(layout, slots, heads, dim, torch.device("cpu"))
+
+
+def _runs(data, page: int) -> list[torch.Tensor]:
+    """A few steps' slot mappings as an engine writes them: up to three sequences, each in
+    its own 64 slots, append runs of tokens (a prompt chunk, a decode, drafts), sometimes
+    after rolling back (rewriting slots written before); a page is always written from its
+    first offset on."""
+    ends = [0, 0, 0]
+    steps = []
+    for _ in range(data.draw(st.integers(1, 5))):
+        slots = []
+        for seq in data.draw(st.lists(st.integers(0, 2), min_size=1, max_size=3, unique=True)):
+            ends[seq] = data.draw(st.integers(max(ends[seq] - 3, 0), min(ends[seq], 63)))  # a rollback
+            n = data.draw(st.integers(1, min(3 * page + 2, 64 - ends[seq])))
+            slots += range(64 * seq + ends[seq], 64 * seq + ends[seq] + n)
+            ends[seq] += n
+        steps.append(torch.tensor(slots, dtype=torch.long))
+    return steps
+
+
+@settings(max_examples=20)
+@given(st.sampled_from([torch.float32, torch.bfloat16]), st.booleans(), st.sampled_from([1, 2, 4, 16]),
+       st.integers(0, 2**16), st.data())
+def test_the_bounds_kernel_gives_the_torch_paths_bounds(dtype, int8, page, seed, data):
+    """The CUDA path's Triton kernel (interpreted here) and the torch path keep the same
+    bounds over steps of runs of writes, rewrites included: bit for bit (int8 with bfloat16
+    bounds: within one bfloat16 step, as the interpreter truncates where a GPU rounds)."""
+    from unittest import mock
+
+    from tessellm.plugins.cache.paged import key_bounds
+
+    torch_path, kernel_path = _bounded_storage(dtype, int8, page), _bounded_storage(dtype, int8, page)
+    g = torch.Generator().manual_seed(seed)
+    for slots in _runs(data, page):
+        k = (torch.randn(len(slots), 2, 16, generator=g) * 3).to(dtype)
+        torch_path.store(k, k, slots)
+        with mock.patch.object(key_bounds, "bounds_by_kernel", lambda s: True):
+            kernel_path.store(k, k, slots)
+        for ours, theirs in zip(kernel_path.key_bounds(), torch_path.key_bounds()):
+            if int8 and dtype == torch.bfloat16:
+                assert torch.allclose(ours.float(), theirs.float(), rtol=2 ** -7, atol=0)
+            else:
+                assert torch.equal(ours, theirs)
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_the_bounds_upkeep_of_a_store_reads_its_pages_only_whatever_the_context(kernel):
+    """A decode's upkeep reads the written token's page (torch path: the keys it gathers;
+    Triton: one program per written token and KV head), the same at 32 tokens of context as
+    at 4,096, and a prompt's reads its own pages: O(new tokens), never O(context)."""
+    from unittest import mock
+
+    from tessellm.plugins.cache.paged import bounds_kernel, key_bounds
+
+    page, read = 4, []
+    real_keys, real_kernel = BoundedDenseKVStorage._keys, bounds_kernel._page_bounds_kernel
+
+    class Grid:
+        def __getitem__(self, grid):
+            read.append(grid[0] * grid[1] * page)  # each program reads at most a page of one head
+            return real_kernel[grid]
+
+    def keys(self, slots):
+        read.append(slots.numel() * self.k.shape[1])
+        return real_keys(self, slots)
+
+    def upkeep(context: int, new: int) -> int:
+        storage = _bounded_storage(torch.float32, False, page, slots=8192)
+        storage.store(torch.randn(context, 2, 16), torch.randn(context, 2, 16), torch.arange(context))
+        read.clear()
+        slots = torch.arange(context, context + new)
+        with mock.patch.object(key_bounds, "bounds_by_kernel", lambda s: kernel), \
+                mock.patch.object(BoundedDenseKVStorage, "_keys", keys), \
+                mock.patch.object(bounds_kernel, "_page_bounds_kernel", Grid()):
+            storage.store(torch.randn(new, 2, 16), torch.randn(new, 2, 16), slots)
+        return sum(read)
+
+    assert upkeep(32, 1) == upkeep(4096, 1) <= 2 * page
+    assert upkeep(32, 64) == upkeep(4096, 64) <= 2 * 64 * page
