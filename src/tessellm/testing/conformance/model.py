@@ -18,8 +18,9 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
+from tessellm.core.interfaces.sequence import SamplingParams
 from tessellm.testing.conformance.base import ConformanceSuite, property_settings
-from tessellm.testing.conformance.pipeline import registry_for
+from tessellm.testing.conformance.pipeline import registry_for, skip_unless_admitted
 
 
 class ModelConformance(ConformanceSuite):
@@ -161,7 +162,6 @@ class ModelConformance(ConformanceSuite):
         """Paged cache and continuous batching: requests join while others decode, and
         prompts sharing a prefix run twice, the second time reading it from the cache."""
         self.case()
-        from tessellm.core.interfaces.sequence import SamplingParams
         from tessellm.testing.engine import run_arrivals
 
         prompts = checkpoint.shared_prefix_prompts(12)
@@ -239,7 +239,9 @@ class Checkpoint:
         suite = self.suite
         part = {"name": suite.under_test().name, "options": dict(suite.options)}
         config = {"model": str(self.folder), **suite.engine, "dtype": dtype, "architecture": part, **sections}
-        return LLM(pipeline=Pipeline.from_config(config, registry=registry_for(suite)))
+        llm = LLM(pipeline=Pipeline.from_config(config, registry=registry_for(suite)))
+        skip_unless_admitted(suite, llm, SamplingParams(**self.params()))  # the engine's rules for the suite's requests
+        return llm
 
     def reference(self, dtype: torch.dtype) -> Any:
         if dtype not in self._references:
