@@ -99,15 +99,24 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
         return 0
+    print("\n".join(plugin_lines(rows)))
+    return 0
+
+
+def plugin_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """``tessellm plugins``' lines for plugins described as ``PluginEntry.describe`` does:
+    kind.name, auto priority, package, and description (a model plugin's model types first)."""
     width = max((len(f"{r['kind']}.{r['name']}") for r in rows), default=10)
     package_width = max((len(r["package"]) for r in rows), default=12)
+    lines = []
     for r in rows:
         auto = "-" if r["auto_priority"] is None else str(r["auto_priority"])
+        description = r["description"]
         if r.get("model_types"):  # what a model plugin builds, before what it is
-            r["description"] = f"[{', '.join(r['model_types'])}] {r['description']}"
-        print(f"{r['kind'] + '.' + r['name']:<{width}}  auto {auto:>3}  {r['package']:<{package_width}}  "
-              f"{r['description']}")
-    return 0
+            description = f"[{', '.join(r['model_types'])}] {description}"
+        lines.append(f"{r['kind'] + '.' + r['name']:<{width}}  auto {auto:>3}  {r['package']:<{package_width}}  "
+                     f"{description}")
+    return lines
 
 
 def cmd_check(args: argparse.Namespace) -> int:
