@@ -52,7 +52,8 @@ def test_the_guides_kinds_table_names_each_kinds_built_ins():
     rows = re.findall(r"^\| `(\w+)` \| `tessellm\.\w+` \|.*\| ([^|]+) \|$", guide, re.M)
     assert len(rows) >= 6, rows
     for kind, cell in rows:
-        assert set(re.findall(r"`([\w-]+)`", cell)) == builtins[kind], f"guide.md's kinds table, row {kind}"
+        named = set(re.findall(r"`([\w-]+)`", cell))
+        assert named == builtins.get(kind, set()), f"guide.md's kinds table, row {kind}"
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:
