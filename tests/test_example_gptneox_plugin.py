@@ -26,6 +26,7 @@ def gpt_neox(install_example):
     return install_example(EXAMPLE)[1]
 
 
+@pytest.mark.extended
 def test_check_passes_with_the_plugins_tiny_config(gpt_neox, capsys):
     assert gpt_neox.model_types()["gpt_neox"] == ["gpt-neox"]
     assert main(["plugins", "--check", "model:gpt-neox", "--examples", "2"]) == 0
@@ -81,8 +82,9 @@ def test_shapes_are_for_the_model_suite_only(capsys):
 
 @pytest.mark.parametrize("shapes", [
     {"use_parallel_residual": True, "num_hidden_layers": 2},
-    {"use_parallel_residual": False, "num_hidden_layers": 3, "attention_bias": False,
-     "rope_parameters": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}},
+    pytest.param({"use_parallel_residual": False, "num_hidden_layers": 3, "attention_bias": False,
+                  "rope_parameters": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}},
+                 marks=pytest.mark.extended),
 ], ids=["parallel", "sequential-half-rotary"])
 def test_generate_gives_transformers_tokens_and_names_the_model_plugin(gpt_neox, tmp_path, capsys, shapes):
     from transformers import AutoModelForCausalLM

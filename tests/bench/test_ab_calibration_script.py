@@ -14,13 +14,25 @@ import pytest
 from tessellm.bench.intervals import paired_ratio_ci, round_orders, student_t_quantile
 
 
+def coverages(calibration, cells) -> dict:
+    return {(name, rounds, first): calibration.coverage(calibration.SCENARIOS[name], rounds, first, 20_000)
+            for name, rounds, first in cells}
+
+
 def test_identical_arms_hold_one_at_least_95_percent_of_the_time(bench_script):
+    """The cells nearest 95% in bench/results/ab_calibration_2026-11-28.txt (noise alone, 8
+    rounds) and the issue's (everything at once, 4 rounds, A first); the whole matrix is
+    extended."""
     calibration = bench_script("ab_calibration.py")
-    low = {}
-    for name, machine in calibration.SCENARIOS.items():
-        for rounds in (3, 4, 5, 8):
-            for first in ("A", "B"):
-                low[(name, rounds, first)] = calibration.coverage(machine, rounds, first, 20_000)
+    low = coverages(calibration, [("noise", 8, "A"), ("noise", 8, "B"), ("all at once", 4, "A")])
+    assert min(low.values()) >= 0.95, low
+
+
+@pytest.mark.extended
+def test_identical_arms_hold_one_in_every_scenario_round_count_and_order(bench_script):
+    calibration = bench_script("ab_calibration.py")
+    low = coverages(calibration, [(name, rounds, first) for name in calibration.SCENARIOS
+                                  for rounds in (3, 4, 5, 8) for first in ("A", "B")])
     assert min(low.values()) >= 0.95, sorted(low.items(), key=lambda kv: kv[1])[:5]
 
 

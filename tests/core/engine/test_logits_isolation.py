@@ -60,11 +60,38 @@ def llm(tiny_model, cpu_config):
     return LLM(pipeline=Pipeline.from_config(config, registry=registry))
 
 
+def typical_rows(rows: list[int], mass: float = 0.2) -> ProcessorRows:
+    n = len(rows)
+    return ProcessorRows(rows, [None] * n, [TypicalArgs(mass=mass)] * n, [()] * n, [0] * n, index=torch.tensor(rows))
+
+
+def test_the_slip_changes_no_other_row_and_is_caught_with_checks():
+    """The engine's step without a model (the default set's case; the end-to-end runs below
+    are extended): handed rows 1 and 3 of 4, the typical-p slip leaves rows 0 and 2 as they
+    were; with the contract check it is a ContractError naming it."""
+    proc = TypicalP(TypicalArgs(), None)
+    processors = LogitsProcessors([proc])
+    assert processors.isolated == {proc}
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    out = processors.apply(logits, [(proc, typical_rows([1, 3]))])
+    assert torch.equal(out[[0, 2]], logits[[0, 2]])
+    assert out[[1, 3]].isinf().any(dim=-1).all()  # its own rows still filtered
+    alone = logits[[1, 3]].clone()
+    proc.apply(alone, typical_rows([0, 1]))
+    assert torch.equal(out[[1, 3]], alone)  # as the processor computes them on its own
+    processors.check_rows = True
+    with pytest.raises(ContractError, match="logits plugin .typical-p.*apply changed 3 of the 3 logits rows"):  # 2 + the guard
+        processors.apply(logits, [(proc, typical_rows([1, 3]))])
+    with pytest.raises(ContractError, match="apply changed 1 of the 1 logits rows"):  # the guard row
+        processors.apply(logits[:1], [(proc, typical_rows([0]))])
+
+
 PLAIN = {"max_tokens": 8, "ignore_eos": True, "temperature": 1.0, "seed": 3}
 TYPICAL = {**PLAIN, "seed": 4, "logits_processors": [{"name": "typical-p", "args": {"mass": 0.2}}]}
 PROMPTS = [[5, 9, 17, 23], [31, 5, 9]]
 
 
+@pytest.mark.extended
 def test_a_plain_request_batched_with_a_typical_p_one_gets_plain_tokens(llm, monkeypatch):
     alone = llm.generate(PROMPTS[:1], PLAIN)[0].token_ids
     batched = llm.generate(PROMPTS, [PLAIN, TYPICAL])
@@ -78,6 +105,7 @@ def test_a_plain_request_batched_with_a_typical_p_one_gets_plain_tokens(llm, mon
     assert llm.generate(PROMPTS, [PLAIN, TYPICAL])[0].token_ids != alone
 
 
+@pytest.mark.extended
 def test_with_contract_checks_the_processor_is_named_and_only_its_request_fails(llm, monkeypatch):
     alone = llm.generate(PROMPTS[:1], PLAIN)[0].token_ids
     monkeypatch.setattr(llm.engine.processors, "check_rows", True)
@@ -97,6 +125,7 @@ def test_with_contract_checks_the_processor_is_named_and_only_its_request_fails(
     assert not engine.processors.bound and engine.cache.num_free_blocks == engine.cache.num_blocks
 
 
+@pytest.mark.extended
 def test_with_contract_checks_a_processor_alone_is_still_caught(llm, monkeypatch):
     """The guard row: a processor that writes every row is caught even when its request is the
     only one in the step (the run fault isolation does to find it)."""
@@ -105,6 +134,7 @@ def test_with_contract_checks_a_processor_alone_is_still_caught(llm, monkeypatch
         llm.generate(PROMPTS[1:], TYPICAL)
 
 
+@pytest.mark.extended
 def test_the_built_ins_are_trusted_and_a_well_behaved_processor_passes_the_check(llm, monkeypatch):
     processors = llm.engine.processors
     assert all(shipped_with_tessellm(p) for p in processors.processors if p.name != "typical-p")
