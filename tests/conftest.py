@@ -207,3 +207,42 @@ def install_plugin_folder(tmp_path, monkeypatch):
     for name in set(sys.modules) - before:
         if name.split(".")[0] in packages:
             del sys.modules[name]
+
+
+@pytest.fixture
+def install_example(install_plugin_folder, monkeypatch):
+    """Factory: ``install_example(folder)`` installs an examples/ plugin package (as
+    ``install_plugin_folder``) and makes a fresh registry holding it the one pipelines use;
+    returns (distribution name, registry). The registry loads without a failure."""
+    from tessellm.core import registry as registry_module
+    from tessellm.core.registry import PluginRegistry
+
+    def install(folder: Path):
+        dist = install_plugin_folder(folder)
+        registry = PluginRegistry()
+        assert registry.failures == []
+        monkeypatch.setattr(registry_module, "_default", registry)
+        return dist, registry
+
+    return install
+
+
+def imports_beyond_the_plugin_api(folder: Path) -> list[str]:
+    """Every ``tessellm.X`` import in the Python files under ``folder`` other than the plugin
+    API (``tessellm`` itself and ``tessellm.testing``), as "path: module"."""
+    import ast
+
+    found = []
+    for path in folder.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            found += [f"{path}: {name}" for name in names if name.startswith("tessellm.")
+                      and not (name == "tessellm.testing" or name.startswith("tessellm.testing."))]
+    return found
+
+
+@pytest.fixture
+def plugin_api_imports():
+    """``imports_beyond_the_plugin_api``, for the tests of the examples/ packages."""
+    return imports_beyond_the_plugin_api

@@ -6,29 +6,22 @@ name or arguments it does not take are refused when the request arrives, naming 
 
 from __future__ import annotations
 
-import ast
 from pathlib import Path
 
 import pytest
 
 from tessellm import LLM, SamplingParams
 from tessellm.cli import main
-from tessellm.core import registry as registry_module
 from tessellm.core.errors import InvalidRequestError
-from tessellm.core.registry import PluginRegistry
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tessellm-logits-example"
 EOS = 2  # the tiny model's
 
 
 @pytest.fixture
-def wrap_up(monkeypatch, install_plugin_folder):
+def wrap_up(install_example):
     """The example installed as a distribution, in the registry pipelines use."""
-    dist = install_plugin_folder(EXAMPLE)
-    registry = PluginRegistry()
-    assert registry.failures == []
-    monkeypatch.setattr(registry_module, "_default", registry)
-    return dist, registry
+    return install_example(EXAMPLE)
 
 
 def test_listed_and_conformant(wrap_up, capsys):
@@ -66,11 +59,5 @@ def test_unknown_names_and_bad_arguments_are_refused_naming_them(wrap_up, tiny_m
     assert llm.engine.processors.bound == {}  # nothing admitted, nothing left behind
 
 
-def test_example_imports_only_the_plugin_api():
-    for path in EXAMPLE.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
-            for name in names:
-                if name.startswith("tessellm."):
-                    assert name.startswith("tessellm.testing"), f"{path}: {name}"
+def test_example_imports_only_the_plugin_api(plugin_api_imports):
+    assert plugin_api_imports(EXAMPLE) == []

@@ -5,7 +5,6 @@ is listed with the model type it builds, passes the model conformance suite
 
 from __future__ import annotations
 
-import ast
 import json
 from pathlib import Path
 
@@ -13,20 +12,14 @@ import pytest
 import torch
 
 from tessellm.cli import main
-from tessellm.core import registry as registry_module
-from tessellm.core.registry import PluginRegistry
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "tessellm-model-example"
 
 
 @pytest.fixture
-def toyformer(monkeypatch, install_plugin_folder):
+def toyformer(install_example):
     """The example installed as a distribution, in the registry pipelines use."""
-    dist = install_plugin_folder(EXAMPLE)
-    registry = PluginRegistry()
-    assert registry.failures == []
-    monkeypatch.setattr(registry_module, "_default", registry)
-    return dist, registry
+    return install_example(EXAMPLE)
 
 
 def test_listed_with_its_model_type_and_conformant(toyformer, capsys):
@@ -65,11 +58,5 @@ def test_generate_gives_the_reference_tokens(toyformer, tmp_path, capsys):
     assert record["token_ids"] == ids[4:]
 
 
-def test_example_imports_only_the_plugin_api():
-    for path in EXAMPLE.rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
-            for name in names:
-                if name.startswith("tessellm."):
-                    assert name.startswith("tessellm.testing"), f"{path}: {name}"
+def test_example_imports_only_the_plugin_api(plugin_api_imports):
+    assert plugin_api_imports(EXAMPLE) == []

@@ -15,8 +15,9 @@ Always on (each costs microseconds a step, or runs once):
 - cache: a step's query tokens each get a slot of their own, inside the storage.
 
 ``TESSELLM_CHECK_CONTRACTS=1`` checks more, every step: the attention check on every forward,
-and that no query token's slot holds a computed token of any live sequence (a block handed
-to two sequences).
+that no query token's slot holds a computed token of any live sequence (a block handed
+to two sequences), and that a logits processor changes no row it was not handed (core/engine/
+processors.py, which otherwise hands a third party's processor its own rows only).
 """
 
 from __future__ import annotations

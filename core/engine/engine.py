@@ -131,23 +131,8 @@ class Engine:
         ``LoraAdapterError``) if it cannot be served."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise InvalidRequestError("prompt is empty; give at least one token", field="prompt")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
-                                      field="prompt")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequestError(f"prompt has {len(prompt_token_ids)} tokens; the context window "
-                                      f"(max_model_len) is {self.max_model_len}, leaving no room to generate", field="prompt")
-        self.decoder.validate_request_fields(params)
-        self.decoder.validate_request_args(params)
-        self.decoder.check(params)
-        if params.structured_output is not None and params.min_tokens:
-            raise InvalidRequestError("min_tokens cannot be combined with structured output: the grammar decides "
-                                      "where the output ends", field="min_tokens")
+        binding = self.admit(prompt_token_ids, params)
         salt = self._lora_salt(lora, cache_salt)
-        binding = self.processors.bind(params)  # compiles a grammar; refuses bad processor arguments
         seq = Sequence(request_id, prompt_token_ids, params, priority=priority, cache_salt=salt)
         seq.generator = self._generator(params, 0)
         seq.lora = lora
@@ -166,6 +151,30 @@ class Engine:
             self.sync.record("add", request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
                              priority=priority, cache_salt=cache_salt, lora=lora)
         return state
+
+    def admit(self, prompt_token_ids: list[int], params: SamplingParams) -> Any:
+        """The admission rules a request meets before it is queued (the conformance suites
+        apply them too, to skip what the engine would refuse): the prompt (not empty, in the
+        vocabulary, room to generate), the decoder's (fields newer than its plugin API, its
+        ``extra_args``, its ``check``), structured output without ``min_tokens``, and the
+        logits processors' (names, arguments; a grammar compiles). InvalidRequestError naming
+        the rule; else the request's processor binding."""
+        if not prompt_token_ids:
+            raise InvalidRequestError("prompt is empty; give at least one token", field="prompt")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                                      field="prompt")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise InvalidRequestError(f"prompt has {len(prompt_token_ids)} tokens; the context window "
+                                      f"(max_model_len) is {self.max_model_len}, leaving no room to generate", field="prompt")
+        self.decoder.validate_request_fields(params)
+        self.decoder.validate_request_args(params)
+        self.decoder.check(params)
+        if params.structured_output is not None and params.min_tokens:
+            raise InvalidRequestError("min_tokens cannot be combined with structured output: the grammar decides "
+                                      "where the output ends", field="min_tokens")
+        return self.processors.bind(params)  # compiles a grammar; refuses bad processor arguments
 
     # ------------------------------------------------------------------ LoRA adapters
 

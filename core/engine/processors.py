@@ -3,14 +3,23 @@ processor transforms in a step, and the tokens each is told of.
 
 A step with no sequence that uses a processor costs one dictionary test. Whether a sequence
 may run in the overlapped step is decided here too, from its processors' ``overlap_safe``.
+
+A processor transforms only the rows it is handed. The ones tessellm ships are trusted with
+the step's whole logits tensor; any other is handed a tensor of its own rows alone (gathered,
+transformed, scattered back), so a third party's slip cannot reach the rows of requests that
+did not name it. With ``TESSELLM_CHECK_CONTRACTS`` every processor gets the whole tensor plus
+a guard row no request owns, and one that changes a row it was not handed is a
+``ContractError`` naming it (even when its request runs alone, so fault isolation finds it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
+from tessellm.core.engine import contracts
 from tessellm.core.errors import InvalidRequestError
 from tessellm.core.interfaces.batch import BatchMetadata
 from tessellm.core.interfaces.logits import PROCESSOR_FIELDS, LogitsProcessor, ProcessorRows, to_device
@@ -35,6 +44,10 @@ class LogitsProcessors:
         self.processors = sorted(processors, key=lambda p: (p.order, p.name))
         self._by_name = {p.name: p for p in self.processors}
         self.bound: dict[int, Binding] = {}  # seq_id -> its processors, for live sequences using any
+        self.isolated = frozenset(p for p in self.processors if not shipped_with_tessellm(p))
+        """The processors handed only their own rows (every one not shipped with tessellm)."""
+        self.check_rows = contracts.every_step()
+        """Whether each processor's untouched rows are checked (``TESSELLM_CHECK_CONTRACTS``)."""
 
     def names(self) -> list[str]:
         return [p.name for p in self.processors]
@@ -117,10 +130,10 @@ class LogitsProcessors:
         return [(proc, ProcessorRows(*per[proc], index=to_device(per[proc][0], torch.long, device)))
                 for proc in self.processors if proc in per]
 
-    @staticmethod
-    def apply(logits: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, plan: StepPlan) -> torch.Tensor:
         """``logits`` transformed by ``plan``'s processors in order: a copy when any runs,
-        ``logits`` itself otherwise."""
+        ``logits`` itself otherwise. A processor not shipped with tessellm sees its own rows
+        only; with ``check_rows`` each is checked to leave every other row as it was."""
         if not plan:
             return logits
         if logits.dtype not in (torch.float32, torch.float64):
@@ -128,7 +141,12 @@ class LogitsProcessors:
         else:
             logits = logits.clone()
         for proc, rows in plan:
-            proc.apply(logits, rows)
+            if self.check_rows:
+                apply_checked(proc, logits, rows)
+            elif proc in self.isolated and len(rows) < logits.shape[0]:
+                apply_to_own_rows(proc, logits, rows)
+            else:
+                proc.apply(logits, rows)
         return logits
 
     def accept(self, appended: list[tuple[Sequence, list[int]]]) -> None:
@@ -169,3 +187,35 @@ def _naming_field(proc: LogitsProcessor, params: SamplingParams) -> object:
         if exc.field is None:
             exc.field = proc.fields[0] if proc.fields else "logits_processors"
         raise
+
+
+def shipped_with_tessellm(proc: LogitsProcessor) -> bool:
+    """Whether ``proc``'s class is one of tessellm's own (its built-ins, the grammar's mask)."""
+    return type(proc).__module__.split(".")[0] == "tessellm"
+
+
+def apply_to_own_rows(proc: LogitsProcessor, logits: torch.Tensor, rows: ProcessorRows) -> None:
+    """``proc.apply`` on a tensor of ``rows``' rows alone (numbered 0..len-1), copied back into
+    ``logits``: whatever it writes, no other request's row changes. No host synchronisation."""
+    own = logits.index_select(0, rows.index)  # [len(rows), vocab]
+    renumbered = dataclasses.replace(rows, rows=list(range(len(rows))),
+                                     index=torch.arange(len(rows), device=rows.index.device))
+    proc.apply(own, renumbered)
+    logits.index_copy_(0, rows.index, own)
+
+
+def apply_checked(proc: LogitsProcessor, logits: torch.Tensor, rows: ProcessorRows) -> None:
+    """``proc.apply`` on the whole of ``logits`` and a guard row past its end that no request
+    owns; a ContractError naming ``proc`` when it changed any row it was not handed."""
+    work = torch.cat([logits, logits[:1].flip(-1)])  # the guard: real values, owned by no row
+    before = work.clone()
+    proc.apply(work, rows)
+    others = torch.ones(work.shape[0], dtype=torch.bool, device=work.device)
+    others[rows.index] = False
+    same = (work[others] == before[others]) | (work[others].isnan() & before[others].isnan())
+    changed = int((~same.all(dim=-1)).sum())
+    if changed:
+        raise contracts.broken(proc, f"apply changed {changed} of the {int(others.sum())} logits rows it was not "
+                                     f"handed ({len(rows)} handed: rows.rows); it transforms logits[rows.rows] "
+                                     f"in place and leaves every other row as it was")
+    logits.copy_(work[:-1])

@@ -112,7 +112,9 @@ class LogitsProcessor(Plugin):
     - ``apply(logits, rows)`` transforms ``logits[rows.rows]`` in place (float32, or float64
       in a float64 pipeline; the engine's copy, the model's own logits stay for
       log-probabilities), one vectorized call for every row that uses it; other rows must not
-      change. Setting a logit to -inf bans a token; a processor must leave each row at least
+      change. (A processor that is not tessellm's own is handed a tensor of its own rows
+      only, ``rows.rows`` then counting from 0; ``TESSELLM_CHECK_CONTRACTS=1`` checks the
+      rule instead.) Setting a logit to -inf bans a token; a processor must leave each row at least
       one finite logit when the row came with one.
     - State: a processor may keep per-sequence state, a function of the tokens accepted so
       far. ``add(seq, args)`` builds it from the sequence's tokens when the sequence starts

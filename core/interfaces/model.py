@@ -15,6 +15,9 @@ A model plugin says three things and may override a fourth:
   default stacks q/k/v and gate/up projections on every device but for float64, and runs
   the fused kernels and stacks experts on CUDA).
 
+And it may declare ``tiny_config``: the shapes of the tiny checkpoints its conformance suite
+builds per model_type (plugin API 1.15).
+
 Selection: a config's ``architecture`` section names a model plugin, or ``auto`` (the
 default) takes the plugin with the highest ``auto_priority`` among those whose
 ``model_types`` hold the checkpoint's ``model_type``.
@@ -44,6 +47,13 @@ class ModelArchitecture(Plugin):
     """How the checkpoint stacks MoE experts as 3-D tensors (core/model/moe.py
     ``EXPERT_LAYOUTS``): the loader splits them per expert into Linear weights (and biases)
     before ``checkpoint_name`` maps the names (plugin API 1.8)."""
+    tiny_config: ClassVar[dict[str, dict[str, Any]]] = {}
+    """Per model_type, Hugging Face config fields of the tiny random checkpoint the model
+    conformance suite builds for it (plugin API 1.15), e.g. ``{"gpt_neox": {"hidden_size":
+    64, "num_attention_heads": 4, "rotary_pct": 0.5}}``: what the family needs to show its
+    features in a few layers. Fields left out take transformers' defaults with every size
+    capped small (``tessellm.testing.models.tiny_fields``); a suite's ``shapes`` override
+    these."""
     required: ClassVar[tuple[str, ...]] = ("spec", "build")
     """Methods a model plugin must implement; the registry refuses to load one without them."""
 

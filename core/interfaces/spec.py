@@ -166,7 +166,19 @@ class ModelSpec:
     """The softmax scale where it is not head_dim ** -0.5 (Gemma's query_pre_attn_scalar,
     Granite's attention_multiplier); None: the default."""
     mlp_activation: str = "silu"
-    """The gated MLP's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma)."""
+    """The MLP's activation (``ACTIVATION_NAMES``' values): "silu" (SwiGLU when gated),
+    "gelu_pytorch_tanh" (GeGLU, Gemma; also Hugging Face's "gelu_new" and "gelu_fast"),
+    "gelu" (the exact erf GELU: GPT-NeoX, Pythia) or "relu"."""
+    gated_mlp: bool = True
+    """True: the MLP is down(act(gate(x)) * up(x)) (Llama's SwiGLU); False: down(act(up(x)))
+    with no gate projection (GPT-2, GPT-NeoX, Phi-2)."""
+    norm: str = "rms_norm"
+    """The layers' and the final norm: "rms_norm" (weight only) or "layer_norm" (mean
+    removed, weight and bias: GPT-NeoX, Phi-2, Falcon). ``rms_norm_eps`` is its epsilon."""
+    parallel_residual: bool = False
+    """True: each layer adds attention and the MLP computed side by side,
+    x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX's use_parallel_residual, GPT-J, Falcon);
+    False: one after the other, Llama's pre-norm layer."""
 
     def attention_of(self, layer: int) -> LayerAttention:
         """What ``layer``'s attention computes (its window, softcap, sinks, RoPE table)."""

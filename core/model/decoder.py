@@ -1,8 +1,9 @@
 """The building blocks of a decoder-only transformer over packed batches, and the decoder
-they make: RMSNorm, rotary embeddings, attention through the configured backend (with an
-optional per-head q/k norm), the gated MLP, a pre-norm layer that takes the MoE block where
-the spec says so, and ``DecoderForCausalLM``: Llama's architecture, which model plugins
-(plugins/model/) use as it is or change a block of.
+they make: RMSNorm and LayerNorm, rotary embeddings (whole or partial), attention through the
+configured backend (with an optional per-head q/k norm), the MLP (gated or plain), a pre-norm
+layer (sequential, or with a parallel residual) that takes the MoE block where the spec says
+so, and ``DecoderForCausalLM``: Llama's architecture by default, which model plugins
+(plugins/model/) use as it is, set through the spec, or change a block of.
 
 Module and parameter names follow Hugging Face's Llama, so such a checkpoint's state dict
 loads as is (a model plugin maps other names). There is no padding: activations are
@@ -40,6 +41,33 @@ class RMSNorm(nn.Module):
         x = x.float()  # normalise in float32 whatever the compute dtype, as transformers does
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm over the last dim: (x - mean) / sqrt(var + eps) * weight + bias (``bias``
+    False: none), in the input's dtype as torch's and transformers' ``nn.LayerNorm`` compute
+    it (GPT-NeoX, Phi-2, Falcon). Parameters ``weight`` and ``bias``, as checkpoints name them."""
+
+    def __init__(self, size: int, eps: float, bias: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.bias = nn.Parameter(torch.zeros(size)) if bias else None
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+
+NORMS = {"rms_norm": RMSNorm, "layer_norm": LayerNorm}
+"""The norm block of each ``ModelSpec.norm``."""
+
+
+def make_norm(spec: ModelSpec, size: int | None = None) -> nn.Module:
+    """The spec's norm (``spec.norm``: RMSNorm or LayerNorm, epsilon ``spec.rms_norm_eps``)
+    over ``size`` values (default the hidden size): what ``DecoderLayer`` and the final norm use."""
+    if spec.norm not in NORMS:
+        raise ValueError(f"ModelSpec.norm {spec.norm!r} is not a norm core builds; allowed: {', '.join(NORMS)}")
+    return NORMS[spec.norm](size or spec.hidden_size, spec.rms_norm_eps)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -166,15 +194,19 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm attention then MLP (or MoE), each added to the residual; subclasses choose
-    the two (``make_attention``, ``make_mlp``)."""
+    """Pre-norm attention then MLP (or MoE), each added to the residual; or, with
+    ``spec.parallel_residual``, both from the same residual and added together,
+    x + attn(input_layernorm(x)) + mlp(post_attention_layernorm(x)) (GPT-NeoX). The norms are
+    ``make_norm(spec)``'s (RMSNorm, or LayerNorm with bias); subclasses choose attention and
+    MLP (``make_attention``, ``make_mlp``)."""
 
     def __init__(self, spec: ModelSpec, layer: int):
         super().__init__()
         self.self_attn = self.make_attention(spec, layer)
         self.mlp = self.make_mlp(spec, layer)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.input_layernorm = make_norm(spec)
+        self.post_attention_layernorm = make_norm(spec)
+        self.parallel_residual = spec.parallel_residual
         self.tp: Any = None  # tensor parallel: attention and MLP outputs are partial sums over ranks
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -190,6 +222,9 @@ class DecoderLayer(nn.Module):
         return MLP(spec)
 
     def forward(self, x, cos, sin, backend, cache, plan):
+        if self.parallel_residual:  # one reduction for both branches' partial sums
+            attn = self.self_attn(self.input_layernorm(x), cos, sin, backend, cache, plan)
+            return x + self._reduce(attn + self.mlp(self.post_attention_layernorm(x)))
         x = x + self._reduce(self.self_attn(self.input_layernorm(x), cos, sin, backend, cache, plan))
         return x + self._reduce(self.mlp(self.post_attention_layernorm(x)))
 
@@ -220,7 +255,7 @@ class DecoderBody(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         self.layers = nn.ModuleList(layer_cls(spec, i) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.norm = make_norm(spec)
 
 
 class DecoderForCausalLM(nn.Module):
@@ -238,9 +273,12 @@ class DecoderForCausalLM(nn.Module):
         """Whether the fused kernels run this model as its own forward would: the fused path
         replaces ``DecoderLayer.forward`` (norms and residual adds) and calls its blocks with
         ``fused`` (RoPE, SwiGLU), so it applies only where every layer keeps that forward and
-        core's attention and MLP (or MoE) forwards, and rotates whole heads. A family that
-        overrides any of them runs its own forward on every device, CUDA included."""
-        if None in self.layer_rope or self.spec.rope_dim != self.spec.head_dim:
+        core's attention and MLP (or MoE) forwards, rotates whole heads, and has RMSNorms and
+        sequential layers. A family that overrides any of them runs its own forward on every
+        device, CUDA included."""
+        spec = self.spec
+        if None in self.layer_rope or spec.rope_dim != spec.head_dim or spec.norm != "rms_norm" or \
+                spec.parallel_residual:  # the fused path folds residual adds into RMSNorms of sequential layers
             return False
         for layer in self.held_layers():
             if type(layer).forward is not DecoderLayer.forward or type(layer).forward_fused is not \

@@ -1,4 +1,4 @@
-"""The gated MLP (SwiGLU, GeGLU) and the stacking of projections into one GEMM, below both
+"""The MLP (gated: SwiGLU, GeGLU; or plain) and the stacking of projections into one GEMM, below both
 the decoder layer and the mixture of experts, which build on them."""
 
 from __future__ import annotations
@@ -40,27 +40,33 @@ def _stack_float_linears(linears: list[nn.Linear]) -> nn.Linear:
     return out.requires_grad_(False)
 
 
-ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
-"""The gated MLP's activations by Hugging Face's ``hidden_act`` names."""
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"), "gelu": F.gelu,
+               "relu": F.relu}
+"""The MLP's activations by ``ModelSpec.mlp_activation`` (core/model/spec.py ``ACTIVATION_NAMES``
+maps Hugging Face's ``hidden_act`` names onto these)."""
 
 
 class MLP(nn.Module):
-    """The gated MLP: down(act(gate(x)) * up(x)), act SiLU (SwiGLU) or tanh-GELU (GeGLU)."""
+    """The MLP: gated (``spec.gated_mlp``, the default), down(act(gate(x)) * up(x)) with SiLU
+    (SwiGLU) or tanh-GELU (GeGLU); or plain, down(act(up(x))) with no ``gate_proj``
+    (GPT-NeoX's dense_h_to_4h, GELU, dense_4h_to_h)."""
 
     def __init__(self, spec: ModelSpec, intermediate_size: int | None = None):
         super().__init__()
         h, i = spec.hidden_size, intermediate_size or spec.intermediate_size
         self.act = ACTIVATIONS[spec.mlp_activation]
-        self.swiglu = spec.mlp_activation == "silu"  # what the fused kernels compute
-        self.gate_proj = nn.Linear(h, i, bias=spec.mlp_bias)
+        self.gated = spec.gated_mlp
+        self.swiglu = self.gated and spec.mlp_activation == "silu"  # what the fused kernels compute
+        if self.gated:
+            self.gate_proj = nn.Linear(h, i, bias=spec.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=spec.mlp_bias)
         self.gate_up_proj: nn.Linear | None = None
 
     def fuse_projections(self) -> None:
         """Replace gate/up_proj by one ``gate_up_proj`` (their weights stacked); kept apart
-        where a subclass has its own ``forward``."""
-        if self.gate_up_proj is not None or type(self).forward is not MLP.forward:
+        where a subclass has its own ``forward``, and where there is no gate."""
+        if self.gate_up_proj is not None or not self.gated or type(self).forward is not MLP.forward:
             return
         stacked = _stacked(gate_proj=self.gate_proj, up_proj=self.up_proj)
         if stacked is not None:
@@ -81,4 +87,6 @@ class MLP(nn.Module):
             from tessellm.core.model.fused_ops import silu_mul
 
             return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
+        if not self.gated:
+            return self.down_proj(self.act(self.up_proj(x)))
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))

@@ -90,6 +90,8 @@ _LAZY = {
     "DecoderLayer": "tessellm.core.model.decoder",
     "MLP": "tessellm.core.model.decoder",
     "RMSNorm": "tessellm.core.model.decoder",
+    "LayerNorm": "tessellm.core.model.decoder",
+    "make_norm": "tessellm.core.model.decoder",
     "RotaryEmbedding": "tessellm.core.model.decoder",
     "Attention": "tessellm.core.model.decoder",
     "apply_rotary": "tessellm.core.model.decoder",

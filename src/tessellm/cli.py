@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check", metavar="KIND:NAME",
                    help="run KIND's conformance suite on the installed plugin NAME (needs the [conformance] extra)")
     p.add_argument("--options", metavar="JSON", default="{}", help="with --check: the plugin's options, as JSON")
+    p.add_argument("--shapes", metavar="JSON", default=None,
+                   help="with --check model:NAME: config fields of the tiny checkpoints, as JSON, per model_type "
+                        "('{\"gpt_neox\": {\"num_hidden_layers\": 3}}') or for every type the plugin declares "
+                        "('{\"num_hidden_layers\": 3}')")
     p.add_argument("--examples", type=int, default=20, metavar="N",
                    help="with --check: at most N cases per property, and N parameter sets of a parametrized "
                         "one (default 20)")
@@ -95,15 +99,24 @@ def cmd_plugins(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2, default=str))
         return 0
+    print("\n".join(plugin_lines(rows)))
+    return 0
+
+
+def plugin_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """``tessellm plugins``' lines for plugins described as ``PluginEntry.describe`` does:
+    kind.name, auto priority, package, and description (a model plugin's model types first)."""
     width = max((len(f"{r['kind']}.{r['name']}") for r in rows), default=10)
     package_width = max((len(r["package"]) for r in rows), default=12)
+    lines = []
     for r in rows:
         auto = "-" if r["auto_priority"] is None else str(r["auto_priority"])
+        description = r["description"]
         if r.get("model_types"):  # what a model plugin builds, before what it is
-            r["description"] = f"[{', '.join(r['model_types'])}] {r['description']}"
-        print(f"{r['kind'] + '.' + r['name']:<{width}}  auto {auto:>3}  {r['package']:<{package_width}}  "
-              f"{r['description']}")
-    return 0
+            description = f"[{', '.join(r['model_types'])}] {description}"
+        lines.append(f"{r['kind'] + '.' + r['name']:<{width}}  auto {auto:>3}  {r['package']:<{package_width}}  "
+                     f"{description}")
+    return lines
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -116,21 +129,36 @@ def cmd_check(args: argparse.Namespace) -> int:
     if not sep or kind not in KINDS or not name:
         raise ConfigError(f"--check takes KIND:NAME with KIND one of {', '.join(KINDS)}, e.g. attention:sdpa; "
                           f"got {args.check!r}")
-    try:
-        options = json.loads(args.options)
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--options must be a JSON object: {exc}") from None
-    if not isinstance(options, dict):
-        raise ConfigError(f"--options must be a JSON object, got {args.options!r}")
+    options = _json_object("--options", args.options, ConfigError)
     require("pytest", "conformance")
     require("hypothesis", "conformance")
     from tessellm.testing.conformance.check import run_check
 
     if args.examples < 1:
         raise ConfigError(f"--examples must be at least 1, got {args.examples}")
-    report = run_check(kind, name, options, examples=args.examples, verbose=args.verbose)
+    shapes = _check_shapes(args.shapes, kind, name)
+    report = run_check(kind, name, options, examples=args.examples, verbose=args.verbose, shapes=shapes)
     print(report.table())
     return 0 if report.ok else 1
+
+
+def _check_shapes(text: str | None, kind: str, name: str) -> dict[str, dict[str, Any]] | None:
+    """``--shapes``' JSON as model_type -> config fields; fields not keyed by a model type
+    apply to every type the plugin declares. ConfigError for bad JSON or another kind."""
+    if text is None:
+        return None
+    if kind != "model":
+        raise ConfigError(f"--shapes sets the tiny checkpoints of the model suite; {kind} plugins take none")
+    shapes = _json_object("--shapes", text, ConfigError)
+    if shapes and all(isinstance(v, dict) for v in shapes.values()):
+        return shapes
+    if any(isinstance(v, dict) for v in shapes.values()):
+        raise ConfigError("--shapes takes either {model_type: {field: value}} or {field: value} for every model "
+                          f"type, not both; got {text!r}")
+    from tessellm.core.registry import get_registry
+
+    entry = get_registry().get("model", name)
+    return {t: dict(shapes) for t in (entry.cls.model_types if entry is not None else ())}
 
 
 def cmd_new_plugin(args: argparse.Namespace) -> int:
@@ -165,13 +193,14 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     return params
 
 
-def _json_object(flag: str, text: str) -> dict[str, Any]:
+def _json_object(flag: str, text: str, error: type[TessellmError] = InvalidRequestError) -> dict[str, Any]:
+    """``flag``'s value parsed as a JSON object; ``error`` naming the flag otherwise."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise InvalidRequestError(f"{flag} must be a JSON object: {exc}") from None
+        raise error(f"{flag} must be a JSON object: {exc}") from None
     if not isinstance(value, dict):
-        raise InvalidRequestError(f"{flag} must be a JSON object, got {type(value).__name__}")
+        raise error(f"{flag} must be a JSON object, got {type(value).__name__}")
     return value
 
 
@@ -203,9 +232,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 print(c.text)
                 print(f"--- {len(c.token_ids)} tokens, finish: {c.finish_reason}")
     r = llm.pipeline.resolved
+    parts = [f"model {llm.pipeline.architecture.name}"]  # the model plugin, then the pipeline's plugins
+    parts += [f"{kind} {r.choices[kind].entry.name}" for kind in KINDS if kind in r.choices and kind != "model"]
     print(f"tessellm: {generated} tokens for {len(outputs)} prompt{'s' if len(outputs) != 1 else ''} in {elapsed:.2f} s: "
           f"{generated / elapsed:.1f} tokens/s ({r.device}, {str(r.dtype).replace('torch.', '')}, "
-          + ", ".join(f"{kind} {r.choices[kind].entry.name}" for kind in KINDS if kind in r.choices) + ")", file=sys.stderr)
+          + ", ".join(parts) + ")", file=sys.stderr)
     return 0
 
 

@@ -24,7 +24,7 @@ from tessellm.core.interfaces.attention import AttentionBackend
 from tessellm.core.errors import PluginConflictError
 from tessellm.core.plugin import KINDS
 from tessellm.core.registry import DISABLE_ENV, ENTRY_POINT_GROUP, PluginRegistry
-from tessellm.core.version import PLUGIN_API_VERSION, __version__
+from tessellm.core.version import PLUGIN_API_VERSION, __version__, api_minor
 
 BUILTINS = {
     "attention": ["sdpa"],
@@ -299,7 +299,7 @@ def test_same_name_in_different_kinds_is_no_conflict():
 
 
 @pytest.mark.parametrize("version", [
-    "2.0", "1.15", "0.9", "3",
+    "2.0", f"1.{api_minor(PLUGIN_API_VERSION) + 1}", "0.9", "3",  # a major other than ours; a minor newer
     ("abc"),
 ])
 def test_incompatible_api_version_is_a_load_failure(version):

@@ -1,8 +1,10 @@
 """A/B test of two pipelines on one workload: what ``tessellm ab`` runs.
 
-Both pipelines stay loaded and run the same requests for ``rounds`` rounds, interleaved with
-the order alternating (A B, B A, ...), so drift over time (clock boost, other load) hits both
-arms alike. The throughput ratio B / A comes with a paired bootstrap interval over rounds.
+Both pipelines stay loaded. Each first runs the workload untimed (``warmup_rounds``), then both
+run the same requests for ``rounds`` rounds, interleaved with the order alternating (A B, B
+A, ...), so drift over time (clock boost, other load) hits both arms alike. The throughput
+ratio B / A comes from the rounds' paired ratios with the order effect removed, and an
+interval that holds 1 for identical arms at least 95% of the time (``bench.intervals``).
 Output agreement compares the arms' greedy outputs token for token, and their next-token
 distributions (KL) on one and the same teacher-forced sequence. When either arm's requests
 sample (its request parameters have a temperature above 0), each arm also draws many seeded
@@ -25,6 +27,7 @@ import torch
 from pydantic import ValidationError
 
 from tessellm.bench.distributions import DistributionComparison, compare_continuations, format_comparison
+from tessellm.bench.intervals import paired_ratio_ci, round_orders
 from tessellm.bench.offline import BenchResult, describe_device, request_limit, run_offline, summarize, warm_up
 from tessellm.bench.workloads import BenchRequest, Workload
 from tessellm.core.config import PipelineConfig, apply_overrides, config_from_dict, default_config_data, read_config_file
@@ -130,7 +133,9 @@ def bootstrap_ratio_ci(a: Any, b: Any, *, seed: int = 0, resamples: int = 10_000
                        level: float = 0.95) -> tuple[float, float]:
     """Percentile-bootstrap interval of ``mean(b) / mean(a)`` over paired rounds: each resample
     draws round indices with replacement and takes the same rounds of both arms, so drift
-    shared by a round's two runs cancels. Deterministic for a given seed."""
+    shared by a round's two runs cancels. Deterministic for a given seed. (What the live A/B
+    of ``tessellm ab --serve`` reports over its many request pairs; over a few offline rounds
+    it is too narrow, and ``tessellm ab`` uses ``bench.intervals.paired_ratio_ci``.)"""
     a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
     if a.ndim != 1 or a.shape != b.shape or a.size == 0 or (a <= 0).any():
         raise ValueError("a and b must be equally long, non-empty 1-d sequences with positive a")
@@ -166,23 +171,33 @@ def arm_request(r: BenchRequest, request_id: str, params: dict[str, Any], index:
 
 
 def run_rounds(llm_a: Any, llm_b: Any, requests: list[BenchRequest], rounds: int, *, progress: bool = False,
-               params: tuple[dict[str, Any], dict[str, Any]] = ({}, {})) -> tuple[list[BenchResult], list[BenchResult]]:
-    """Warm both arms up once, then run ``requests`` through each arm ``rounds`` times, round i
-    A then B for even i and B then A for odd i, with each arm's request ``params``. Every run
-    starts with an empty prefix cache, so each round measures what one ``bench`` run does.
-    Returns A's and B's results by round."""
+               params: tuple[dict[str, Any], dict[str, Any]] = ({}, {}), warmup_rounds: int = 1,
+               first: str = "A") -> tuple[list[BenchResult], list[BenchResult]]:
+    """Warm both arms up (a tiny request, then ``warmup_rounds`` untimed runs of ``requests``
+    each), then run ``requests`` through each arm ``rounds`` times in the orders of
+    ``round_orders(rounds, first)`` (A then B, B then A, ...), with each arm's request
+    ``params``. Every run starts with an empty prefix cache, so each round measures what one
+    ``bench`` run does. Returns A's and B's timed results by round."""
+    arms = {"a": (llm_a, params[0]), "b": (llm_b, params[1])}
+
+    def run(arm: str, tag: str) -> BenchResult:
+        llm, own = arms[arm]
+        reset = getattr(llm.pipeline.cache, "reset_prefix_cache", None)
+        if reset is not None:
+            reset()
+        # request ids must be unique among an engine's live requests: tag each run's copies
+        fresh = [arm_request(r, f"{r.request_id}#{arm}{tag}", own, n) for n, r in enumerate(requests)]
+        return run_offline(llm, fresh, progress=progress, warmup=False)
+
     for llm in (llm_a, llm_b):
         warm_up(llm, requests)
-    arms, out = {"a": (llm_a, params[0]), "b": (llm_b, params[1])}, {"a": [], "b": []}
-    for i in range(rounds):
-        for arm in ("a", "b") if i % 2 == 0 else ("b", "a"):
-            llm, own = arms[arm]
-            reset = getattr(llm.pipeline.cache, "reset_prefix_cache", None)
-            if reset is not None:
-                reset()
-            # request ids must be unique among an engine's live requests: tag each run's copies
-            fresh = [arm_request(r, f"{r.request_id}#{arm}{i}", own, n) for n, r in enumerate(requests)]
-            out[arm].append(run_offline(llm, fresh, progress=progress, warmup=False))
+    for i in range(warmup_rounds):  # untimed: a first run pays for set-up the later ones do not
+        for arm in round_orders(1, first)[0].lower():
+            run(arm, f"w{i}")
+    out: dict[str, list[BenchResult]] = {"a": [], "b": []}
+    for i, order in enumerate(round_orders(rounds, first)):
+        for arm in order.lower():
+            out[arm].append(run(arm, str(i)))
     return out["a"], out["b"]
 
 
@@ -263,9 +278,10 @@ def sampled_agreement(llm_a: Any, llm_b: Any, prompts: list[list[int]], params_a
 def run_ab(llm_a: Any, llm_b: Any, workload: Workload, *, seed: int = 0, num_requests: int | None = 16,
            rounds: int = 5, num_agreement_prompts: int = 8, progress: bool = False, command: str = "",
            params: tuple[dict[str, Any], dict[str, Any]] = ({}, {}), num_samples: int = 64,
-           sample_tokens: int = 8, alpha: float = 0.05) -> dict[str, Any]:
-    """Draw the workload once (requests fit both arms), time it in interleaved rounds
-    (``run_rounds``, each arm with its request ``params``), check output agreement on its first
+           sample_tokens: int = 8, alpha: float = 0.05, warmup_rounds: int = 1) -> dict[str, Any]:
+    """Draw the workload once (requests fit both arms), time it in interleaved rounds after
+    ``warmup_rounds`` untimed ones (``run_rounds``, each arm with its request ``params``), put
+    ``paired_ratio_ci``'s interval on the ratio, check output agreement on its first
     ``num_agreement_prompts`` prompts (0: skip) and return the report ``tessellm ab --json``
     prints. If either arm's ``params`` sample, the check also compares ``num_samples``
     continuations of ``sample_tokens`` tokens per prompt and arm (``sampled_agreement``)."""
@@ -278,7 +294,8 @@ def run_ab(llm_a: Any, llm_b: Any, workload: Workload, *, seed: int = 0, num_req
     limit = min(request_limit(llm_a), request_limit(llm_b))
     requests = workload.requests(seed=seed, num_requests=num_requests, tokenizer=llm_a.tokenizer,
                                  max_model_len=limit, vocab_size=vocab.pop(), encode=llm_a.encode)
-    runs = dict(zip("ab", run_rounds(llm_a, llm_b, requests, rounds, progress=progress, params=params)))
+    runs = dict(zip("ab", run_rounds(llm_a, llm_b, requests, rounds, progress=progress, params=params,
+                                     warmup_rounds=warmup_rounds)))
     tps = {arm: [sum(t.output_tokens for t in r.requests) / r.elapsed_s for r in rs] for arm, rs in runs.items()}
     report: dict[str, Any] = {}
     for arm, llm in (("a", llm_a), ("b", llm_b)):
@@ -291,9 +308,11 @@ def run_ab(llm_a: Any, llm_b: Any, workload: Workload, *, seed: int = 0, num_req
                                     "mean": round(float(np.mean(tps[arm])), 3)},
             **{f"{key}_ms": summarize([getattr(t, f"{key}_s") for r in runs[arm] for t in r.requests])
                for key in ("ttft", "tpot", "e2e")}}
-    low, high = bootstrap_ratio_ci(tps["a"], tps["b"], seed=seed)
-    report.update(ratio=round(float(np.mean(tps["b"]) / np.mean(tps["a"])), 4),
-                  ratio_ci95=[round(low, 4), round(high, 4)], exact_match_rate=None, mean_kl=None, max_kl=None,
+    orders = round_orders(rounds)
+    ratio, (low, high) = paired_ratio_ci(tps["a"], tps["b"], orders)
+    report.update(ratio=round(ratio, 4), ratio_ci95=[round(low, 4), round(high, 4)],
+                  ratio_of_means=round(float(np.mean(tps["b"]) / np.mean(tps["a"])), 4),
+                  exact_match_rate=None, mean_kl=None, max_kl=None,
                   divergences=[], agreement={"prompts": 0, "max_tokens": 0}, distribution=None)
     k = min(num_agreement_prompts, len(requests))
     if k:
@@ -311,7 +330,7 @@ def run_ab(llm_a: Any, llm_b: Any, workload: Workload, *, seed: int = 0, num_req
             report["distribution"] = {"prompts": k, "samples_per_arm": num_samples, "max_tokens": new,
                                       **comparison.as_dict()}
     devices = [describe_device(llm.pipeline.resolved.device) for llm in (llm_a, llm_b)]
-    report.update(rounds=rounds, order=["AB" if i % 2 == 0 else "BA" for i in range(rounds)],
+    report.update(rounds=rounds, warmup_rounds=warmup_rounds, order=orders,
                   workload=workload.describe(seed, len(requests)),
                   device=devices[0] if devices[0] == devices[1] else f"A {devices[0]}; B {devices[1]}",
                   date=datetime.now(timezone.utc).isoformat(timespec="seconds"), command=command,
@@ -341,8 +360,10 @@ def format_ab_report(report: dict[str, Any]) -> str:
     rows = [("output tokens/s mean", [a["output_tokens_per_s"]["mean"], b["output_tokens_per_s"]["mean"]])]
     rows += [(f"{key} {stat}", [a[key][stat], b[key][stat]]) for key in ("ttft_ms", "tpot_ms")
              for stat in ("p50", "p90", "p99")]
+    warm = report.get("warmup_rounds", 0)
     lines = [f"tessellm ab: workload {w['name']} ({w['num_requests']} requests, seed {w['seed']}), "
-             f"{report['rounds']} interleaved rounds on {report['device']}",
+             f"{report['rounds']} interleaved rounds" + (f" after {warm} untimed" if warm else "")
+             + f" on {report['device']}",
              "A -> B: " + ("; ".join(sorted(diff)) or "identical resolved configs" + (
                  "" if a.get("request_params") != b.get("request_params") else " (an A/A test)"))]
     if a.get("request_params") or b.get("request_params"):
@@ -353,7 +374,8 @@ def format_ab_report(report: dict[str, Any]) -> str:
                      + " ".join(cell(v) for v in report[arm]["output_tokens_per_s"]["per_round"]))
     low, high = report["ratio_ci95"]
     verdict = "no difference resolved" if low <= 1 <= high else ("B faster" if low > 1 else "B slower")
-    lines.append(f"ratio B/A (output tokens/s): {report['ratio']:.4g}, 95% CI [{low:.4g}, {high:.4g}]: {verdict}")
+    lines.append(f"ratio B/A (output tokens/s): {report['ratio']:.4g}, 95% CI [{low:.4g}, {high:.4g}]: {verdict} "
+                 f"(paired rounds, order effect removed)")
     if a["kv_cache_slots"] != b["kv_cache_slots"]:
         lines.append(f"note: the KV caches differ in size ({a['kv_cache_slots']} vs {b['kv_cache_slots']} slots)")
     g = report["agreement"]

@@ -51,7 +51,7 @@ def add_parsers(sub: Any, add_config_args: Callable[[argparse.ArgumentParser], N
     ab = sub.add_parser("ab", help="A/B test two pipelines: interleaved rounds, throughput ratio, output agreement",
                         description="Run one workload through two pipelines in interleaved rounds (A B, B A, ...); "
                                     "report each arm's throughput and latency, the throughput ratio B/A with a "
-                                    "bootstrap 95% interval over rounds, and how far their greedy outputs agree; "
+                                    "95% interval from the paired rounds, and how far their greedy outputs agree; "
                                     "when either arm's requests sample, also whether their sampled outputs "
                                     "differ in distribution.")
     ab.add_argument("configs", nargs="*", metavar="CONFIG", help="A's and B's config files (instead of --a/--b)")
@@ -66,9 +66,11 @@ def add_parsers(sub: Any, add_config_args: Callable[[argparse.ArgumentParser], N
                     help="override a workload parameter (repeatable)")
     ab.add_argument("--num-requests", type=int, default=16, metavar="N", help="requests per run (default 16)")
     ab.add_argument("--rounds", type=int, default=5, metavar="N",
-                    help="runs of each arm, interleaved (default 5, at least 2)")
+                    help="timed runs of each arm, interleaved (default 5, at least 2)")
+    ab.add_argument("--warmup-rounds", type=int, default=1, metavar="N",
+                    help="untimed runs of the workload by each arm before the timed rounds (default 1)")
     ab.add_argument("--seed", type=int, default=0, metavar="S",
-                    help="seed of the workload and the bootstrap (default 0)")
+                    help="seed of the workload and of the sampled-output draws (default 0)")
     ab.add_argument("--num-agreement-prompts", type=int, default=8, metavar="N",
                     help="workload prompts on which to compare greedy outputs and KL, and sampled outputs "
                          "when an arm samples (default 8; 0 skips)")
@@ -215,6 +217,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
     # every argument and both configs are checked before a model is loaded
     workload = get_workload(args.workload, args.workload_overrides)
     for flag, value, least in (("--num-requests", args.num_requests, 1), ("--rounds", args.rounds, 2),
+                               ("--warmup-rounds", args.warmup_rounds, 0),
                                ("--seed", args.seed, 0), ("--num-agreement-prompts", args.num_agreement_prompts, 0),
                                ("--num-samples", args.num_samples, 2), ("--sample-tokens", args.sample_tokens, 1)):
         if value < least:
@@ -237,7 +240,7 @@ def cmd_ab(args: argparse.Namespace) -> int:
     llm_b = llm_a if config_a == config_b and params[0] != params[1] else LLM(config_b)
     report = run_ab(llm_a, llm_b, workload, seed=args.seed, num_requests=args.num_requests, rounds=args.rounds,
                     num_agreement_prompts=args.num_agreement_prompts, params=params, num_samples=args.num_samples,
-                    sample_tokens=args.sample_tokens, alpha=args.alpha,
+                    sample_tokens=args.sample_tokens, alpha=args.alpha, warmup_rounds=args.warmup_rounds,
                     progress=progress_enabled(args.no_progress, args.json),
                     command=shlex.join(["tessellm", *(sys.argv[1:] if args.argv is None else args.argv)]))
     if args.json and report["a"]["kv_cache_slots"] != report["b"]["kv_cache_slots"]:  # the text report says so itself

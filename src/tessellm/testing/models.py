@@ -149,16 +149,155 @@ TINY_VECTORS: dict[str, dict[str, float]] = {
 suffix; "" matches every one), where transformers' zeros or ones would hide a feature."""
 
 
+SIZE_CAPS: tuple[tuple[tuple[str, ...], int], ...] = (
+    (("hidden_size", "n_embd", "d_model", "embed_dim", "model_dim", "dim"), 64),
+    (("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "inner_hidden_size"), 128),
+    (("num_hidden_layers", "n_layer", "n_layers", "num_layers"), 2),
+    (("num_attention_heads", "n_head", "n_heads", "num_heads"), 4),
+    (("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length", "n_ctx"), 512),
+    (("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 8),
+    (("num_experts_per_tok", "num_selected_experts", "moe_top_k"), 2),
+    (("n_group", "num_expert_groups"), 4),
+    (("topk_group",), 2),
+)
+"""Size fields a tiny checkpoint caps whatever its family (``tiny_fields``), by name, with
+their cap; besides these, by pattern: any other ``*intermediate_size`` at 32, ``head_dim``
+(unless derived from the hidden size and heads), any ``*_head_dim`` and ``rotary_dim`` at 16, ``*_lora_rank`` at 32, and key/value heads at the heads' cap
+keeping the config's grouping (as many as the heads, else 2, or 1 for multi-query)."""
+
+SUITE_BYTES_PER_PARAMETER = 32
+"""What one parameter of a tiny checkpoint costs the model conformance suite at its peak: a
+float64 reference and a float64 pipeline (8 bytes each), and up to four float32 models (the
+reference and pipelines) alive at once."""
+
+CHECKPOINT_MEMORY_LIMIT = 2 << 30
+"""The bytes a tiny checkpoint may cost the suite (``SUITE_BYTES_PER_PARAMETER`` a
+parameter) before ``build_tiny`` refuses to allocate it: 2 GiB, some 67 million parameters,
+a thousand times what the suites' checkpoints have. ``TESSELLM_CHECKPOINT_MEMORY_LIMIT``
+(bytes, or with a K/M/G suffix) sets another."""
+
+
+class CheckpointTooLarge(ValueError):
+    """A tiny checkpoint whose shapes would cost more memory than the limit (one line, raised
+    before anything is allocated)."""
+
+
+def _size_cap(name: str, default: Any, defaults: dict[str, Any]) -> Any:
+    """The tiny value of config field ``name`` (whose default is ``default``), or None to keep it."""
+    if not isinstance(default, int) or isinstance(default, bool) or default <= 0:
+        return None
+    for names, cap in SIZE_CAPS:
+        if name in names:
+            return cap if default > cap else None
+    if name.endswith("intermediate_size"):
+        cap = 32
+    elif name == "head_dim" or name.endswith("_head_dim") or name in ("kv_channels", "rotary_dim"):
+        hidden, heads = defaults.get("hidden_size"), defaults.get("num_attention_heads")
+        if name == "head_dim" and isinstance(hidden, int) and isinstance(heads, int) and default == hidden // heads:
+            return None  # derived from the hidden size and heads: the tiny ones derive it again
+        cap = 16
+    elif name.endswith("_lora_rank"):
+        cap = 32
+    elif name in ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"):
+        heads = next((defaults[n] for n in SIZE_CAPS[3][0] if isinstance(defaults.get(n), int)), default)
+        cap = 4 if default >= heads else (1 if default == 1 else 2)
+        return cap if default != cap else None
+    else:
+        return None
+    return cap if default > cap else None
+
+
+def tiny_fields(model_type: str, vocab_size: int = 512, **shapes: Any) -> dict[str, Any]:
+    """The config fields of ``model_type``'s tiny checkpoint: transformers' defaults for the
+    type with every size field capped (``SIZE_CAPS``), then tessellm's ``TINY_SHAPES`` for
+    the type, then ``shapes`` (a plugin's ``tiny_config``, a suite's ``shapes``), each over
+    the one before; the vocabulary is ``vocab_size``, token 1 BOS, 2 EOS, 0 padding."""
+    import dataclasses
+    import inspect
+
+    from transformers import CONFIG_MAPPING
+
+    config_cls = CONFIG_MAPPING[model_type]
+    defaults = config_cls().to_dict()
+    # only the config's own fields (not what it derives from them), under their own names
+    own = set(inspect.signature(config_cls.__init__).parameters)
+    if dataclasses.is_dataclass(config_cls):
+        own |= {f.name for f in dataclasses.fields(config_cls)}
+    aliases = getattr(config_cls, "attribute_map", {}) or {}
+    given = {**TINY_SHAPES.get(model_type, {}), **shapes}
+    named = {aliases.get(name, name) for name in given}
+    capped = {name: cap for name, value in defaults.items() if name in own and name not in named
+              and (cap := _size_cap(name, value, defaults)) is not None}
+    return {**capped, **given, "vocab_size": vocab_size, "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}
+
+
+def memory_limit() -> int:
+    """``CHECKPOINT_MEMORY_LIMIT``, or ``TESSELLM_CHECKPOINT_MEMORY_LIMIT`` when set."""
+    import os
+
+    text = os.environ.get("TESSELLM_CHECKPOINT_MEMORY_LIMIT", "").strip().upper().removesuffix("B")
+    if not text:
+        return CHECKPOINT_MEMORY_LIMIT
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1], 1)
+    try:
+        return int(float(text.rstrip("KMG")) * scale)
+    except ValueError:
+        raise ValueError(f"TESSELLM_CHECKPOINT_MEMORY_LIMIT={os.environ['TESSELLM_CHECKPOINT_MEMORY_LIMIT']!r} "
+                         f"is not a number of bytes (e.g. 2G, 512M)") from None
+
+
+def count_parameters(config: Any) -> int:
+    """The parameters transformers' model for ``config`` has, counted on the meta device
+    (nothing allocated)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def check_checkpoint_size(model_type: str, config: Any, limit: int | None = None) -> int:
+    """The parameter count of ``config``'s model; CheckpointTooLarge (one line naming the
+    shapes and the ways to change them) when the suite would need more than ``limit``
+    bytes (default ``memory_limit()``)."""
+    limit = memory_limit() if limit is None else limit
+    params = count_parameters(config)
+    need = params * SUITE_BYTES_PER_PARAMETER
+    if need > limit:
+        shape = ", ".join(f"{k}={getattr(config, k)}" for k in ("hidden_size", "num_hidden_layers",
+                                                              "num_attention_heads", "intermediate_size",
+                                                              "vocab_size") if hasattr(config, k))
+        raise CheckpointTooLarge(
+            f"the tiny {model_type} checkpoint would have {params:,} parameters ({shape}): about "
+            f"{need / 2**30:.1f} GiB for the model suite, over its {limit / 2**30:.3g} GiB limit; set smaller "
+            f"shapes in the plugin's tiny_config, the suite's shapes, or `tessellm plugins --check model:NAME "
+            f"--shapes '{{\"{model_type}\": {{\"hidden_size\": 64, ...}}}}'` (the limit: "
+            f"TESSELLM_CHECKPOINT_MEMORY_LIMIT)")
+    return params
+
+
+def tiny_config(model_type: str, *, vocab_size: int = 512, **shapes: Any) -> Any:
+    """transformers' config of ``model_type``'s tiny checkpoint (``tiny_fields``), checked
+    against the memory limit (``check_checkpoint_size``) before any weight exists."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, **tiny_fields(model_type, vocab_size, **shapes))
+    check_checkpoint_size(model_type, config)
+    return config
+
+
 def build_tiny(model_type: str, target: Path, *, seed: int = 0, vocab_size: int = 512, weight_std: float = 0.15,
                **shapes: Any) -> Path:
-    """A random checkpoint of ``model_type`` (a key of ``TINY_SHAPES``; ``shapes`` override
-    them) made with transformers' own config and model classes (AutoConfig.for_model,
-    AutoModelForCausalLM.from_config) and saved in ``target`` with a word-level tokenizer;
-    weights drawn with ``seed`` at std ``weight_std``. Token 1 is BOS, 2 is EOS."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A random checkpoint of ``model_type`` made with transformers' own config and model
+    classes (AutoConfig.for_model, AutoModelForCausalLM.from_config) and saved in ``target``
+    with a word-level tokenizer; weights drawn with ``seed`` at std ``weight_std``. Token 1
+    is BOS, 2 is EOS. Its config is ``tiny_fields``': any model type gets small shapes
+    (``TINY_SHAPES`` where tessellm has them, ``shapes`` over those), and shapes that would
+    still cost more than the memory limit raise CheckpointTooLarge before allocating."""
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.for_model(model_type, vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                                  **{**TINY_SHAPES.get(model_type, {}), **shapes})
+    config = tiny_config(model_type, vocab_size=vocab_size, **shapes)
     return _save_random(lambda: AutoModelForCausalLM.from_config(config), target, seed, weight_std, vocab_size,
                         TINY_VECTORS.get(model_type))
 

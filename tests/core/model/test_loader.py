@@ -74,10 +74,12 @@ def test_unsupported_architectures_and_rope():
 def test_an_activation_the_mlp_does_not_compute_is_refused():
     from transformers import LlamaConfig
 
-    config = LlamaConfig(hidden_act="relu")
-    with pytest.raises(ModelLoadError, match="hidden_act 'relu' is not supported; supported: silu, swish"):
+    config = LlamaConfig(hidden_act="mish")
+    with pytest.raises(ModelLoadError, match="hidden_act 'mish' is not supported; supported: silu, swish, "):
         ModelSpec.from_hf_config(config)
     assert ModelSpec.from_hf_config(LlamaConfig(hidden_act="swish")).mlp_activation == "silu"
+    assert ModelSpec.from_hf_config(LlamaConfig(hidden_act="gelu_new")).mlp_activation == "gelu_pytorch_tanh"
+    assert ModelSpec.from_hf_config(LlamaConfig(hidden_act="relu")).mlp_activation == "relu"
 
 
 def test_mixed_window_layers_get_a_window_each():

@@ -86,7 +86,7 @@ from tessellm.testing import conformance
 class TestConformance(getattr(conformance, {suite!r})):
     plugin = {name!r}
     options = json.loads({options!r})
-'''
+{settings}'''
 
 _CONFTEST = '''\
 from hypothesis import Phase, settings
@@ -256,28 +256,54 @@ def _current_profile() -> str | None:
     return getter() if getter is not None else getattr(settings, "_current_profile", None)
 
 
+def _checkpoints_too_large(name: str, shapes: dict[str, dict[str, Any]]) -> str:
+    """For a model plugin: why a tiny checkpoint of one of its model types cannot be built
+    within the memory limit (one line), before the suite allocates anything; "" when all can."""
+    from tessellm.core.registry import get_registry
+    from tessellm.testing.models import CheckpointTooLarge, tiny_config
+
+    plugin = get_registry().get("model", name).cls
+    declared = getattr(plugin, "tiny_config", None) or {}
+    for model_type in plugin.model_types:
+        try:
+            tiny_config(model_type, **{**declared.get(model_type, {}), **shapes.get(model_type, {})})
+        except CheckpointTooLarge as exc:
+            return str(exc)
+        except Exception:  # a config transformers refuses: the suite reports it with its traceback
+            continue
+    return ""
+
+
 def run_check(kind: str, name: str, options: dict[str, Any] | None = None, *, examples: int = 20,
-              verbose: bool = False) -> CheckReport:
+              verbose: bool = False, shapes: dict[str, dict[str, Any]] | None = None) -> CheckReport:
     """Run ``kind``'s suite on the installed plugin ``name`` with ``options``: at most
-    ``examples`` cases a property. pytest's output is printed only when ``verbose``, and
-    then a failure's detail is its whole traceback."""
+    ``examples`` cases a property. ``shapes`` (model plugins only) sets the model suite's
+    tiny checkpoint fields per model_type. pytest's output is printed only when ``verbose``,
+    and then a failure's detail is its whole traceback."""
     import pytest
 
     from tessellm.testing.conformance.base import CASES
 
     if kind not in SUITES:
         raise ValueError(f"unknown plugin kind {kind!r}; kinds: {', '.join(SUITES)}")
+    if shapes and kind != "model":
+        raise ValueError(f"shapes are for the model suite, not the {kind} suite")
     options = dict(options or {})
     report = CheckReport(kind, name, options)
     report.error = _unavailable(kind, name, options)
+    if not report.error and kind == "model":
+        report.error = _checkpoints_too_large(name, shapes or {})
     if report.error:
         return report
+    suite_settings = {"shapes": shapes} if shapes else {}
     collector = _Collector()
     with tempfile.TemporaryDirectory(prefix="tessellm-check-") as tmp:
         folder = Path(tmp)
         (folder / "conftest.py").write_text(_CONFTEST.format(examples=int(examples)))
         (folder / "test_conformance.py").write_text(
-            _TEST_FILE.format(suite=SUITES[kind], name=name, options=json.dumps(options)))
+            _TEST_FILE.format(suite=SUITES[kind], name=name, options=json.dumps(options),
+                              settings="".join(f"    {key} = json.loads({json.dumps(value)!r})\n"
+                                               for key, value in suite_settings.items())))
         args = [str(folder), "-p", "no:cacheprovider", "--rootdir", str(folder), "--import-mode=importlib",
                 "-o", "addopts=", "-v" if verbose else "-q", "-W", "ignore::DeprecationWarning"]
         if os.environ.get("PYTEST_DISABLE_PLUGIN_AUTOLOAD"):

@@ -25,7 +25,7 @@ from tessellm.core.interfaces.batch import BatchMetadata, SampleSlot, ScheduledS
 from tessellm.core.interfaces.sequence import SamplingParams, Sequence
 from tessellm.testing import reference_probs
 from tessellm.testing.conformance.base import ConformanceSuite, property_settings
-from tessellm.testing.conformance.pipeline import build_llm, require_capacity, selection_context
+from tessellm.testing.conformance.pipeline import build_llm, require_capacity, selection_context, skip_unless_admitted
 from tessellm.testing.stats import chi_square
 
 ALPHA = 1e-3
@@ -238,11 +238,14 @@ class DecodingConformance(ConformanceSuite):
     ``sampling_cases = (*SAMPLING_CASES, SamplingCase("top_a=0.3", {"temperature": 1.0,
     "extra_args": {"top_a": 0.3}}, ("top_a",)))``.
 
-    A setting the decoder refuses through ``check(params)`` (InvalidRequestError) skips its
-    case with the decoder's own message; a pipeline the plugin declares unsupported skips
-    with its ``unsupported_reasons``. ``engine`` holds the config pieces of the pipeline
-    besides the model and the decoder (device, dtype, cache, ...); a subclass whose options
-    need a path (a draft model) overrides the ``decoding_options`` fixture.
+    The suite applies the engine's admission rules (``Engine.admit``) to every request it
+    makes: a setting the engine refuses for this decoder (a field newer than the decoder's
+    plugin API, such as ``min_p`` for a 1.0 decoder; its ``check``; ``extra_args`` its
+    ``RequestArgs`` do not take) skips its case with the engine's own message, never fails
+    it; a pipeline the plugin declares unsupported skips with its ``unsupported_reasons``.
+    ``engine`` holds the config pieces of the pipeline besides the model and the decoder
+    (device, dtype, cache, ...); a subclass whose options need a path (a draft model)
+    overrides the ``decoding_options`` fixture.
     """
 
     kind = "decoding"
@@ -282,16 +285,11 @@ class DecodingConformance(ConformanceSuite):
 
     # ------------------------------------------------------------------ helpers
 
-    @staticmethod
-    def accepted(decoder: Any, params: SamplingParams) -> None:
-        """Skip the running case, with the decoder's message, if it refuses ``params``
-        (through ``check``, or ``extra_args`` its ``RequestArgs`` do not take)."""
-        try:
-            if hasattr(decoder, "validate_request_args"):
-                decoder.validate_request_args(params)
-            decoder.check(params)
-        except InvalidRequestError as exc:
-            pytest.skip(f"the decoder refuses {params.model_dump(exclude_defaults=True)}: {exc}")
+    def accepted(self, llm: Any, params: SamplingParams) -> None:
+        """Skip the running case, with the engine's own reason, where ``llm``'s engine refuses
+        ``params`` at admission: a field newer than the decoder's plugin API (``min_p`` for a
+        1.0 decoder), the decoder's ``check``, ``extra_args`` its ``RequestArgs`` do not take."""
+        skip_unless_admitted(type(self), llm, params)
 
     def tolerance(self, llm: Any) -> float:
         return ARGMAX_TOLERANCE.get(llm.pipeline.resolved.dtype, HALF_TOLERANCE)
@@ -307,7 +305,7 @@ class DecodingConformance(ConformanceSuite):
         self.case()
         decoder = decoding_llm.pipeline.decoder
         params = SamplingParams(temperature=0.0, top_k=top_k, top_p=top_p)
-        self.accepted(decoder, params)
+        self.accepted(decoding_llm, params)
         g = torch.Generator().manual_seed(seed)
         logits = torch.randn(rows, decoding_llm.pipeline.spec.vocab_size, generator=g) * 3
         tokens = run_prompt_step(decoder, logits, [params] * rows, list(range(rows)))
@@ -324,7 +322,7 @@ class DecodingConformance(ConformanceSuite):
             pytest.skip(f"SamplingParams has no {', '.join(missing)}")
         params = SamplingParams(**case.params)
         decoder = decoding_llm.pipeline.decoder
-        self.accepted(decoder, params)
+        self.accepted(decoding_llm, params)
         logits = head_logits(decoding_llm.pipeline.spec.vocab_size)
         target = target_probs(decoder, logits, params)
         _assert_power(decoder, logits, case, target)
@@ -355,6 +353,7 @@ class DecodingConformance(ConformanceSuite):
         request = prompts.flatmap(lambda p: st.tuples(st.just(p), st.integers(1, min(12, capacity - len(p)))))
         requests = data.draw(st.lists(request, min_size=1, max_size=4))
         params = [SamplingParams(max_tokens=m, ignore_eos=True) for _, m in requests]
+        self.accepted(decoding_llm, params[0])
         outs = decoding_llm.generate([p for p, _ in requests], params)
         for (p, m), out in zip(requests, outs):
             tokens = out.outputs[0].token_ids
@@ -372,7 +371,7 @@ class DecodingConformance(ConformanceSuite):
         decoder = decoding_llm.pipeline.decoder
         params = [SamplingParams(max_tokens=PATH_LENGTH, temperature=PATH_TEMPERATURE, top_k=PATH_TOP_K,
                                  n=PATH_SAMPLES, seed=s, ignore_eos=True) for s in range(PATH_REQUESTS)]
-        self.accepted(decoder, params[0])
+        self.accepted(decoding_llm, params[0])
         stats = decoding_llm.engine.stats
         drafted = stats.draft_tokens
         outs = decoding_llm.generate([prompt] * PATH_REQUESTS, params)
@@ -393,7 +392,7 @@ class DecodingConformance(ConformanceSuite):
         require_capacity(type(self), decoding_llm, len(prompt) + 10, "the suite's seeded requests")
         params = [SamplingParams(max_tokens=10, temperature=0.9, top_k=20, seed=7 + i, n=2, ignore_eos=True)
                   for i in range(4)]
-        self.accepted(decoding_llm.pipeline.decoder, params[0])
+        self.accepted(decoding_llm, params[0])
         prompts = [prompt, prompt[:5], [5, 6, 7], prompt[::-1]]
         first = [[o.token_ids for o in out.outputs] for out in decoding_llm.generate(prompts, params)]
         second = [[o.token_ids for o in out.outputs] for out in decoding_llm.generate(prompts, params)]

@@ -104,7 +104,7 @@ class Subject:
         self.ctx = processor_context(vocab_size)
         self.proc = self.fresh()
         self.params = [SamplingParams(**r) for r in requests]
-        self.args = [self.proc.request_args(p) for p in self.params]
+        self.args = [admitted_args(self.proc, p, i) for i, p in enumerate(self.params)]
         self.g = torch.Generator().manual_seed(seed)
         common = sorted(mentioned_tokens(requests, self.ctx) | {EOS})
         width = [2, 4, 8, vocab_size][int(torch.randint(4, (), generator=self.g))]
@@ -134,6 +134,17 @@ class Subject:
         """A token the processed ``row`` leaves possible (finite), drawn at random."""
         finite = torch.nonzero(row.isfinite()).flatten().tolist()
         return finite[int(torch.randint(len(finite), (), generator=self.g))] if finite else EOS
+
+
+def admitted_args(proc: LogitsProcessor, params: SamplingParams, index: int) -> Any:
+    """``proc.request_args(params)``, the check the engine makes when a request arrives;
+    where the processor refuses the request (InvalidRequestError), the running property is
+    skipped with its reason, as the engine would never run it."""
+    try:
+        return proc.request_args(params)
+    except InvalidRequestError as exc:
+        pytest.skip(f"logits plugin {proc.name!r} refuses the suite's request {index} "
+                    f"({params.model_dump(exclude_defaults=True)}) at admission, so it never runs: {exc}")
 
 
 def processor_rows(entries: list[Row], positions: list[int]) -> ProcessorRows:

@@ -18,8 +18,9 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
+from tessellm.core.interfaces.sequence import SamplingParams
 from tessellm.testing.conformance.base import ConformanceSuite, property_settings
-from tessellm.testing.conformance.pipeline import registry_for
+from tessellm.testing.conformance.pipeline import registry_for, skip_unless_admitted
 
 
 class ModelConformance(ConformanceSuite):
@@ -35,9 +36,17 @@ class ModelConformance(ConformanceSuite):
       prompts sharing a prefix run twice (the second time from the prefix cache), prefills
       in chunks in a cache small enough to preempt, and n-gram speculative decoding.
 
-    Class attributes: ``shapes`` (model_type -> config fields for the tiny checkpoint),
-    ``vocab_size``, ``logits_tolerance``, ``engine`` (device and dtype pieces of the
-    pipeline config); override ``build_checkpoint`` and ``reference_model`` where needed.
+    The tiny checkpoint of a model type has transformers' default config for the type with
+    every size field capped small (hidden size, layers, heads, intermediate sizes, positions,
+    experts, ...: ``tessellm.testing.models.tiny_fields``), then the plugin's own
+    ``tiny_config`` for the type, then the suite's ``shapes``. Shapes that would cost the
+    suite more memory than its limit (``tessellm.testing.models.memory_limit``, 2 GiB) fail
+    in one line before anything is allocated.
+
+    Class attributes: ``shapes`` (model_type -> config fields for the tiny checkpoint; ``--check
+    model:NAME --shapes JSON`` sets it), ``vocab_size``, ``logits_tolerance``, ``engine``
+    (device and dtype pieces of the pipeline config); override ``build_checkpoint`` and
+    ``reference_model`` where needed.
     """
 
     kind = "model"
@@ -53,12 +62,21 @@ class ModelConformance(ConformanceSuite):
     # ------------------------------------------------------------------ what authors override
 
     @classmethod
+    def checkpoint_shapes(cls, model_type: str) -> dict[str, Any]:
+        """The config fields the suite sets for ``model_type``'s tiny checkpoint: the plugin's
+        ``tiny_config`` for it, then the suite's ``shapes``."""
+        declared = getattr(cls.under_test(), "tiny_config", None) or {}
+        return {**declared.get(model_type, {}), **cls.shapes.get(model_type, {})}
+
+    @classmethod
     def build_checkpoint(cls, model_type: str, folder: Path) -> Path:
         """A tiny random checkpoint of ``model_type`` with a word-level tokenizer in
-        ``folder`` (transformers' own classes, ``tessellm.testing.models.build_tiny``)."""
+        ``folder`` (transformers' own classes, ``tessellm.testing.models.build_tiny``), of
+        ``checkpoint_shapes``; one line (CheckpointTooLarge) where those would exceed the
+        memory limit."""
         from tessellm.testing.models import build_tiny
 
-        return build_tiny(model_type, folder, vocab_size=cls.vocab_size, **cls.shapes.get(model_type, {}))
+        return build_tiny(model_type, folder, vocab_size=cls.vocab_size, **cls.checkpoint_shapes(model_type))
 
     @classmethod
     def reference_model(cls, folder: Path, dtype: torch.dtype) -> Any:
@@ -82,7 +100,12 @@ class ModelConformance(ConformanceSuite):
     @classmethod
     def checkpoint(cls, model_type: str, tmp_path_factory: pytest.TempPathFactory) -> "Checkpoint":
         """The tiny checkpoint of ``model_type`` and its reference models (built once)."""
-        folder = cls.build_checkpoint(model_type, tmp_path_factory.mktemp(f"model-{model_type}"))
+        from tessellm.testing.models import CheckpointTooLarge
+
+        try:
+            folder = cls.build_checkpoint(model_type, tmp_path_factory.mktemp(f"model-{model_type}"))
+        except CheckpointTooLarge as exc:
+            pytest.fail(f"{cls.label()}: {exc}", pytrace=False)
         return Checkpoint(cls, model_type, folder)
 
     # ------------------------------------------------------------------ properties
@@ -139,7 +162,6 @@ class ModelConformance(ConformanceSuite):
         """Paged cache and continuous batching: requests join while others decode, and
         prompts sharing a prefix run twice, the second time reading it from the cache."""
         self.case()
-        from tessellm.core.interfaces.sequence import SamplingParams
         from tessellm.testing.engine import run_arrivals
 
         prompts = checkpoint.shared_prefix_prompts(12)
@@ -217,7 +239,9 @@ class Checkpoint:
         suite = self.suite
         part = {"name": suite.under_test().name, "options": dict(suite.options)}
         config = {"model": str(self.folder), **suite.engine, "dtype": dtype, "architecture": part, **sections}
-        return LLM(pipeline=Pipeline.from_config(config, registry=registry_for(suite)))
+        llm = LLM(pipeline=Pipeline.from_config(config, registry=registry_for(suite)))
+        skip_unless_admitted(suite, llm, SamplingParams(**self.params()))  # the engine's rules for the suite's requests
+        return llm
 
     def reference(self, dtype: torch.dtype) -> Any:
         if dtype not in self._references:

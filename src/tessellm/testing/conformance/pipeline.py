@@ -1,6 +1,8 @@
-"""Real pipelines for the suites that need a whole model (decoding, quant, scheduler): the
-plugin under test resolved into a pipeline on the tiny model, installed or given only as a
-class."""
+"""Real pipelines for the suites that need a whole model (decoding, quant, scheduler, model):
+the plugin under test resolved into a pipeline on the tiny model, installed or given only as
+a class; and the engine's admission rules, which every suite applies to its requests before
+running them (a request the engine would refuse is a skip with the engine's reason, never a
+failure)."""
 
 from __future__ import annotations
 
@@ -80,3 +82,35 @@ def require_capacity(suite: type[ConformanceSuite], llm: Any, tokens: int, what:
     if capacity < tokens:
         pytest.skip(f"{suite.label()}: the pipeline holds {capacity} tokens per sequence; {what} needs {tokens}")
     return capacity
+
+
+def admission_refusal(llm: Any, params: Any, prompt: list[int] | None = None) -> str | None:
+    """Why ``llm``'s engine refuses a request of ``params`` (``SamplingParams``) on ``prompt``
+    (default three tokens) when it arrives (``Engine.admit``: fields newer than the
+    decoder's plugin API, its ``check`` and ``extra_args``, the logits processors'
+    arguments, ...); None when it admits it."""
+    from tessellm.core.errors import InvalidRequestError
+
+    try:
+        llm.engine.admit(list(prompt or [1, 2, 3]), params)
+    except InvalidRequestError as exc:
+        return str(exc)
+    return None
+
+
+def skip_unless_admitted(suite: type[ConformanceSuite], llm: Any, params: Any, prompt: list[int] | None = None) -> None:
+    """Skip the running property, with the engine's reason, where ``llm``'s engine would
+    refuse ``params`` at admission (``admission_refusal``)."""
+    reason = admission_refusal(llm, params, prompt)
+    if reason is not None:
+        pytest.skip(f"{suite.label()}: the engine refuses {params.model_dump(exclude_defaults=True)} at "
+                    f"admission, so the suite does not run it: {reason}")
+
+
+def admitted_requests(suite: type[ConformanceSuite], llm: Any, requests: list[tuple]) -> list[tuple]:
+    """The ``(arrival, prompt, params, ...)`` requests ``llm``'s engine admits; when it admits
+    none, the running property is skipped with the engine's reason for the first."""
+    kept = [r for r in requests if admission_refusal(llm, r[2], r[1]) is None]
+    if requests and not kept:
+        skip_unless_admitted(suite, llm, requests[0][2], requests[0][1])
+    return kept
