@@ -26,6 +26,7 @@ architecture.name=llama --b architecture.name=transformers`` compares the two on
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Literal
 
@@ -37,12 +38,14 @@ import tessellm
 from tessellm.core.errors import ModelLoadError
 from tessellm.core.interfaces.model import ModelArchitecture
 from tessellm.core.model.spec import LayerAttention, ModelSpec, refuse_quantized
+from tessellm.core.parallel.shard import slice_rule
 from tessellm.core.plugin import PluginOptions
 
 from .attention import AttentionLayout, install_attention
 from .checkpoint import convert_checkpoint
 from .module import adopt, build_causal_lm, fill_buffers
-from .probe import other_token_mixers, probe_attention, refusal
+from .parallel import check_rule, local_config, tp_plan
+from .probe import other_token_mixers, probe_attention, refusal, rope_types_of
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +72,9 @@ class TransformersArchitecture(ModelArchitecture):
     def __init__(self, options: TransformersOptions | None = None):
         super().__init__(options)
         install_attention()
-        self._layout: tuple[Any, AttentionLayout] | None = None  # (config, what its probe found)
+        self._layout: tuple[Any, AttentionLayout, ModelSpec] | None = None  # (config, its probe's layout and spec)
         self._built: nn.Module | None = None  # the module last built, whose names checkpoints map to
+        self._row_parallel: set[str] = set()  # modules a tensor-parallel rank holds rows of
 
     def spec(self, hf_config: Any) -> ModelSpec:
         try:
@@ -79,7 +83,7 @@ class TransformersArchitecture(ModelArchitecture):
         except ModelLoadError as exc:
             raise ModelLoadError(f"model plugin 'transformers' cannot serve model_type "
                                  f"{getattr(hf_config, 'model_type', None)!r}: {exc}") from None
-        self._layout = (hf_config, layout)
+        self._layout = (hf_config, layout, spec)
         return spec
 
     def _probe(self, hf_config: Any) -> tuple[ModelSpec, AttentionLayout]:
@@ -88,28 +92,50 @@ class TransformersArchitecture(ModelArchitecture):
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         with torch.device("meta"):
             model = build_causal_lm(hf_config, experts="batched_mm")  # batched_mm runs on the meta device
+        mixers = other_token_mixers(_decoder(model))
+        if mixers:
+            raise ModelLoadError(f"its layers mix tokens without attention ({', '.join(mixers)}), whose state the KV "
+                                 f"cache does not hold")
         if not type(model).is_backend_compatible():
             raise ModelLoadError(f"{type(model).__name__} does not route attention through transformers' "
                                  f"AttentionInterface (_supports_attention_backend is False)")
-        mixers = other_token_mixers(_decoder(model))
-        if mixers:
-            raise ModelLoadError(f"its layers mix tokens without attention too ({', '.join(mixers)}), whose state the "
-                                 f"KV cache does not hold")
+        rope_types = rope_types_of(model)
+        if "dynamic" in rope_types:
+            raise ModelLoadError("rope_type 'dynamic': its frequencies follow the longest sequence of a forward, so "
+                                 "a packed batch's would change every sequence's (they depend on sequence length)")
         probe = probe_attention(model, text.num_hidden_layers, self.options.probe_tokens)
         why = refusal(probe)
         if why:
             raise ModelLoadError(why)
         spec = _spec_from_probe(hf_config, text, model, probe.calls)
+        if "longrope" in rope_types:  # the long factors switch on past the original length, batch-wide
+            spec = dataclasses.replace(spec, max_position_embeddings=_original_positions(text, spec))
         first = probe.calls[0]
         layout = AttentionLayout(spec.head_dim, first.qk_dim, first.value_dim, spec.attention_scale, first.sink_kwarg)
         return spec, layout
 
     def build(self, spec: ModelSpec) -> nn.Module:
         if self._layout is None or self._layout[0] is not spec.hf_config:
-            self._layout = (spec.hf_config, self._probe(spec.hf_config)[1])
-        model = adopt(build_causal_lm(spec.hf_config), self._layout[1], spec.num_layers)
+            whole, layout = self._probe(spec.hf_config)
+            self._layout = (spec.hf_config, layout, whole)
+        _, layout, whole = self._layout
+        config = spec.hf_config
+        if (spec.num_heads, spec.num_kv_heads, spec.intermediate_size) != \
+                (whole.num_heads, whole.num_kv_heads, whole.intermediate_size):
+            config = local_config(config, spec)  # a tensor-parallel rank's share
+        model = adopt(build_causal_lm(config), layout, spec.num_layers)
+        model.tessellm.row_parallel = tuple(sorted(self._row_parallel))
         self._built = model
         return model
+
+    def shard_rule(self, name: str, spec: ModelSpec, shard: Any) -> Any:
+        """Core's rule for ``name``, where the model's tensor-parallel plan splits it alike
+        (parallel.py); a ConfigError where the model declares no plan or splits otherwise."""
+        rule = slice_rule(name, spec, shard)
+        check_rule(name, rule, tp_plan(spec.hf_config), spec.model_type)
+        if isinstance(rule, tuple) and rule[0] == 1:
+            self._row_parallel.add(name.rsplit(".", 1)[0])
+        return rule
 
     def checkpoint_tensors(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """transformers' own conversions of the checkpoint (checkpoint.py), to the names of the
@@ -158,6 +184,20 @@ def _spec_from_probe(config: Any, text: Any, model: nn.Module, calls: tuple) -> 
         hf_config=config, scale=first.scaling if first.scaling is not None else first.qk_dim ** -0.5,
         layer_attention=tuple(LayerAttention(sliding_window=c.sliding_window, softcap=c.softcap,
                                              sinks=c.sink_kwarg is not None, rope=None) for c in calls))
+
+
+def _original_positions(text: Any, spec: ModelSpec) -> int:
+    """LongRoPE's original context (past it transformers switches the frequencies of a whole
+    forward to the long factors, which would make cached keys depend on how a sequence was
+    cut into steps): the longest context served."""
+    params = getattr(text, "rope_parameters", None) or {}
+    original = params.get("original_max_position_embeddings") or getattr(text, "original_max_position_embeddings",
+                                                                         None)
+    if not original:
+        raise ModelLoadError("rope_type 'longrope' without original_max_position_embeddings")
+    log.info("%s: LongRoPE serves contexts up to its original %d positions (of %d)", spec.model_type, original,
+             spec.max_position_embeddings)
+    return min(int(original), spec.max_position_embeddings)
 
 
 def _max_positions(text: Any) -> int:

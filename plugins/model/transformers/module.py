@@ -63,6 +63,8 @@ class ForwardPlan:
     """Whether that forward takes ``logits_to_keep`` (else every row's logits are computed)."""
     layers_path: str | None
     """Where the decoder's layer list is (``model.layers``), for running a subset of layers."""
+    row_parallel: tuple[str, ...] = ()
+    """On a tensor-parallel rank: the modules it holds rows of (their outputs are partial sums)."""
 
 
 class TransformersForward:
@@ -110,6 +112,11 @@ class TransformersForward:
             yield
         finally:
             setattr(parent, name, whole)
+
+    def set_tensor_parallel(self, tp: Any) -> None:
+        """Sum the outputs of the row-parallel modules over the ranks of ``tp``."""
+        for path in self.tessellm.row_parallel:
+            self.get_submodule(path).register_forward_hook(lambda module, args, out: tp.all_reduce(out))
 
     def cuda_graphs_unsupported(self) -> str | None:
         """A mixture of experts in transformers' code sizes its work on the host."""

@@ -19,7 +19,7 @@ import re
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,6 +63,8 @@ class AttentionCall:
     softcap: float | None
     sink_kwarg: str | None
     unsupported: str | None
+    extra_keys: int = 0
+    """Keys beyond the call's own tokens (memory or compressed tokens the layer adds)."""
 
 
 @dataclass
@@ -81,7 +83,7 @@ class ProbeStep:
             qk_dim=query.shape[-1], key_dim=key.shape[-1], value_dim=value.shape[-1], value_heads=value.shape[1],
             scaling=_number(kwargs.get("scaling")), sliding_window=kwargs.get("sliding_window") or None,
             softcap=float(softcap) if softcap else None, sink_kwarg=sink_kwarg,
-            unsupported=_unsupported_argument(kwargs)))
+            unsupported=_unsupported_argument(kwargs), extra_keys=key.shape[2] - query.shape[2]))
         return query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
 
 
@@ -197,6 +199,9 @@ def refusal(probe: Probe) -> str | None:
     for call in probe.calls:
         if call.unsupported:
             return f"layer {call.layer}'s attention passes {call.unsupported}, which tessellm's attention does not compute"
+        if call.extra_keys:
+            return (f"layer {call.layer} attends to {call.extra_keys:+d} keys besides its tokens' own (memory or "
+                    f"compressed tokens of its own), which the KV cache does not hold")
     masks = probe.masks
     if masks.extras:
         return (f"it builds attention masks with extra mask functions ({', '.join(sorted(masks.extras))}), beyond "
@@ -222,6 +227,19 @@ def refusal(probe: Probe) -> str | None:
     return None
 
 
+def rope_types_of(model: nn.Module) -> set[str]:
+    """The rotary embedding types of ``model``'s rotary modules (per layer type, where a
+    module keeps one per type)."""
+    types: set[str] = set()
+    for module in model.modules():
+        value = getattr(module, "rope_type", None)
+        if isinstance(value, str):
+            types.add(value)
+        elif isinstance(value, dict):
+            types.update(v for v in value.values() if isinstance(v, str))
+    return types
+
+
 def other_token_mixers(model: nn.Module) -> list[str]:
     """Class names of modules in ``model`` that mix tokens without attention (convolutions
     over the sequence, state-space and recurrent layers); transformers' ``Conv1D``, which is
@@ -232,7 +250,3 @@ def other_token_mixers(model: nn.Module) -> list[str]:
         if (isinstance(module, nn.Conv1d) or TOKEN_MIXERS.search(name)) and name not in found:
             found.append(name)
     return found
-
-
-def layers_of(probe: Probe) -> Iterator[AttentionCall]:
-    return iter(probe.calls)
