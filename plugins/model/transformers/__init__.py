@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from typing import Any, Literal
 
 import torch
@@ -54,8 +55,9 @@ class TransformersOptions(PluginOptions):
     experts_implementation: Literal["auto", "eager", "batched_mm", "grouped_mm"] = "auto"
     """How transformers computes mixture-of-experts layers: ``auto`` is ``grouped_mm`` on CUDA
     in bfloat16 or float16 and ``eager`` (a loop over the experts hit) otherwise."""
-    probe_tokens: int = Field(3, ge=2, le=64, strict=True)
-    """Tokens of the meta-device forward that reads what the layers ask of attention."""
+    probe_tokens: int = Field(16, ge=2, le=256, strict=True)
+    """Tokens of the meta-device forward that reads what the layers ask of attention (enough
+    for a layer that adds keys of its own every few tokens to show it)."""
 
 
 class TransformersArchitecture(ModelArchitecture):
@@ -92,7 +94,8 @@ class TransformersArchitecture(ModelArchitecture):
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         with torch.device("meta"):
             model = build_causal_lm(hf_config, experts="batched_mm")  # batched_mm runs on the meta device
-        mixers = other_token_mixers(_decoder(model))
+        family = re.sub(r"(For[A-Z]\w*|LMHeadModel|WithLMHeadModel)$", "", type(model).__name__)
+        mixers = other_token_mixers(_decoder(model), family)
         if mixers:
             raise ModelLoadError(f"its layers mix tokens without attention ({', '.join(mixers)}), whose state the KV "
                                  f"cache does not hold")
@@ -104,7 +107,7 @@ class TransformersArchitecture(ModelArchitecture):
             raise ModelLoadError("rope_type 'dynamic': its frequencies follow the longest sequence of a forward, so "
                                  "a packed batch's would change every sequence's (they depend on sequence length)")
         probe = probe_attention(model, text.num_hidden_layers, self.options.probe_tokens)
-        why = refusal(probe)
+        why = refusal(probe, getattr(text, "layer_types", None))
         if why:
             raise ModelLoadError(why)
         spec = _spec_from_probe(hf_config, text, model, probe.calls)

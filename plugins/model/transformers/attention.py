@@ -73,6 +73,10 @@ class StepAttention:
         """The backend's attention for layer ``module.layer_idx``: query [1, Hq, T, Dq], key,
         value [1, Hkv, T, *] -> [1, T, Hq, Dv]."""
         layout, layer = self.layout, module.layer_idx
+        if key.shape[2] != query.shape[2]:
+            raise RuntimeError(f"layer {layer} of {type(module).__name__} attends to {key.shape[2]} keys for "
+                               f"{query.shape[2]} queries: keys of its own besides its tokens', which the KV cache "
+                               f"does not hold")
         q = _tokens_first(query, layout.head_dim)  # [T, Hq, D]
         k = _tokens_first(key, layout.head_dim)
         v = _tokens_first(value, layout.head_dim)

@@ -40,16 +40,33 @@ def build_causal_lm(config: Any, experts: str | None = None) -> nn.Module:
     try:
         if experts is not None:
             try:
-                return AutoModelForCausalLM.from_config(config, experts_implementation=experts, **kwargs).eval()
+                model = AutoModelForCausalLM.from_config(config, experts_implementation=experts, **kwargs)
+                return quiet_padding_check(model.eval())
             except (ValueError, TypeError):
                 pass  # a model whose experts do not switch implementation
-        return AutoModelForCausalLM.from_config(config, **kwargs).eval()
+        return quiet_padding_check(AutoModelForCausalLM.from_config(config, **kwargs).eval())
     except ModelLoadError:
         raise
     except Exception as exc:
         message = str(exc).split("\n")[0][:300]
         raise ModelLoadError(f"transformers cannot build a causal-LM model of it with an attention implementation "
                              f"of its own ({type(exc).__name__}: {message})") from exc
+
+
+def quiet_padding_check(model: nn.Module) -> nn.Module:
+    """``model`` without transformers' check for padding in unmasked inputs: a packed step
+    has no padding, its ids may equal the pad id all the same, and the check reads the ids on
+    the host (a sync per forward; on the meta device, an error)."""
+    from transformers import PreTrainedModel
+
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel):
+            module.warn_if_padding_and_no_attention_mask = _no_padding_check
+    return model
+
+
+def _no_padding_check(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 @dataclass
@@ -132,7 +149,9 @@ def adopt(model: nn.Module, layout: AttentionLayout, num_layers: int) -> nn.Modu
     """``model`` with its class swapped for one running ``TransformersForward`` first."""
     cls = type(model)
     if cls not in _subclasses:
-        _subclasses[cls] = type(f"Tessellm{cls.__name__}", (TransformersForward, cls), {"__module__": __name__})
+        # in the class's own module: transformers finds a model's checkpoint conversions (and
+        # tells its own classes from a checkpoint's code) by the class's module
+        _subclasses[cls] = type(f"Tessellm{cls.__name__}", (TransformersForward, cls), {"__module__": cls.__module__})
     keeps = "logits_to_keep" in inspect.signature(cls.forward).parameters
     plan = ForwardPlan(cls.forward, layout, keeps, _layers_path(model, num_layers))
     model.__class__ = _subclasses[cls]

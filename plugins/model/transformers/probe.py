@@ -40,9 +40,9 @@ CAUSAL_MASKS = ("create_causal_mask", "create_sliding_window_causal_mask")
 """transformers' mask builders whose masks the backends' causal attention (with a window)
 computes; any other builder, or one given extra mask functions, is refused."""
 
-TOKEN_MIXERS = re.compile(r"Mamba|SSM|ShortConv|CausalConv|Recurrent|Rwkv|RWKV|LinearAttention|DeltaNet|"
-                          r"Lightning|Retention|[ms]LSTM|Hyena")
-"""Module class names of token mixers other than attention."""
+TOKEN_MIXERS = re.compile(r"Mamba|Mixer|SSM|ShortConv|CausalConv|Recurrent|Rglru|Rwkv|RWKV|LinearAttention|"
+                          r"DeltaNet|Lightning|Retention|[ms]LSTM|Hyena")
+"""Module class names (past the family's own prefix) of token mixers other than attention."""
 
 _probe_lock = threading.Lock()
 
@@ -194,8 +194,9 @@ def _listed(layers: list[int]) -> str:
     return ", ".join(map(str, layers[:8])) + (", ..." if len(layers) > 8 else "")
 
 
-def refusal(probe: Probe) -> str | None:
-    """Why the calls or masks the probe saw cannot be served exactly (None: they can)."""
+def refusal(probe: Probe, layer_types: list[str] | None = None) -> str | None:
+    """Why the calls or masks the probe saw cannot be served exactly (None: they can), given
+    the config's ``layer_types`` (which layers slide, where it says)."""
     for call in probe.calls:
         if call.unsupported:
             return f"layer {call.layer}'s attention passes {call.unsupported}, which tessellm's attention does not compute"
@@ -210,9 +211,10 @@ def refusal(probe: Probe) -> str | None:
     if other:
         return (f"it asks for masks of kind {', '.join(other)} (not causal attention with a window), which "
                 f"tessellm's backends do not compute")
-    if "create_sliding_window_causal_mask" in masks.builders and not any(c.sliding_window for c in probe.calls):
-        return ("it masks with a sliding window but passes no layer's window to attention (sliding_window), so "
-                "which layers slide is unknown")
+    for call, kind in zip(probe.calls, layer_types or []):
+        if kind == "sliding_attention" and not call.sliding_window:
+            return (f"layer {call.layer} is a sliding-window layer (layer_types) whose window reaches attention only "
+                    f"through its mask, not as the argument sliding_window")
     first = probe.calls[0]
     shapes = {(c.heads, c.kv_heads, c.qk_dim, c.value_dim) for c in probe.calls}
     if len(shapes) > 1:
@@ -240,13 +242,14 @@ def rope_types_of(model: nn.Module) -> set[str]:
     return types
 
 
-def other_token_mixers(model: nn.Module) -> list[str]:
+def other_token_mixers(model: nn.Module, family: str = "") -> list[str]:
     """Class names of modules in ``model`` that mix tokens without attention (convolutions
-    over the sequence, state-space and recurrent layers); transformers' ``Conv1D``, which is
-    a linear layer, is not one."""
+    over the sequence, state-space and recurrent layers), read past the ``family`` prefix its
+    classes share ("RecurrentGemma"); transformers' ``Conv1D``, a linear layer, is not one."""
     found: list[str] = []
     for module in model.modules():
         name = type(module).__name__
-        if (isinstance(module, nn.Conv1d) or TOKEN_MIXERS.search(name)) and name not in found:
+        own = name[len(family):] if family and name.startswith(family) else name
+        if (isinstance(module, nn.Conv1d) or TOKEN_MIXERS.search(own)) and name not in found:
             found.append(name)
     return found
