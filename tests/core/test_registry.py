@@ -299,7 +299,7 @@ def test_same_name_in_different_kinds_is_no_conflict():
 
 
 @pytest.mark.parametrize("version", [
-    "2.0", "1.15", "0.9", "3",
+    "2.0", "1.99", "0.9", "3",
     ("abc"),
 ])
 def test_incompatible_api_version_is_a_load_failure(version):

@@ -55,6 +55,10 @@ class TransformersOptions(PluginOptions):
     experts_implementation: Literal["auto", "eager", "batched_mm", "grouped_mm"] = "auto"
     """How transformers computes mixture-of-experts layers: ``auto`` is ``grouped_mm`` on CUDA
     in bfloat16 or float16 and ``eager`` (a loop over the experts hit) otherwise."""
+    cuda_graphs: bool = False
+    """Let decode steps replay from captured CUDA graphs (the pipeline's ``cuda_graphs`` on,
+    a model without mixture-of-experts layers). Off by default: transformers' model code is
+    not checked for capture (host reads, dynamic shapes) family by family."""
     probe_tokens: int = Field(16, ge=2, le=256, strict=True)
     """Tokens of the meta-device forward that reads what the layers ask of attention (enough
     for a layer that adds keys of its own every few tokens to show it)."""
@@ -128,6 +132,7 @@ class TransformersArchitecture(ModelArchitecture):
             config = local_config(config, spec)  # a tensor-parallel rank's share
         model = adopt(build_causal_lm(config), layout, spec.num_layers)
         model.tessellm.row_parallel = tuple(sorted(self._row_parallel))
+        model.tessellm.cuda_graphs = self.options.cuda_graphs
         self._built = model
         return model
 

@@ -82,6 +82,8 @@ class ForwardPlan:
     """Where the decoder's layer list is (``model.layers``), for running a subset of layers."""
     row_parallel: tuple[str, ...] = ()
     """On a tensor-parallel rank: the modules it holds rows of (their outputs are partial sums)."""
+    cuda_graphs: bool = False
+    """Whether decode steps may replay from CUDA graphs (the plugin's option)."""
 
 
 class TransformersForward:
@@ -136,7 +138,10 @@ class TransformersForward:
             self.get_submodule(path).register_forward_hook(lambda module, args, out: tp.all_reduce(out))
 
     def cuda_graphs_unsupported(self) -> str | None:
-        """A mixture of experts in transformers' code sizes its work on the host."""
+        """Off unless the plugin's ``cuda_graphs`` option is on; a mixture of experts in
+        transformers' code sizes its work on the host."""
+        if not self.tessellm.cuda_graphs:
+            return "model plugin 'transformers' captures no CUDA graphs unless its option cuda_graphs is on"
         if any(name.endswith("experts") for name, _ in self.named_modules()):
             return "the model's mixture-of-experts layers (transformers' code) size their work on the host"
         return None
@@ -149,9 +154,10 @@ def adopt(model: nn.Module, layout: AttentionLayout, num_layers: int) -> nn.Modu
     """``model`` with its class swapped for one running ``TransformersForward`` first."""
     cls = type(model)
     if cls not in _subclasses:
-        # in the class's own module: transformers finds a model's checkpoint conversions (and
-        # tells its own classes from a checkpoint's code) by the class's module
-        _subclasses[cls] = type(f"Tessellm{cls.__name__}", (TransformersForward, cls), {"__module__": cls.__module__})
+        # the class's own name and module: transformers finds a model's checkpoint conversions
+        # by its class name, and tells its own classes from a checkpoint's code by the module
+        _subclasses[cls] = type(cls.__name__, (TransformersForward, cls),
+                                {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
     keeps = "logits_to_keep" in inspect.signature(cls.forward).parameters
     plan = ForwardPlan(cls.forward, layout, keeps, _layers_path(model, num_layers))
     model.__class__ = _subclasses[cls]

@@ -146,10 +146,33 @@ class Probe:
     masks: MaskRequests
 
 
+FEED_FORWARD = ("mlp", "block_sparse_moe", "feed_forward", "moe", "ffn")
+"""Names of a decoder layer's feed-forward block (stubbed where the probe cannot run it)."""
+
+
+class _PassThrough(nn.Module):
+    """Stands in for a feed-forward block during the probe: its input back (a mixture of
+    experts whose routing reads values cannot run on the meta device; attention does not
+    depend on it)."""
+
+    def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return x
+
+
 def probe_attention(model: nn.Module, num_layers: int, tokens: int = 3) -> Probe:
     """Run ``model`` (built on the meta device with the ``tessellm`` attention implementation)
-    over ``tokens`` packed positions with a recording step; a ModelLoadError naming why its
-    attention cannot be served by tessellm's backends."""
+    over ``tokens`` packed positions with a recording step (again with its feed-forward blocks
+    passed through, if it cannot run as it is); a ModelLoadError naming why its attention
+    cannot be served by tessellm's backends."""
+    try:
+        return _probe_once(model, num_layers, tokens)
+    except ModelLoadError:
+        if not _pass_feed_forward_through(model):
+            raise
+        return _probe_once(model, num_layers, tokens)
+
+
+def _probe_once(model: nn.Module, num_layers: int, tokens: int) -> Probe:
     step = ProbeStep()
     ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
     positions = torch.arange(tokens, device="meta")[None]
@@ -163,6 +186,20 @@ def probe_attention(model: nn.Module, num_layers: int, tokens: int = 3) -> Probe
             raise ModelLoadError(f"a forward of its transformers model on the meta device failed ({type(exc).__name__}: "
                                  f"{message}), so what its layers ask of attention cannot be read") from exc
     return Probe(_one_call_per_layer(step.calls, num_layers), masks)
+
+
+def _pass_feed_forward_through(model: nn.Module) -> bool:
+    """Replace the feed-forward block of every layer that has one by ``_PassThrough``;
+    whether any was."""
+    replaced = False
+    for module in list(model.modules()):
+        for name in FEED_FORWARD:
+            child = module._modules.get(name)
+            if child is not None and not isinstance(child, _PassThrough) and any(
+                    hasattr(m, "layer_idx") for m in module.modules()):
+                module._modules[name] = _PassThrough()
+                replaced = True
+    return replaced
 
 
 def _one_call_per_layer(calls: list[AttentionCall], num_layers: int) -> tuple[AttentionCall, ...]:

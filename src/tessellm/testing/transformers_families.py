@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import re
 import tempfile
@@ -30,8 +31,8 @@ TEXT_SHRINK: dict[str, Any] = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
     head_dim=16, vocab_size=512, max_position_embeddings=512, moe_intermediate_size=32, num_experts=4,
     num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-    shared_expert_intermediate_size=32, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
-    v_head_dim=16, n_group=1, topk_group=1, first_k_dense_replace=1, num_key_value_groups=None)
+    shared_expert_intermediate_size=32, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=16,
+    v_head_dim=24, n_group=1, topk_group=1, first_k_dense_replace=1, num_key_value_groups=None)
 """Sizes every family's text config gets where it has the field."""
 VISION_SHRINK: dict[str, Any] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                      depth=1, embed_dim=32, num_heads=2)
@@ -41,9 +42,11 @@ FAMILY_FIELDS: dict[str, dict[str, Any]] = {
     # what the generic shrinking gets wrong, or leaves out of a family's character
     "codegen": dict(rotary_dim=8), "gptj": dict(rotary_dim=8),
     "lfm2": dict(layer_types=["conv", "full_attention", "conv", "full_attention"]),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
+    "bamba": dict(attn_layer_indices=[1, 3]),
 }
 """Per family, config fields on top of the shrunk sizes."""
-MAX_PARAMETERS = 4_000_000
+MAX_PARAMETERS = 16_000_000
 SPECIAL_IDS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 WINDOW = 8
 """A sliding window shorter than the prompts, so windows bind."""
@@ -88,6 +91,7 @@ def tiny_config(model_type: str) -> Any:
     default = AutoConfig.for_model(model_type)
     text = default.get_text_config()
     overrides = _shrunk(text, TEXT_SHRINK)
+    overrides.update(_per_layer_lists(text, overrides.get("num_hidden_layers")))
     if getattr(text, "sliding_window", None):
         overrides["sliding_window"] = WINDOW
     overrides.update({k: v for k, v in SPECIAL_IDS.items() if hasattr(text, k)})
@@ -105,6 +109,24 @@ def tiny_config(model_type: str) -> Any:
 
 def _shrunk(config: Any, sizes: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in sizes.items() if v is not None and getattr(config, k, None) is not None}
+
+
+def _per_layer_lists(config: Any, layers: int | None) -> dict[str, list]:
+    """The config's per-layer lists (``layer_types`` and the like: as long as its layers)
+    resampled to ``layers`` entries, every kind of entry kept (the last ones replaced by any
+    kind the even sampling missed)."""
+    total = getattr(config, "num_hidden_layers", None)
+    if not layers or not total:
+        return {}
+    lists = {}
+    for name, value in config.to_dict().items():
+        if isinstance(value, list) and len(value) == total and name != "num_hidden_layers":
+            sample = [value[i * total // layers] for i in range(layers)]
+            missing = [v for v in dict.fromkeys(map(repr, value)) if v not in map(repr, sample)]
+            for i, kind in enumerate(missing[:layers]):
+                sample[layers - 1 - i] = next(v for v in value if repr(v) == kind)
+            lists[name] = sample
+    return lists
 
 
 def build_family(model_type: str, folder: Path, seed: int = 0) -> Path:
@@ -213,6 +235,7 @@ def walk(model_types: list[str] | None = None) -> Iterator[FamilyResult]:
     with tempfile.TemporaryDirectory(prefix="tessellm-families-") as tmp, _quiet():
         for model_type in model_types or causal_lm_types():
             yield check_family(model_type, Path(tmp))
+            gc.collect()  # one family's pipeline and reference before the next's
 
 
 @contextlib.contextmanager

@@ -298,3 +298,21 @@ def test_every_family_is_as_the_table_says():
     results = list(walk())
     assert [r for r in results if r.state in ("differs", "fails")] == []
     assert {r.model_type: r.row() for r in results} == rows
+
+
+def test_the_decode_graph_path_gives_the_eager_tokens(llama_folder):
+    """Decode steps from static, padded buffers (core/model/cuda_graphs.py; captured on CUDA,
+    run eagerly here): logits written into the graph's static output, padded rows that write
+    only the scratch block, the flash backend's graph plan."""
+    pytest.importorskip("triton")
+    sections = {"attention": {"name": "flash"}, "decoding": {"name": "greedy"}, "cuda_graphs": False,
+                "cache": {"name": "paged", "options": {"block_size": 4, "num_blocks": 96}}}
+    eager = pipeline(llama_folder, "transformers", **sections)
+    graphed = pipeline(llama_folder, "transformers", **sections)
+    graphed.pipeline.runner.capture_graphs(max_batch=4, max_model_len=64, capture=torch.cuda.is_available())
+    prompts = [list(range(5, 5 + n)) for n in (3, 11, 6, 8, 2)]
+    params = [{"max_tokens": m, "ignore_eos": True} for m in (9, 4, 7, 6, 5)]
+    assert [o.token_ids for o in graphed.generate(prompts, params)] == \
+        [o.token_ids for o in eager.generate(prompts, params)]
+    assert graphed.pipeline.runner.graphs.replays > 0
+    assert graphed.pipeline.cache.num_free_blocks == graphed.pipeline.cache.num_blocks
