@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from typing import Any, Literal
 
 import torch
@@ -38,7 +37,7 @@ from torch import nn
 import tessellm
 from tessellm.core.errors import ModelLoadError
 from tessellm.core.interfaces.model import ModelArchitecture
-from tessellm.core.model.spec import LayerAttention, ModelSpec, refuse_quantized
+from tessellm.core.model.spec import LayerAttention, ModelSpec, quantization_config
 from tessellm.core.parallel.shard import slice_rule
 from tessellm.core.plugin import PluginOptions
 
@@ -46,7 +45,7 @@ from .attention import AttentionLayout, install_attention
 from .checkpoint import convert_checkpoint
 from .module import adopt, build_causal_lm, fill_buffers
 from .parallel import check_rule, local_config, tp_plan
-from .probe import other_token_mixers, probe_attention, refusal, rope_types_of
+from .probe import probe_attention, refusal, rope_types_of, structural_refusal
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +83,11 @@ class TransformersArchitecture(ModelArchitecture):
 
     def spec(self, hf_config: Any) -> ModelSpec:
         try:
-            refuse_quantized(hf_config)
+            quant = quantization_config(hf_config)
+            if quant is not None:
+                raise ModelLoadError(f"it is a pre-quantized checkpoint ({quant.get('quant_method', '?')!r}); the "
+                                     f"native model plugins load those (a float checkpoint here can be quantized at "
+                                     f"load: quant.name int8-weight or int4-weight)")
             spec, layout = self._probe(hf_config)
         except ModelLoadError as exc:
             raise ModelLoadError(f"model plugin 'transformers' cannot serve model_type "
@@ -98,18 +101,10 @@ class TransformersArchitecture(ModelArchitecture):
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         with torch.device("meta"):
             model = build_causal_lm(hf_config, experts="batched_mm")  # batched_mm runs on the meta device
-        family = re.sub(r"(For[A-Z]\w*|LMHeadModel|WithLMHeadModel)$", "", type(model).__name__)
-        mixers = other_token_mixers(_decoder(model), family)
-        if mixers:
-            raise ModelLoadError(f"its layers mix tokens without attention ({', '.join(mixers)}), whose state the KV "
-                                 f"cache does not hold")
-        if not type(model).is_backend_compatible():
-            raise ModelLoadError(f"{type(model).__name__} does not route attention through transformers' "
-                                 f"AttentionInterface (_supports_attention_backend is False)")
+        why = structural_refusal(model)
+        if why:
+            raise ModelLoadError(why)
         rope_types = rope_types_of(model)
-        if "dynamic" in rope_types:
-            raise ModelLoadError("rope_type 'dynamic': its frequencies follow the longest sequence of a forward, so "
-                                 "a packed batch's would change every sequence's (they depend on sequence length)")
         probe = probe_attention(model, text.num_hidden_layers, self.options.probe_tokens)
         why = refusal(probe, getattr(text, "layer_types", None))
         if why:
@@ -163,13 +158,6 @@ class TransformersArchitecture(ModelArchitecture):
             experts = "grouped_mm" if fast else "eager"
         if model._can_set_experts_implementation():
             model.set_experts_implementation(experts)
-
-
-def _decoder(model: nn.Module) -> nn.Module:
-    try:
-        return model.get_decoder()
-    except Exception:  # a model without a recognisable decoder: scan the whole of it
-        return model
 
 
 def _spec_from_probe(config: Any, text: Any, model: nn.Module, calls: tuple) -> ModelSpec:

@@ -50,9 +50,9 @@ def install_attention() -> None:
 @dataclass(frozen=True)
 class AttentionLayout:
     """How the model's attention calls meet the cache: ``head_dim`` the cache's head size (the
-    larger of the query/key and value head sizes: the smaller are zero-padded, which changes
-    neither scores nor values), ``value_dim`` the value head size the model expects back,
-    ``scale`` the backend's softmax scale and ``sink_kwarg`` the argument that carries
+    larger of the query/key and value head sizes, ``qk_dim`` and ``value_dim``: the smaller
+    are zero-padded, which changes neither scores nor values; the model gets ``value_dim``
+    back), ``scale`` the backend's softmax scale and ``sink_kwarg`` the argument that carries
     per-head sink logits (None: none)."""
 
     head_dim: int
@@ -80,8 +80,8 @@ class StepAttention:
         q = _tokens_first(query, layout.head_dim)  # [T, Hq, D]
         k = _tokens_first(key, layout.head_dim)
         v = _tokens_first(value, layout.head_dim)
-        scaling = kwargs.get("scaling")
-        if scaling is not None and scaling != layout.scale:  # a layer scaled unlike the spec's scale
+        scaling = kwargs.get("scaling") or layout.qk_dim ** -0.5  # transformers' default: the q/k head size's
+        if scaling != layout.scale:  # a layer scaled unlike the spec's scale
             q = q * (scaling / layout.scale)
         extra = {}
         if layout.sink_kwarg is not None and kwargs.get(layout.sink_kwarg) is not None:

@@ -15,8 +15,6 @@ import copy
 import re
 from typing import Any
 
-from torch import nn
-
 from tessellm.core.errors import ConfigError
 
 COLUMN, ROW = ("colwise", "local_colwise", "packed_colwise"), ("rowwise", "local_rowwise", "packed_rowwise")
@@ -63,15 +61,3 @@ def local_config(config: Any, spec: Any) -> Any:
     text.head_dim, text.intermediate_size = spec.head_dim, spec.intermediate_size
     return config
 
-
-def row_parallel_modules(model: nn.Module, rule_of: Any) -> list[nn.Module]:
-    """The modules whose weight core's rules split by rows (``rule_of(name)`` for a parameter
-    name): their outputs are partial sums over the ranks."""
-    found = []
-    for path, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, nn.Parameter) and weight.dim() == 2:
-            rule = rule_of(f"{path}.weight")
-            if isinstance(rule, tuple) and rule[0] == 1:
-                found.append(module)
-    return found

@@ -266,6 +266,27 @@ def refusal(probe: Probe, layer_types: list[str] | None = None) -> str | None:
     return None
 
 
+def structural_refusal(model: nn.Module) -> str | None:
+    """Why ``model``'s make-up, before any forward, rules it out (None: it does not): token
+    mixers besides attention, attention outside the interface, RoPE that follows the
+    sequence length."""
+    family = re.sub(r"(For[A-Z]\w*|LMHeadModel|WithLMHeadModel)$", "", type(model).__name__)
+    try:
+        decoder = model.get_decoder()
+    except Exception:  # a model without a recognisable decoder: scan the whole of it
+        decoder = model
+    mixers = other_token_mixers(decoder, family)
+    if mixers:
+        return f"its layers mix tokens without attention ({', '.join(mixers)}), whose state the KV cache does not hold"
+    if not type(model).is_backend_compatible():
+        return (f"{type(model).__name__} does not route attention through transformers' AttentionInterface "
+                f"(_supports_attention_backend is False)")
+    if "dynamic" in rope_types_of(model):
+        return ("rope_type 'dynamic': its frequencies follow the longest sequence of a forward, so a packed batch's "
+                "would change every sequence's (they depend on sequence length)")
+    return None
+
+
 def rope_types_of(model: nn.Module) -> set[str]:
     """The rotary embedding types of ``model``'s rotary modules (per layer type, where a
     module keeps one per type)."""

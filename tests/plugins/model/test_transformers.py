@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tessellm import LLM, SamplingParams
+from tessellm import LLM
 from tessellm.core.errors import ConfigError, ModelLoadError
 from tessellm.core.registry import get_registry
 from tessellm.plugins.model.transformers import TransformersArchitecture
@@ -80,6 +80,7 @@ def test_named_it_takes_any_type_and_named_natives_keep_theirs():
     ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
      ["rope_type 'dynamic'", "sequence length"]),
     ("bert", {}, ["create_bidirectional_mask"]),
+    ("olmo", {"quantization_config": {"quant_method": "gptq", "bits": 4}}, ["pre-quantized", "'gptq'"]),
 ])
 def test_what_it_cannot_serve_exactly_is_a_one_line_refusal(model_type, fields, words):
     with pytest.raises(ModelLoadError) as refused:
