@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import inspect
+import threading
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -174,11 +175,21 @@ def _layers_path(model: nn.Module, num_layers: int) -> str | None:
     return None
 
 
+_registering = threading.Lock()
+
+
 @contextlib.contextmanager
 def parameters_on_meta() -> Iterator[None]:
     """Inside: modules are made on the CPU, but every parameter and persistent buffer they
     register goes to the meta device as it is registered; non-persistent buffers (rotary
-    tables, scales a module computes for itself) keep their values."""
+    tables, scales a module computes for itself) keep their values. (It patches
+    ``nn.Module``'s registration for the block's duration: one such block at a time.)"""
+    with _registering, _patched_registration():
+        yield
+
+
+@contextlib.contextmanager
+def _patched_registration() -> Iterator[None]:
     register_parameter, register_buffer = nn.Module.register_parameter, nn.Module.register_buffer
 
     def parameter(module: nn.Module, name: str, param: Any) -> None:
