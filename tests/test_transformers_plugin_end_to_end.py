@@ -4,7 +4,10 @@ tokens, chat prompts use the tokenizer's template, `tessellm serve` answers the 
 client (chat and completions) with the offline text, `tessellm bench` and `tessellm eval ppl`
 run, and `tessellm ab --a architecture.name=llama --b architecture.name=transformers` on a
 Llama agrees exactly. A checkpoint with its own model code is refused unless
-``trust_remote_code`` allows it, then served by that code."""
+``trust_remote_code`` allows it, then served by that code.
+
+The apps' tests load a 49k-token vocabulary and start servers and subprocesses (minutes on a
+loaded CPU): extended; the default set keeps the trust_remote_code switch."""
 
 from __future__ import annotations
 
@@ -80,6 +83,7 @@ def transformers_greedy(folder: Path, ids: list[int], new: int, **kwargs) -> lis
         return model.generate(torch.tensor([ids]), generation_config=config)[0, len(ids):].tolist()
 
 
+@pytest.mark.extended
 def test_generate_set_model_folder_gives_transformers_tokens(olmo_folder, offline, capsys):
     argv = ["generate", "--set", f"model={olmo_folder}", "--set", "device=cpu", "--set", "dtype=float32",
             "--max-tokens", "8", "--temperature", "0", "--ignore-eos", "--json", *PROMPTS]
@@ -90,6 +94,7 @@ def test_generate_set_model_folder_gives_transformers_tokens(olmo_folder, offlin
         assert record["token_ids"] == transformers_greedy(olmo_folder, ids, 8)
 
 
+@pytest.mark.extended
 def test_chat_prompts_use_the_tokenizers_template(offline):
     messages = [{"role": "user", "content": PROMPTS[0]}]
     expected = offline.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -98,6 +103,7 @@ def test_chat_prompts_use_the_tokenizers_template(offline):
     assert out.prompt_token_ids == offline.tokenizer(expected, add_special_tokens=False)["input_ids"]
 
 
+@pytest.mark.extended
 def test_serve_answers_chat_and_completions_with_offline_text(offline):
     from openai import OpenAI
 
@@ -115,6 +121,7 @@ def test_serve_answers_chat_and_completions_with_offline_text(offline):
         assert answer.choices[0].message.content == chat
 
 
+@pytest.mark.extended
 def test_bench_and_eval_run_on_it(config_file, tmp_path, capsys):
     assert main(["bench", "--config", str(config_file), "--num-requests", "3", *SMALL_MIXED, "--json",
                  "--no-progress"]) == 0
@@ -126,6 +133,7 @@ def test_bench_and_eval_run_on_it(config_file, tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["perplexity"] > 1.0
 
 
+@pytest.mark.extended
 def test_ab_native_llama_against_transformers_agrees_exactly(tmp_path, capsys):
     from tessellm.testing.models import build_tiny
 
