@@ -124,6 +124,11 @@ class PipelineConfig(BaseModel):
     """Longest sequence (prompt + output); default: the model's max_position_embeddings."""
     seed: int = Field(0, ge=0, strict=True)
     """Seeds the generators of requests that give no seed of their own."""
+    trust_remote_code: bool = False
+    """Run a checkpoint's own Python code (its config.json ``auto_map``: a custom config,
+    tokenizer or model class), which transformers imports from the model folder. Off by
+    default: such a checkpoint is refused, saying so. Turn it on only for folders whose code
+    you trust; it runs with this process's rights."""
     model_cache_dir: Optional[str] = None
     """Where converted GGUF models are cached; default $TESSELLM_CACHE_DIR, else
     $XDG_CACHE_HOME/tessellm, else ~/.cache/tessellm."""

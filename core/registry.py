@@ -302,13 +302,51 @@ class PluginRegistry:
 
     def architecture_for(self, hf_config: Any, name: str = "auto", options: dict[str, Any] | None = None) -> Any:
         """The model plugin (an instance, with ``options``) that builds ``hf_config``: the one
-        named, which must declare its model_type, or under ``auto`` the first in priority
-        order that does. A ModelLoadError lists the supported model types and how to add one."""
+        named, which must declare its model_type (or take any, ``any_model_type``), or under
+        ``auto`` the first in priority order that declares it, else the first that takes any
+        type (logged). A ModelLoadError lists the supported model types and how to add one."""
+        return self._instantiate(self._model_candidates(hf_config, name)[0], options)
+
+    def model_for(self, hf_config: Any, name: str = "auto", options: dict[str, Any] | None = None) -> tuple[Any, Any]:
+        """(the model plugin, its ``load_spec(hf_config)``): as ``architecture_for``, and under
+        ``auto`` a checkpoint the plugin declaring its type refuses (a variant it does not
+        build) goes to a plugin taking any type, saying so; if that refuses too, the error
+        gives both reasons."""
+        from tessellm.core.errors import ModelLoadError
+
+        candidates = self._model_candidates(hf_config, name)
+        refusals: list[str] = []
+        for entry in candidates:
+            architecture = self._instantiate(entry, options)
+            try:
+                spec = architecture.load_spec(hf_config)
+            except ModelLoadError as exc:
+                if entry is candidates[-1]:
+                    if refusals:
+                        raise ModelLoadError("; ".join([*refusals, f"model plugin {architecture.name!r}: {exc}"])) \
+                            from exc
+                    raise
+                refusals.append(f"model plugin {architecture.name!r}: {exc}")
+                continue
+            if refusals:
+                logger.info("model_type %r: %s; serving it with model plugin %r instead",
+                            getattr(hf_config, "model_type", None), "; ".join(refusals), architecture.name)
+            return architecture, spec
+        raise AssertionError("no candidates")  # _model_candidates returns at least one
+
+    def _model_candidates(self, hf_config: Any, name: str) -> list[PluginEntry]:
+        """The model plugins to try for ``hf_config``, in order: the one named; under ``auto``
+        the best declaring its type, then (or only) the first taking any type."""
         from tessellm.core.errors import ConfigError, ModelLoadError
 
         model_type = getattr(hf_config, "model_type", None)
         if name == "auto":
-            ranked = [e for e in self.auto_order("model") if model_type in e.cls.model_types]
+            ranked = [e for e in self.auto_order("model") if model_type in e.cls.model_types][:1]
+            fallback = [e for e in self.auto_order("model") if getattr(e.cls, "any_model_type", False)][:1]
+            if not ranked and fallback:
+                logger.info("model_type %r: no model plugin declares it; model plugin %r runs transformers' own model "
+                            "code for it, with tessellm's attention and cache", model_type, fallback[0].name)
+            ranked += [e for e in fallback if e not in ranked]
             if not ranked:
                 served = ", ".join(self.model_types()) or "none (no model plugin is installed)"
                 failures = "".join(f"; note: {f}" for f in self.failures if f.source.startswith("model."))
@@ -316,17 +354,23 @@ class PluginRegistry:
                     f"model_type {model_type!r} is not supported; supported: {served}. To add an architecture, "
                     f"write a model plugin (`tessellm new-plugin model NAME`, docs/plugins.md 'Writing a model "
                     f"plugin') declaring model_types = ({model_type!r},){failures}")
-            entry = ranked[0]
         else:
             entry = self.get("model", name)
             if entry is None:
                 raise ConfigError(f"architecture.name: unknown model plugin {name!r}"
                                   f"{did_you_mean(name, self.names('model'))}; valid choices: "
                                   f"{', '.join(['auto', *self.names('model')])}")
-            if model_type not in entry.cls.model_types:
+            if model_type not in entry.cls.model_types and not getattr(entry.cls, "any_model_type", False):
                 raise ConfigError(f"architecture.name: model plugin {name!r} builds model types "
                                   f"{', '.join(entry.cls.model_types) or '(none)'}, not this checkpoint's "
                                   f"{model_type!r}")
+            ranked = [entry]
+        return ranked
+
+    @staticmethod
+    def _instantiate(entry: PluginEntry, options: dict[str, Any] | None) -> Any:
+        from tessellm.core.errors import ConfigError
+
         try:
             opts = entry.cls.Options.model_validate(options or {})
         except Exception as exc:  # pydantic's ValidationError

@@ -67,10 +67,9 @@ class Pipeline:
         self.tp: TensorParallel | None = self.ranks.tp if self.ranks else None
         self.stage = self.ranks.stage if self.ranks else None
         self.model_dir = self._model_dir(config)
-        hf_config = load_hf_config(self.model_dir)
+        hf_config = load_hf_config(self.model_dir, config.trust_remote_code)
         arch = config.architecture
-        self.architecture = self.registry.architecture_for(hf_config, arch.name, arch.options)
-        self.spec = self.architecture.load_spec(hf_config)
+        self.architecture, self.spec = self.registry.model_for(hf_config, arch.name, arch.options)
         self.prequantized = quantization_config(hf_config)
         if self.prequantized is not None:
             config = self.config = self._quant_for_checkpoint(config, self.prequantized)
@@ -81,7 +80,7 @@ class Pipeline:
         if self.stage:
             self._place_stage(config)
         r, c = self.resolved, self.resolved.choices
-        self.tokenizer = load_tokenizer(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir, config.trust_remote_code)
         self.tokenizer_lock = threading.Lock()  # fast tokenizers refuse two threads at once (a server's)
         quantizer = c["quant"].cls(c["quant"].options, r.device, r.dtype)
         calibrates = type(quantizer).calibrate is not Quantizer.calibrate and self.prequantized is None

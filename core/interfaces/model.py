@@ -20,7 +20,9 @@ builds per model_type (plugin API 1.15).
 
 Selection: a config's ``architecture`` section names a model plugin, or ``auto`` (the
 default) takes the plugin with the highest ``auto_priority`` among those whose
-``model_types`` hold the checkpoint's ``model_type``.
+``model_types`` hold the checkpoint's ``model_type``. A plugin that sets ``any_model_type``
+(plugin API 1.17; the built-in ``transformers``) serves the types no plugin declares, after
+every one that does, and may be named for any checkpoint.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ class ModelArchitecture(Plugin):
     model_types: ClassVar[tuple[str, ...]] = ()
     """The Hugging Face ``model_type`` values this plugin builds."""
     auto_priority: ClassVar[int | None] = 0
+    any_model_type: ClassVar[bool] = False
+    """Whether this plugin tries any ``model_type`` (plugin API 1.17): under ``auto`` it takes a
+    checkpoint no plugin declaring its type serves (none declares it, or the one that does
+    refuses this variant), after all of them; named, it takes any checkpoint. Its ``spec``
+    refuses what it cannot serve, naming why."""
     expert_layout: ClassVar[str] = "concatenated"
     """How the checkpoint stacks MoE experts as 3-D tensors (core/model/moe.py
     ``EXPERT_LAYOUTS``): the loader splits them per expert into Linear weights (and biases)
@@ -87,6 +94,20 @@ class ModelArchitecture(Plugin):
         """The parameter name checkpoint tensor ``name`` loads into (None: not used)."""
         return name
 
+    def checkpoint_tensors(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors under the module's parameter names (plugin API 1.17): by
+        default experts stacked as 3-D tensors split per expert (``expert_layout``), then each
+        name mapped by ``checkpoint_name`` (None: dropped). A plugin whose module joins or
+        splits stored tensors (transformers' checkpoint conversions) overrides it."""
+        from tessellm.core.model.moe import unstack_experts
+
+        named: dict[str, torch.Tensor] = {}
+        for name, tensor in unstack_experts(state, self.expert_layout).items():
+            target = self.checkpoint_name(name)
+            if target is not None:
+                named[target] = tensor
+        return named
+
     def shard_rule(self, name: str, spec: ModelSpec, shard: Any) -> Any:
         """How a tensor-parallel rank reads parameter ``name`` (after ``checkpoint_name``),
         where the family's differs from core's rules (core/parallel/shard.py ``slice_rule``):
@@ -111,4 +132,4 @@ class ModelArchitecture(Plugin):
 
     @classmethod
     def describe(cls) -> dict[str, Any]:
-        return {**super().describe(), "model_types": list(cls.model_types)}
+        return {**super().describe(), "model_types": list(cls.model_types) or (["any"] if cls.any_model_type else [])}

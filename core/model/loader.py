@@ -26,7 +26,7 @@ from tessellm.core.errors import ConfigError, ModelLoadError, PluginCallError
 from tessellm.core.interfaces.model import ModelArchitecture
 from tessellm.core.interfaces.quantizer import Quantizer
 from tessellm.core.model.decoder import RotaryEmbedding
-from tessellm.core.model.moe import drop_stale_stacks, unstack_experts
+from tessellm.core.model.moe import drop_stale_stacks
 from tessellm.core.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -112,13 +112,28 @@ def _convert_gguf(path: Path, target: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_hf_config(folder: Path) -> Any:
+def load_hf_config(folder: Path, trust_remote_code: bool = False) -> Any:
+    """The folder's config (transformers' config class for its ``model_type``; with
+    ``trust_remote_code``, the class a checkpoint's own code defines where its ``auto_map``
+    names one: that code runs here)."""
     from transformers import AutoConfig
 
     try:
-        return AutoConfig.from_pretrained(folder)
+        return AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except Exception as exc:
-        raise ModelLoadError(f"cannot read {str(folder / 'config.json')!r}: {exc}".split("\n")[0]) from exc
+        message = f"cannot read {str(folder / 'config.json')!r}: {exc}".split("\n")[0]
+        if not trust_remote_code and _needs_own_code(folder):
+            message = (f"model folder {str(folder)!r} defines its model in its own code (config.json's auto_map), "
+                       f"which tessellm runs only when allowed: set trust_remote_code: true (--set "
+                       f"trust_remote_code=true) to run that code ({message})")
+        raise ModelLoadError(message) from exc
+
+
+def _needs_own_code(folder: Path) -> bool:
+    try:
+        return "auto_map" in json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
 
 
 def load_state_dict(folder: Path, read: Callable[[Any, str], torch.Tensor] | None = None,
@@ -144,24 +159,20 @@ def load_state_dict(folder: Path, read: Callable[[Any, str], torch.Tensor] | Non
     return state
 
 
-def load_tokenizer(folder: Path) -> Any:
+def load_tokenizer(folder: Path, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     except Exception as exc:
         raise ModelLoadError(f"cannot load a tokenizer from {str(folder)!r}: {exc}".split("\n")[0]) from exc
 
 
 def checkpoint_state(architecture: ModelArchitecture, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors under the module's parameter names: experts stacked as 3-D
-    tensors split per expert, then each name mapped by the model plugin (None: dropped)."""
-    named: dict[str, torch.Tensor] = {}
-    for name, tensor in unstack_experts(state, architecture.expert_layout).items():
-        target = architecture.checkpoint_name(name)
-        if target is not None:
-            named[target] = tensor
-    return named
+    """The checkpoint's tensors under the module's parameter names, as the model plugin maps
+    them (``ModelArchitecture.checkpoint_tensors``: by default experts stacked as 3-D tensors
+    split per expert, then each name mapped, None dropped)."""
+    return architecture.checkpoint_tensors(state)
 
 
 def build_model(spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,

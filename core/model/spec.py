@@ -23,7 +23,7 @@ def spec_from_hf_config(config: Any, registry: Any = None) -> ModelSpec:
     model types when none serves it."""
     from tessellm.core.registry import get_registry
 
-    return (registry or get_registry()).architecture_for(config).load_spec(config)
+    return (registry or get_registry()).model_for(config)[1]
 
 
 ModelSpec.from_hf_config = classmethod(lambda cls, config, registry=None: spec_from_hf_config(config, registry))

@@ -79,7 +79,7 @@ class SdpaAttention(AttentionBackend):
     """
 
     name = "sdpa"
-    api_version = "1.15"
+    api_version = "1.17"
     description = "torch scaled_dot_product_attention over the KV cache (reference, CPU and CUDA)"
     Options = SdpaOptions
     auto_priority = 10

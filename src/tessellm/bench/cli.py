@@ -184,8 +184,8 @@ def _bench_serve(args: argparse.Namespace, workload: Any, progress: bool, plots:
         raise ConfigError(f"--max-concurrency must be at least 1, got {args.max_concurrency}")
     config = load_config(args.config, args.overrides)
     model_dir = model_dir_for(config)
-    tokenizer = load_tokenizer(model_dir)
-    max_len = config.max_model_len or load_hf_config(model_dir).max_position_embeddings
+    tokenizer = load_tokenizer(model_dir, config.trust_remote_code)
+    max_len = config.max_model_len or load_hf_config(model_dir, config.trust_remote_code).max_position_embeddings
     requests = workload.requests(seed=args.seed, num_requests=args.num_requests, tokenizer=tokenizer,
                                  max_model_len=max_len)
     result = run_serving(args.serve, requests, model=args.served_model_name or config.model,

@@ -52,9 +52,15 @@ def test_folder_errors(tmp_path, smollm2_dir):
         model_loader.load_state_dict(tmp_path)
 
 
-def test_unsupported_architectures_and_rope():
+def test_unsupported_architectures_and_rope(monkeypatch):
+    """Without the transformers plugin (which takes any type), gpt2 is refused, naming the
+    types the native plugins build."""
     from transformers import GPT2Config, LlamaConfig
 
+    from tessellm.core.registry import PluginRegistry
+
+    monkeypatch.setenv("TESSELLM_DISABLE_PLUGINS", "model.transformers")
+    monkeypatch.setattr("tessellm.core.registry._default", PluginRegistry())
     with pytest.raises(ModelLoadError) as refused:
         ModelSpec.from_hf_config(GPT2Config())
     message = str(refused.value)
@@ -72,11 +78,14 @@ def test_unsupported_architectures_and_rope():
 
 
 def test_an_activation_the_mlp_does_not_compute_is_refused():
+    """By the native plugin (under auto, the transformers plugin then takes the checkpoint)."""
     from transformers import LlamaConfig
 
+    from tessellm.plugins.model.llama import LlamaArchitecture
+
     config = LlamaConfig(hidden_act="mish")
-    with pytest.raises(ModelLoadError, match="hidden_act 'mish' is not supported; supported: silu, swish, "):
-        ModelSpec.from_hf_config(config)
+    with pytest.raises(ModelLoadError, match="hidden_act 'mish' is not supported; supported: silu, swish"):
+        LlamaArchitecture().load_spec(config)
     assert ModelSpec.from_hf_config(LlamaConfig(hidden_act="swish")).mlp_activation == "silu"
     assert ModelSpec.from_hf_config(LlamaConfig(hidden_act="gelu_new")).mlp_activation == "gelu_pytorch_tanh"
     assert ModelSpec.from_hf_config(LlamaConfig(hidden_act="relu")).mlp_activation == "relu"

@@ -99,11 +99,13 @@ def test_a_plugin_breaking_its_contract_is_named(authors_plugins, tiny_model, cp
         LLM(cpu_config(tiny_model("llama"), architecture={"name": name}))
 
 
-def test_a_model_type_no_plugin_builds_names_the_supported_ones(tmp_path):
+def test_a_model_type_no_plugin_builds_names_the_supported_ones(tmp_path, monkeypatch):
+    """Without the transformers plugin (which takes any type), an undeclared type is refused."""
     from transformers import GPT2Config
 
     from tessellm.core.errors import ModelLoadError
 
+    monkeypatch.setenv("TESSELLM_DISABLE_PLUGINS", "model.transformers")
     with pytest.raises(ModelLoadError, match="model_type 'gpt2' is not supported; supported: .*qwen3_moe.*"
                                              "tessellm new-plugin model NAME"):
         PluginRegistry().architecture_for(GPT2Config())

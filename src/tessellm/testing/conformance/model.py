@@ -23,6 +23,12 @@ from tessellm.testing.conformance.base import ConformanceSuite, property_setting
 from tessellm.testing.conformance.pipeline import registry_for, skip_unless_admitted
 
 
+ANY_TYPE_FAMILIES = ("llama", "gemma2", "gpt_oss")
+"""What a plugin that takes any model type (``any_model_type``) and declares none is checked
+on, unless the suite names ``model_types``: plain attention, windows with softcaps, sinks
+with MoE experts."""
+
+
 class ModelConformance(ConformanceSuite):
     """The contract every model plugin honours, checked on the plugin named by ``plugin``
     (or ``plugin_class``), for each of ``model_types`` (default: every type it declares):
@@ -93,7 +99,9 @@ class ModelConformance(ConformanceSuite):
 
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         if "model_type" in metafunc.fixturenames:
-            types = self.model_types or self.under_test().model_types
+            plugin = self.under_test()
+            types = self.model_types or plugin.model_types or \
+                (ANY_TYPE_FAMILIES if getattr(plugin, "any_model_type", False) else ())
             metafunc.parametrize("model_type", list(types), scope="class")
 
     @pytest.fixture(scope="class")
