@@ -5,6 +5,7 @@ core/interfaces/spec.py, below the interfaces; they are importable from here as 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from tessellm.core.errors import ModelLoadError
@@ -57,6 +58,10 @@ def decoder_spec(config: Any, **fields: Any) -> ModelSpec:
         # windows on some layers only (Gemma 2/3, GPT-OSS; Qwen2 past max_window_layers)
         layers = tuple(LayerAttention(sliding_window=sliding if t == "sliding_attention" else None)
                        for t in layer_types)
+        sliding = None
+    if getattr(config, "is_causal", True) is False:  # a decoder trained to attend both ways (some gte-Qwen2 configs)
+        layers = tuple(dataclasses.replace(layer, causal=False) for layer in
+                       (layers or [LayerAttention(sliding_window=sliding)] * config.num_hidden_layers))
         sliding = None
     if "mlp_activation" not in fields:
         fields["mlp_activation"] = _activation(config)
