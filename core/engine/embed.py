@@ -109,15 +109,14 @@ class EmbedAndScore:
         skip = self._prompt_length(text_prompt) if text_prompt and not said.include_prompt else 0
         inputs = []
         for i, text in enumerate(texts):
+            where = f"input[{i}]" if len(texts) > 1 else "input"
             if _is_ids(text):
                 ids = list(text)
-                if not ids:
-                    raise InvalidRequestError(f"input[{i}] is an empty list of token ids")
                 inputs.append(PooledInput(ids[-limit:] if limit is not None else ids))
                 continue
             if not isinstance(text, str) or not text:
-                raise InvalidRequestError(f"input[{i}] must be a non-empty string or a list of token ids, "
-                                          f"not {text!r}"[:200])
+                raise InvalidRequestError(f"{where} must be a non-empty string or a list of token ids, "
+                                          f"not {text!r}"[:200], field="input")
             full = (text_prompt or "") + text
             full = full.lower() if said.do_lower_case else full
             encoded = self.tokenizer(full, **({"truncation": True, "max_length": limit} if limit else {}))

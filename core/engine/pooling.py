@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from tessellm.core.engine.engine import Engine
+from tessellm.core.engine.engine import Engine, LaunchedStep
 from tessellm.core.engine.request import RequestState
 from tessellm.core.errors import InvalidRequestError
 from tessellm.core.interfaces.batch import BatchMetadata, SchedulerOutput
@@ -151,8 +151,10 @@ class PoolingEngine(Engine):
             types += ids[first:end] if ids is not None else [0] * (end - first)
         return torch.tensor(types, dtype=torch.long, device=batch.input_ids.device)
 
-    def _append_tokens(self, batch: BatchMetadata, logits: torch.Tensor, tokens: list[list[int]]) -> None:
-        """Keep each sequence's pooled rows; pool the sequences whose prompt this step ended."""
+    def _append_tokens(self, step: LaunchedStep) -> None:
+        """Keep each sequence's pooled rows (the step's ``logits`` are their hidden states);
+        pool the sequences whose prompt this step ended."""
+        batch, logits = step.batch, step.logits
         for k, (i, _, position) in enumerate(self._rows(batch)):
             request = self._pooled[batch.seqs[i].seq_id]
             if position == request.skip and request.rows:  # recomputed from the start (after a preemption)

@@ -223,3 +223,27 @@ def test_a_batch_is_admitted_whole_when_the_queue_has_room(tmp_path_factory):
     with serving(build_app(LLM(config(folder)), max_waiting=4)) as url:
         body = httpx.post(url + "/v1/embeddings", json={"input": [f"t{5 + i}" for i in range(12)]}, timeout=120)
         assert body.status_code == 200 and len(body.json()["data"]) == 12
+
+
+def test_an_engine_core_process_embeds_and_reranks_as_the_thread_does(embedder, reranker):
+    """``tessellm serve``'s default: the engine core in its own process. Each input crosses
+    as a ``pool`` request (serve/pooling_kind.py) and its output comes back equal."""
+    pytest.importorskip("zmq")
+    from tessellm.core.model.loader import load_tokenizer
+    from tessellm.serve.engine_client import EngineClient
+    from tessellm.serve.engine_process import ProcessTransport
+
+    for (thread_url, folder), path, body, read in (
+            (embedder, "/v1/embeddings", {"input": TEXTS}, lambda r: [d["embedding"] for d in r["data"]]),
+            (reranker, "/v1/rerank", {"query": "t5 t6 t7", "documents": DOCS},
+             lambda r: [(x["index"], x["relevance_score"]) for x in r["results"]])):
+        transport = ProcessTransport(config(folder))
+        transport.start()
+        client = EngineClient(transport, load_tokenizer(folder))
+        assert client.info.task in ("embed", "score") and client.info.pooler in ("mean", "classify")
+        with serving(build_app(client, model_name="m")) as url:
+            got = read(httpx.post(url + path, json=body, timeout=120).json())
+            want = read(httpx.post(thread_url + path, json=body, timeout=120).json())
+            np.testing.assert_allclose(np.asarray(got, dtype=float), np.asarray(want, dtype=float), atol=1e-6)
+            error_of(httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "t5"}), 400, "model",
+                     "it serves")

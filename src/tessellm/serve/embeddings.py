@@ -11,13 +11,14 @@ import base64
 import time
 from typing import Literal, Optional, Union
 
-import torch
+import numpy as np
 from fastapi import FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
 from tessellm.serve.context import ServerContext
 from tessellm.serve.http_errors import RequestError
-from tessellm.serve.pooling import inputs_or_400, pooling_params, run_pooled
+from tessellm.serve.pooling import pooling_params, run_pooled
+from tessellm.serve.pooling_kind import POOL
 from tessellm.serve.sampling import check_model
 from tessellm.serve.streaming import new_request_id
 
@@ -63,20 +64,19 @@ async def embed(ctx: ServerContext, body: EmbeddingRequest, request: Request) ->
     if not 1 <= len(texts) <= MAX_INPUTS:
         raise RequestError(400, f"input: give 1 to {MAX_INPUTS} texts or lists of token ids, not {len(texts)}",
                            param="input")
-    llm = ctx.llm
-    params = pooling_params({}, dimensions=body.dimensions, normalize=body.normalize)
-    inputs = inputs_or_400(ctx, "input", lambda: llm.embedding_inputs(
-        texts, prompt_name=body.prompt_name, truncate_prompt_tokens=body.truncate_prompt_tokens))
-    outs = await run_pooled(ctx, request, new_request_id("embd"), inputs, params, "input", lora)
-    data = [{"object": "embedding", "index": i, "embedding": encoded(o.pooled, body.encoding_format)}
+    params = pooling_params(dimensions=body.dimensions, normalize=body.normalize)
+    payloads = [POOL.encode(input=text, prompt_name=body.prompt_name, truncate=body.truncate_prompt_tokens,
+                            params=params, lora=lora) for text in texts]
+    outs = await run_pooled(ctx, request, new_request_id("embd"), payloads, "input")
+    data = [{"object": "embedding", "index": i, "embedding": encoded(o.values, body.encoding_format)}
             for i, o in enumerate(outs)]
-    tokens = sum(len(item.token_ids) for item in inputs)
+    tokens = sum(o.prompt_tokens for o in outs)
     return {"object": "list", "data": data, "model": lora or ctx.model_name, "created": int(time.time()),
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
-def encoded(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
+def encoded(values: list[float], encoding_format: str) -> list[float] | str:
     """An embedding as the API sends it: a list of numbers, or base64 of float32 little-endian bytes."""
     if encoding_format == "base64":
-        return base64.b64encode(vector.to(torch.float32).numpy().astype("<f4").tobytes()).decode("ascii")
-    return vector.tolist()
+        return base64.b64encode(np.asarray(values, dtype="<f4").tobytes()).decode("ascii")
+    return values

@@ -33,16 +33,14 @@ ROUTES = {"embed": "/v1/embeddings", "score": "/v1/rerank or /v1/score", "genera
 def check_task(ctx: ServerContext, task: str, route: str) -> None:
     """A 400 unless the pipeline serves ``task`` ("embed"; "score": a reranker, or an
     embedding model scoring by similarity), naming what it serves and where."""
-    have = ctx.llm.pipeline.task
+    info = ctx.engine.info
+    have = info.task
     if have == task or (task == "score" and have == "embed"):
         return
-    pooler = ctx.llm.pipeline.pooler
-    what = {"generate": "generates text (it has no pooler)", "embed": f"embeds texts (pooling plugin {pooler.name!r})" if pooler else "",
-            "score": f"scores (query, document) pairs (pooling plugin {pooler.name!r})" if pooler else ""}[have]
+    what = {"generate": "generates text (it has no pooler)", "embed": f"embeds texts (pooling plugin {info.pooler!r})",
+            "score": f"scores (query, document) pairs (pooling plugin {info.pooler!r})"}[have]
     raise RequestError(400, f"{route}: model {ctx.model_name!r} {what}; it serves {ROUTES[have]}",
                        param="model", code="wrong_task")
-
-
 
 
 def sampling_params(ctx: ServerContext, body: Any, *, max_tokens: int | None, logprobs: int | None,
