@@ -109,17 +109,28 @@ def test_prompt_name_and_normalize_extras(embedder):
     assert cos([body["data"][0]["embedding"]], reference(folder, [TEXTS[0]], prompt_name="query")).min() >= 0.9999
     raw = httpx.post(url + "/v1/embeddings", json={"input": TEXTS[0], "normalize": False}).json()["data"][0]
     assert abs(np.linalg.norm(raw["embedding"]) - 1) > 1e-3
+    # clients that send every field, unset ones as null: floats, every dimension
+    nulls = httpx.post(url + "/v1/embeddings", json={"input": [TEXTS[0]], "encoding_format": None, "dimensions": None,
+                                                     "user": None, "model": None}).json()["data"][0]["embedding"]
+    assert cos([nulls], reference(folder, [TEXTS[0]])).min() >= 0.9999
 
 
-def test_langchain_and_litellm_embed_through_the_server(embedder):
+def test_langchain_embeds_through_the_server(embedder):
     url, folder = embedder
     from langchain_openai import OpenAIEmbeddings
 
     ref = reference(folder, TEXTS)
     # check_embedding_ctx_length=False: send texts (langchain otherwise tokenizes with tiktoken's OpenAI encoding)
-    lc = OpenAIEmbeddings(model="embedder", base_url=url + "/v1", api_key="none", check_embedding_ctx_length=False)
+    lc = OpenAIEmbeddings(model="embedder", base_url=url + "/v1", api_key="none", check_embedding_ctx_length=False,
+                          chunk_size=3)  # a batch of 3 texts, then 1, as langchain splits a long list
     assert cos(lc.embed_documents(TEXTS), ref).min() >= 0.9999
     assert cos([lc.embed_query(TEXTS[0])], ref[:1]).min() >= 0.9999
+
+
+@pytest.mark.extended  # litellm's import alone takes seconds
+def test_litellm_embeds_through_the_server(embedder):
+    url, folder = embedder
+    ref = reference(folder, TEXTS)
     import litellm
 
     got = litellm.embedding(model="openai/embedder", api_base=url + "/v1", api_key="none", input=TEXTS)
@@ -203,6 +214,18 @@ def test_score_one_against_many_and_pairwise(reranker):
     np.testing.assert_allclose([d["score"] for d in pairwise["data"]], ref, atol=1e-5)
     error_of(httpx.post(url + "/v1/score", json={"text_1": ["a", "b"], "text_2": DOCS}), 400, "text_2",
              "2 queries for 4 documents")
+    for first, second in (("queries", "documents"), ("queries", "items"), ("data_1", "data_2")):  # vLLM's names
+        named = httpx.post(url + "/v1/score", json={first: "t5 t6 t7", second: DOCS}).json()
+        np.testing.assert_allclose([d["score"] for d in named["data"]], ref, atol=1e-5)
+    error_of(httpx.post(url + "/v1/score", json={"query": "t5", "text": DOCS}), 400, "text_1",
+             "give text_1 and text_2 (or vLLM's queries and documents")
+    # use_activation false: the head's raw logits, as CrossEncoder.predict with an identity activation
+    logits = CrossEncoder(str(folder), device="cpu").predict(pairs, activation_fn=torch.nn.Identity())
+    raw = httpx.post(url + "/v1/score", json={"text_1": "t5 t6 t7", "text_2": DOCS, "use_activation": False}).json()
+    np.testing.assert_allclose([d["score"] for d in raw["data"]], logits, atol=1e-5)
+    ranked = httpx.post(url + "/v1/rerank", json={"query": "t5 t6 t7", "documents": DOCS, "use_activation": False})
+    assert sorted(r["relevance_score"] for r in ranked.json()["results"]) == pytest.approx(sorted(logits), abs=1e-5)
+    error_of(httpx.post(url + "/v1/rerank", json={"query": "", "documents": DOCS}), 400, "query", "non-empty query")
 
 
 def test_an_embedding_model_scores_by_cosine_similarity(embedder):
@@ -225,6 +248,7 @@ def test_a_batch_is_admitted_whole_when_the_queue_has_room(tmp_path_factory):
         assert body.status_code == 200 and len(body.json()["data"]) == 12
 
 
+@pytest.mark.extended  # two engine-core processes, each loading torch and its checkpoint
 def test_an_engine_core_process_embeds_and_reranks_as_the_thread_does(embedder, reranker):
     """``tessellm serve``'s default: the engine core in its own process. Each input crosses
     as a ``pool`` request (serve/pooling_kind.py) and its output comes back equal."""
@@ -245,5 +269,12 @@ def test_an_engine_core_process_embeds_and_reranks_as_the_thread_does(embedder, 
             got = read(httpx.post(url + path, json=body, timeout=120).json())
             want = read(httpx.post(thread_url + path, json=body, timeout=120).json())
             np.testing.assert_allclose(np.asarray(got, dtype=float), np.asarray(want, dtype=float), atol=1e-6)
+            if path == "/v1/embeddings":  # token ids cross as they are; ids outside the vocabulary are a 400
+                ids = [[5, 6, 7], [9] * 20]
+                got = read(httpx.post(url + path, json={"input": ids}, timeout=120).json())
+                want = read(httpx.post(thread_url + path, json={"input": ids}, timeout=120).json())
+                np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+                error_of(httpx.post(url + path, json={"input": [[5], [10 ** 6]]}), 400, "input",
+                         "input[1]: prompt token id 1000000 is outside the vocabulary")
             error_of(httpx.post(url + "/v1/completions", json={"model": "m", "prompt": "t5"}), 400, "model",
                      "it serves")

@@ -35,7 +35,8 @@ class EmbeddingRequest(BaseModel):
     input: Union[StrictStr, list[StrictStr], TokenIds, list[TokenIds]]
     """The text(s) or token ids to embed: 1 to ``MAX_INPUTS`` inputs."""
     model: Optional[str] = None
-    encoding_format: Literal["float", "base64"] = "float"
+    encoding_format: Optional[Literal["float", "base64"]] = None
+    """"float" (lists of numbers; also when null or absent) or "base64"."""
     dimensions: Optional[int] = Field(None, ge=1)
     user: Optional[str] = None
     truncate_prompt_tokens: Optional[int] = None
@@ -68,7 +69,7 @@ async def embed(ctx: ServerContext, body: EmbeddingRequest, request: Request) ->
     payloads = [POOL.encode(input=text, prompt_name=body.prompt_name, truncate=body.truncate_prompt_tokens,
                             params=params, lora=lora) for text in texts]
     outs = await run_pooled(ctx, request, new_request_id("embd"), payloads, "input")
-    data = [{"object": "embedding", "index": i, "embedding": encoded(o.values, body.encoding_format)}
+    data = [{"object": "embedding", "index": i, "embedding": encoded(o.values, body.encoding_format or "float")}
             for i, o in enumerate(outs)]
     tokens = sum(o.prompt_tokens for o in outs)
     return {"object": "list", "data": data, "model": lora or ctx.model_name, "created": int(time.time()),

@@ -84,13 +84,17 @@ def refusal(exc: BaseException, param: str) -> BaseException:
 
 
 async def pair_scores(ctx: ServerContext, request: Request, request_id: str, queries: list[str], docs: list[str],
-                      truncate: int | None, param: str, lora: str | None = None) -> tuple[list[float], int]:
-    """Each (query, document) pair's score and the prompt tokens read: a reranker's, or for
-    an embedding model the similarity of their embeddings (the query under its "query"
-    prompt, documents under their "document" one, as ``LLM.score``)."""
+                      truncate: int | None, param: str, lora: str | None = None,
+                      use_activation: bool | None = None) -> tuple[list[float], int]:
+    """Each (query, document) pair's score and the prompt tokens read: a reranker's (its raw
+    logits where ``use_activation`` is false), or for an embedding model the similarity of
+    their embeddings (the query under its "query" prompt, documents under their "document"
+    one, as ``LLM.score``)."""
     info = ctx.engine.info
     if info.task == "score":
-        payloads = [POOL.encode(pair=(q, d), truncate=truncate, lora=lora) for q, d in zip(queries, docs)]
+        params = pooling_params(use_activation=use_activation)
+        payloads = [POOL.encode(pair=(q, d), truncate=truncate, params=params, lora=lora)
+                    for q, d in zip(queries, docs)]
         outs = await run_pooled(ctx, request, request_id, payloads, param)
         return [o.values[0] for o in outs], sum(o.prompt_tokens for o in outs)
     unique = list(dict.fromkeys(queries))

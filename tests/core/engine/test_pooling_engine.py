@@ -131,6 +131,7 @@ def test_aborts_and_failures_give_every_block_back(bert_llm):
     assert not engine._pooled  # nothing kept for the requests gone
 
 
+@pytest.mark.extended
 def test_a_preempted_sequence_recomputes_to_the_same_embedding(tmp_path):
     """A decoder's mean pooling reads every row, gathered across chunks: a sequence preempted
     mid-prompt (its cache freed, as a scheduler short of blocks does) is recomputed from its

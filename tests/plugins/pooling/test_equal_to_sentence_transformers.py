@@ -57,7 +57,7 @@ def reference_embeddings(folder, texts, **kwargs):
     return SentenceTransformer(str(folder), device="cpu").encode(texts, **kwargs)
 
 
-ENCODER_CASES = [("bert", "mean"), ("xlm-roberta", "cls"), ("modernbert", "mean")]
+ENCODER_CASES = [("bert", "mean"), ("xlm-roberta", "cls")]
 ENCODER_MATRIX = [(f, m) for f in ("bert", "roberta", "xlm-roberta", "modernbert") for m in ("mean", "cls")
                   if (f, m) not in ENCODER_CASES]
 
@@ -75,7 +75,7 @@ def test_encoder_embeddings_equal_encode(checkpoints, family, mode):
         llm.engine.scheduler.num_running == 0  # nothing left holding blocks
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("prefix_caching", [True, pytest.param(False, marks=pytest.mark.extended)])
 def test_decoder_last_token_embeddings_with_and_without_prefix_caching(checkpoints, prefix_caching):
     """Qwen3-Embedding's shape: a base Qwen3 (no LM head, names without ``model.``),
     last-token pooling, a query prompt shared by every query. A step budget of 16 tokens
@@ -130,7 +130,8 @@ def test_dense_modules_dimensions_and_prompts_equal_encode(checkpoints):
     assert abs(torch.tensor(got[1].embedding).norm().item() - 1) < 1e-5
 
 
-CROSS_ENCODERS = [("bert", 1), ("xlm-roberta", 1), ("modernbert", 1)]
+CROSS_ENCODERS = [("bert", 1), ("modernbert", 1)]
+"""The default set's; XLM-RoBERTa's is served in tests/serve/test_embeddings_api.py and in the extended set here."""
 
 
 @pytest.fixture(scope="module")
@@ -152,7 +153,7 @@ DOCS = ["t9 " * 30, "t11 t12 t13 t14 t15 t16 t17 t18 t19 t20", "t30", "t8 t9", "
 
 
 @pytest.mark.parametrize("family,labels", CROSS_ENCODERS + [
-    pytest.param("roberta", 1, marks=pytest.mark.extended), pytest.param("bert", 3, marks=pytest.mark.extended)])
+    pytest.param(*case, marks=pytest.mark.extended) for case in (("xlm-roberta", 1), ("roberta", 1), ("bert", 3))])
 def test_cross_encoder_scores_equal_predict(cross_encoders, family, labels):
     from sentence_transformers import CrossEncoder
 
@@ -182,6 +183,7 @@ def test_pairs_past_the_limit_are_refused_unless_truncated_as_cross_encoder_trun
     torch.testing.assert_close(torch.tensor([o.score for o in got]), torch.as_tensor(ref).float(), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.extended
 def test_modernbert_mean_classifier_pooling_equals_predict(cross_encoders):
     from sentence_transformers import CrossEncoder
 
@@ -195,7 +197,7 @@ YES_NO = dict(yes_token="t7", no_token="t8", prefix="t3 t4", body="{instruction}
               suffix="t9", instruction="t10 t11")
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("prefix_caching", [True, pytest.param(False, marks=pytest.mark.extended)])
 def test_yes_no_reranker_equals_the_model_cards_computation(tmp_path, prefix_caching):
     """Qwen3-Reranker's score, P(yes) from the yes/no logits at the pair's last token, as its
     model card computes it with transformers (each part of the template tokenized alone)."""
@@ -218,6 +220,7 @@ def test_yes_no_reranker_equals_the_model_cards_computation(tmp_path, prefix_cac
                                    atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.extended  # the server's test scores by similarity against sentence-transformers in the default set
 def test_embedding_pipeline_scores_by_similarity(checkpoints):
     """``score`` on an embedding pipeline: the cosine of the query's and each document's
     embeddings (their "query" and "document" prompts), as sentence-transformers' similarity."""
