@@ -128,13 +128,21 @@ def test_langchain_embeds_through_the_server(embedder):
 
 
 @pytest.mark.extended  # litellm's import alone takes seconds
-def test_litellm_embeds_through_the_server(embedder):
+def test_litellm_embeds_and_reranks_through_the_server(embedder, reranker):
+    """litellm's ``embedding()``, and its ``rerank()`` as its Cohere, vLLM and Jina providers send it."""
     url, folder = embedder
     ref = reference(folder, TEXTS)
     import litellm
+    from sentence_transformers import CrossEncoder
 
     got = litellm.embedding(model="openai/embedder", api_base=url + "/v1", api_key="none", input=TEXTS)
     assert cos([d["embedding"] for d in got.data], ref).min() >= 0.9999
+    url, folder = reranker
+    scores = CrossEncoder(str(folder), device="cpu").predict([("t5 t6 t7", d) for d in DOCS])
+    for model, base in (("cohere/reranker", url), ("hosted_vllm/reranker", url + "/v1"), ("jina_ai/reranker", url + "/v1")):
+        ranked = litellm.rerank(model=model, api_base=base, api_key="none", query="t5 t6 t7", documents=DOCS, top_n=2)
+        assert [r["index"] for r in ranked.results] == list(np.argsort(-scores)[:2]), model
+        assert ranked.results[0]["relevance_score"] == pytest.approx(float(scores.max()), abs=1e-5)
 
 
 def test_an_input_past_the_limit_is_a_400_naming_it_unless_truncated(embedder):
