@@ -144,6 +144,11 @@ class PipelineConfig(BaseModel):
     """The model plugin (kind ``model``) that builds the checkpoint; ``auto`` takes the one,
     by priority, that declares the checkpoint's ``model_type`` (``tessellm plugins`` lists
     them with the types they build)."""
+    pooling: PluginSection = Field(default_factory=PluginSection)
+    """The pooler (kind ``pooling``) of an embedding or scoring pipeline: ``last``, ``mean``,
+    ``cls``, ``classify`` (a sequence-classification head) or ``yes-no`` (a decoder reranker's
+    yes/no token); ``auto`` takes the one the checkpoint's sentence-transformers files (or its
+    classification head) name, or none, and the pipeline generates."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """LoRA adapters and the kernel that applies them (off unless adapters are given)."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)

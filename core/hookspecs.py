@@ -85,6 +85,12 @@ def register_model(register: Register) -> None:
 
 
 @hookspec
+def register_pooling(register: Register) -> None:
+    """Register poolers (the step after the model in an embedding or scoring pipeline: hidden
+    states to an embedding or scores): subclasses of ``tessellm.Pooler``."""
+
+
+@hookspec
 def register_routing(register: Register) -> None:
     """Register routing policies (which data-parallel replica serves a request): subclasses of
     ``tessellm.RoutingPolicy``; ``tessellm router --policy NAME`` selects one."""

@@ -15,21 +15,24 @@ if TYPE_CHECKING:
     from tessellm.core.interfaces.kv import KVLayout
     from tessellm.core.interfaces.spec import ModelSpec
 
-KINDS = ("attention", "cache", "scheduler", "decoding", "quant", "grammar", "model", "logits", "lora", "routing")
+KINDS = ("attention", "cache", "scheduler", "decoding", "quant", "grammar", "model", "logits", "lora", "routing",
+         "pooling")
 """The kinds of part, named as their plugins/ folders and (but for ``model``) their config
 sections: the five of the forward and decode path, the grammar backends that constrain
 outputs (structured outputs), which a pipeline may do without, and the model architectures
 (config section ``architecture``; ``auto`` picks by the checkpoint's model_type), and the
 logits processors (no config section: each request turns on the ones it uses), and the
 LoRA kernels (section ``lora``, which also lists the adapters), and the routing policies of
-a data-parallel router (no pipeline section: ``tessellm router --policy NAME`` picks one)."""
+a data-parallel router (no pipeline section: ``tessellm router --policy NAME`` picks one),
+and the poolers of embedding and scoring pipelines (section ``pooling``; ``auto`` picks by
+what the checkpoint's sentence-transformers files say, or none: the pipeline generates)."""
 
 CONFIG_KINDS = tuple(kind for kind in KINDS if kind not in ("logits", "routing"))
 """The kinds a pipeline config chooses a plugin of (``PipelineConfig.section``); every logits
 processor serves every pipeline, and each request names the ones it uses; a routing policy
 serves a router of several pipelines, not one pipeline."""
 
-OPTIONAL_KINDS = frozenset({"grammar", "lora"})
+OPTIONAL_KINDS = frozenset({"grammar", "lora", "pooling"})
 """Kinds a pipeline runs without when ``auto`` finds no plugin that can serve (requests that
 need one are then refused, naming what to install)."""
 
@@ -82,6 +85,9 @@ class SelectionContext:
       selection goes quant, cache, attention, scheduler, decoding.
     - ``auto``: whether the plugin is being considered because the config says ``auto``
       (False: the config names it), e.g. to stay out of ``auto`` where it only runs slowly.
+    - ``pooling``: what the checkpoint's own files say about pooling (a ``CheckpointPooling``:
+      sentence-transformers' files, a classification head; plugin API 1.18), None where
+      not read.
 
     ``config``, the whole ``PipelineConfig``, was part of plugin API 1.0; reading it still
     works and warns (DeprecationWarning): a plugin should need only the fields above.
@@ -90,7 +96,7 @@ class SelectionContext:
     def __init__(self, *, device: torch.device, dtype: torch.dtype, model: ModelSpec, options: PluginOptions,
                  max_model_len: int, kv_layout: KVLayout | None = None,
                  chosen: dict[str, tuple[type, PluginOptions]] | None = None, auto: bool = False,
-                 config: Any = None, kv_extras: frozenset[str] = frozenset()):
+                 config: Any = None, kv_extras: frozenset[str] = frozenset(), pooling: Any = None):
         self.device = device
         self.dtype = dtype
         self.model = model
@@ -100,6 +106,7 @@ class SelectionContext:
         self.kv_extras = frozenset(kv_extras)
         self.chosen = chosen if chosen is not None else {}
         self.auto = auto
+        self.pooling = pooling
         self._config = config
 
     @property

@@ -76,13 +76,14 @@ def _base_class(kind: str) -> type[Plugin]:
     from tessellm.core.interfaces.logits import LogitsProcessor
     from tessellm.core.interfaces.lora import LoraKernel
     from tessellm.core.interfaces.model import ModelArchitecture
+    from tessellm.core.interfaces.pooling import Pooler
     from tessellm.core.interfaces.quantizer import Quantizer
     from tessellm.core.interfaces.routing import RoutingPolicy
     from tessellm.core.interfaces.scheduler import Scheduler
 
     return {"attention": AttentionBackend, "cache": CacheManager, "scheduler": Scheduler,
             "decoding": Decoder, "quant": Quantizer, "grammar": GrammarBackend, "model": ModelArchitecture,
-            "logits": LogitsProcessor, "lora": LoraKernel, "routing": RoutingPolicy}[kind]
+            "logits": LogitsProcessor, "lora": LoraKernel, "routing": RoutingPolicy, "pooling": Pooler}[kind]
 
 
 HOOK_NAMES = tuple(f"register_{kind}" for kind in KINDS)

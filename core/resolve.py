@@ -7,7 +7,8 @@ plugin named explicitly that has reasons fails with them, never falling back to 
 Kinds are chosen in the order quant, cache, attention, scheduler, decoding, grammar, lora, so a later kind
 sees the earlier choices (an attention backend sees the cache's layout); a named attention
 backend's ``kv_extras`` reach the cache first, so its layout can include them. A pipeline
-may do without an optional kind (``OPTIONAL_KINDS``: grammar) that ``auto`` finds no plugin for.
+may do without an optional kind (``OPTIONAL_KINDS``: grammar, lora, pooling) that ``auto`` finds no plugin
+for; a pooler is chosen by what the checkpoint's files say (``CheckpointPooling``, passed in).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tessellm.core.model.spec import ModelSpec
 from tessellm.core.plugin import OPTIONAL_KINDS, PluginOptions, SelectionContext
 from tessellm.core.registry import PluginEntry, PluginRegistry, did_you_mean
 
-ORDER = ("quant", "cache", "attention", "scheduler", "decoding", "grammar", "lora")
+ORDER = ("quant", "cache", "attention", "scheduler", "decoding", "grammar", "lora", "pooling")
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -55,6 +56,8 @@ class ResolvedPipeline:
     max_model_len: int
     choices: dict[str, Choice] = field(default_factory=dict)
     kv_layout: KVLayout | None = None
+    pooling: Any = None
+    """What the checkpoint says about pooling (a ``CheckpointPooling``), None where not read."""
 
     @property
     def async_scheduling(self) -> bool:
@@ -136,8 +139,9 @@ def precheck(config: PipelineConfig, registry: PluginRegistry) -> dict[str, list
     return candidates
 
 
-def resolve(config: PipelineConfig, registry: PluginRegistry, model: ModelSpec) -> ResolvedPipeline:
-    """Choose a plugin for every kind, or raise ConfigError naming the field and the reasons."""
+def resolve(config: PipelineConfig, registry: PluginRegistry, model: ModelSpec, pooling: Any = None) -> ResolvedPipeline:
+    """Choose a plugin for every kind, or raise ConfigError naming the field and the reasons;
+    ``pooling``: what the checkpoint says about pooling (a ``CheckpointPooling``)."""
     candidates = precheck(config, registry)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
@@ -145,7 +149,7 @@ def resolve(config: PipelineConfig, registry: PluginRegistry, model: ModelSpec) 
     max_len = config.max_model_len or limit
     if max_len > limit:
         raise ConfigError(f"max_model_len: {max_len} exceeds the model's max_position_embeddings ({limit})")
-    resolved = ResolvedPipeline(config, device, dtype, model, max_len)
+    resolved = ResolvedPipeline(config, device, dtype, model, max_len, pooling=pooling)
     _choose(0, resolved, candidates, registry)
     return resolved
 
@@ -176,7 +180,7 @@ def _choose(depth: int, resolved: ResolvedPipeline, candidates: dict[str, list[P
                                max_model_len=resolved.max_model_len, kv_layout=resolved.kv_layout,
                                chosen={k: (c.cls, c.options) for k, c in resolved.choices.items()},
                                auto=section.name == "auto", config=resolved.config,
-                               kv_extras=_requested_extras(resolved.config, candidates))
+                               kv_extras=_requested_extras(resolved.config, candidates), pooling=resolved.pooling)
         reasons = entry.cls.unsupported_reasons(ctx)
         if reasons:
             rejected.append(f"{entry.name}: {'; '.join(reasons)}")

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from tqdm.auto import tqdm
 
 from tessellm.core.config import PipelineConfig
+from tessellm.core.engine.embed import EmbedAndScore
 from tessellm.core.engine.gc_freeze import frozen_heap
 from tessellm.core.engine.pipeline import Pipeline
 from tessellm.core.engine.request import RequestState
@@ -67,6 +68,36 @@ class RequestOutput:
         return self.outputs[0].finish_reason
 
 
+@dataclass
+class EmbeddingOutput:
+    """One text's embedding (``LLM.embed``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]
+
+
+@dataclass
+class ScoreOutput:
+    """One (query, document) pair's score (``LLM.score``): ``score`` the first label's (the
+    only one of a reranker), ``scores`` one per label."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    score: float
+    scores: list[float]
+
+
+@dataclass(frozen=True)
+class PooledInput:
+    """One pooling request's input: its token ids, their type ids (an encoder's segments; None:
+    all 0) and how many leading tokens (a prompt) pooling leaves out."""
+
+    token_ids: list[int]
+    token_type_ids: list[int] | None = None
+    skip: int = 0
+
+
 def to_sampling_params(value: Any) -> SamplingParams:
     """A ``SamplingParams`` from one, a mapping or None (the defaults); InvalidRequestError
     naming each bad field otherwise."""
@@ -108,8 +139,9 @@ def encode_prompt(tokenizer: Any, prompt: str, *, chat: bool = False) -> list[in
     return tokenizer(prompt)["input_ids"]
 
 
-class LLM:
-    """Generate text from prompts with a pipeline: ``LLM().generate(["Hello"])``."""
+class LLM(EmbedAndScore):
+    """Generate text from prompts with a pipeline: ``LLM().generate(["Hello"])``; with an
+    embedding or reranking pipeline, ``embed(texts)`` and ``score(query, documents)``."""
 
     def __init__(self, config: PipelineConfig | dict | str | Path | None = None, *,
                  overrides: list[str] | None = None, pipeline: Pipeline | None = None):
@@ -143,18 +175,28 @@ class LLM:
         salts = _per_prompt(cache_salt, len(prompts), "cache_salt", (str, type(None)))
         adapters = _per_prompt(lora, len(prompts), "lora", (str, type(None)))
         encoded = [list(p) if isinstance(p, (list, tuple)) else self.encode(p, chat=chat) for p in prompts]
-        ids = []
+        requests = [lambda rid, t=tokens, p=p, prio=prio, salt=salt, adapter=adapter: self.engine.add_request(
+            rid, t, p, priority=prio, cache_salt=salt, lora=adapter)
+            for tokens, p, prio, salt, adapter in zip(encoded, per, priorities, salts, adapters)]
+        ids, done = self._run_requests(requests, per, progress)
+        return [self._output(done[i], prompt, tokens) for i, prompt, tokens in zip(ids, prompts, encoded)]
+
+    def _run_requests(self, requests: list[Any], params: list[Any] | None,
+                      progress: bool | None) -> tuple[list[str], dict[str, RequestState]]:
+        """Admit each request (``requests[i](request_id)`` adds it) and step until all are done:
+        their ids, in order, and their finished states. Whatever fails, no request (or its
+        blocks) is left behind."""
+        ids: list[str] = []
         try:
-            for tokens, p, prio, salt, adapter in zip(encoded, per, priorities, salts, adapters):
+            for add in requests:
                 request_id = uuid.uuid4().hex
-                self.engine.add_request(request_id, tokens, p, priority=prio, cache_salt=salt, lora=adapter)
+                add(request_id)
                 ids.append(request_id)
-            done = self._run(ids, per, progress)
+            return ids, self._run(ids, params, progress)
         except BaseException:
-            for request_id in ids:  # never leave a request (or its blocks) behind
+            for request_id in ids:
                 self.engine.abort(request_id)
             raise
-        return [self._output(done[i], prompt, tokens) for i, prompt, tokens in zip(ids, prompts, encoded)]
 
     def close(self) -> None:
         """Finish what outlives this LLM (a disk KV tier's queued writes); it can still generate."""
@@ -174,11 +216,14 @@ class LLM:
         """The names of the registered LoRA adapters."""
         return sorted(self.engine.lora.adapters) if self.engine.lora is not None else []
 
-    def _run(self, ids: list[str], params: list[Any], progress: bool | None) -> dict[str, RequestState]:
+    def _run(self, ids: list[str], params: list[Any] | None, progress: bool | None) -> dict[str, RequestState]:
+        """Step the engine until every request of ``ids`` is done; ``params`` None: pooling
+        requests (the progress bar counts requests, not tokens)."""
         if progress is None:
             progress = sys.stderr.isatty()
-        total = sum(p.max_tokens * p.n for p in params)
-        bar = tqdm(total=total, desc="generating", unit="tok", disable=not progress, leave=False)
+        total = sum(p.max_tokens * p.n for p in params) if params is not None else len(ids)
+        bar = tqdm(total=total, desc="generating" if params is not None else "pooling",
+                   unit="tok" if params is not None else "req", disable=not progress, leave=False)
         wanted = set(ids)
         done: dict[str, RequestState] = {}
         before = self.engine.stats.generated_tokens
@@ -191,7 +236,7 @@ class LLM:
                 if failed:  # the engine aborted a request whose own forward raised
                     errors = [self.engine.failures.pop(r) for r in failed]
                     raise errors[0]
-                bar.update(self.engine.stats.generated_tokens - before - bar.n)
+                bar.update((self.engine.stats.generated_tokens - before if params is not None else len(done)) - bar.n)
         bar.close()
         return done
 

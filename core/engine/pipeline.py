@@ -3,6 +3,7 @@ built and wired to the engine, kernels warmed up and decode graphs captured."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -20,12 +21,14 @@ from tessellm.core.engine.engine import Engine
 from tessellm.core.engine.grammar import GrammarSession
 from tessellm.core.engine.lora import LoraAdapters
 from tessellm.core.engine.outputs import StopRule
+from tessellm.core.engine.pooling import PoolingEngine
 from tessellm.core.engine.scoring import score_tokens
 from tessellm.core.engine.warm_up import warm_up
 from tessellm.core.errors import ConfigError
 from tessellm.core.interfaces.batch import ScheduledSeq
 from tessellm.core.interfaces.cache import CacheSpec
 from tessellm.core.interfaces.decoder import Decoder, DecoderContext
+from tessellm.core.interfaces.pooling import PoolingContext
 from tessellm.core.interfaces.logits import LogitsProcessor, ProcessorContext
 from tessellm.core.interfaces.quantizer import CalibrationContext, Quantizer
 from tessellm.core.interfaces.scheduler import SchedulerLimits
@@ -34,6 +37,7 @@ from tessellm.core.model.loader import (build_model, load_hf_config, load_state_
                                        weights_fingerprint)
 from tessellm.core.model.lora import AdapterReader, LoraState, wrap_targets
 from tessellm.core.model.runner import ModelRunner
+from tessellm.core.model.sentence_transformers import read_checkpoint_pooling
 from tessellm.core.model.spec import quantization_config, quantized_checkpoint_readers
 from tessellm.core.parallel.group import Ranks, TensorParallel, init_parallel
 from tessellm.core.parallel.shard import load_shard, local_spec, plan_shard, tensor_rule
@@ -53,7 +57,8 @@ class Pipeline:
     ``grammar`` (the grammar backend for structured outputs, built on first use; None where
     none can serve), the
     ``runner`` that runs the model, and the ``engine`` that steps requests (launching steps
-    ahead when async scheduling is on). ``resolved`` says which plugin serves
+    ahead when async scheduling is on; a ``PoolingEngine`` where a ``pooler`` was chosen,
+    which embeds or scores instead of generating: ``task``). ``resolved`` says which plugin serves
     each kind and why (``resolved.summary()``).
     """
 
@@ -70,16 +75,24 @@ class Pipeline:
         hf_config = load_hf_config(self.model_dir, config.trust_remote_code)
         arch = config.architecture
         self.architecture, self.spec = self.registry.model_for(hf_config, arch.name, arch.options)
+        self.checkpoint_pooling = read_checkpoint_pooling(self.model_dir, hf_config, self.spec.bidirectional)
         self.prequantized = quantization_config(hf_config)
         if self.prequantized is not None:
             config = self.config = self._quant_for_checkpoint(config, self.prequantized)
         # every part is built from this rank's share of the model (the whole of it on one rank)
         self.shard = plan_shard(self.spec, self.tp.size, self.tp.rank) if self.tp else None
         spec = self.local_spec = local_spec(self.spec, self.shard) if self.shard else self.spec
-        self.resolved: ResolvedPipeline = resolve(config, self.registry, spec)
+        self.resolved: ResolvedPipeline = resolve(config, self.registry, spec, pooling=self.checkpoint_pooling)
         if self.stage:
             self._place_stage(config)
         r, c = self.resolved, self.resolved.choices
+        pooling = c.get("pooling")
+        self._check_pooling(pooling)
+        if pooling is not None:
+            self._pooling_step_budget(config)
+        # a pooled prompt generates nothing: it may fill the context window, so the scheduler and
+        # cache (which keep room for one generated token) are given one token more
+        limit = r.max_model_len + (1 if pooling else 0)
         self.tokenizer = load_tokenizer(self.model_dir, config.trust_remote_code)
         self.tokenizer_lock = threading.Lock()  # fast tokenizers refuse two threads at once (a server's)
         quantizer = c["quant"].cls(c["quant"].options, r.device, r.dtype)
@@ -89,21 +102,22 @@ class Pipeline:
         state = (load_shard(self.model_dir, self.spec, self.shard, self.architecture, quantized, keep) if self.shard
                  else load_state_dict(self.model_dir, keep=keep))
         self.model = build_model(spec, state, r.device, r.dtype, None if calibrates else quantizer, self.architecture,
-                                 prequantized=self.prequantized, stage=self.stage)
+                                 prequantized=self.prequantized, stage=self.stage,
+                                 drop_lm_head=pooling is not None and not pooling.cls.uses_lm_head)
         del state
         if self.tp:
             self.model.set_tensor_parallel(self.tp)
         shape = spec.kv_shape
         windows = tuple(spec.attention_of(i).sliding_window for i in range(spec.num_layers))
         cache_spec = CacheSpec(spec.num_layers, shape.num_heads, shape.head_dim, r.dtype, r.device,
-                               r.max_model_len, shape.format, windows if any(windows) else (),
+                               limit, shape.format, windows if any(windows) else (),
                                self._kv_fingerprint(), tuple(range(*self.stage.layers)) if self.stage else ())
         self.cache = c["cache"].cls(c["cache"].options, cache_spec, r.kv_layout)
         if self.ranks:
             self.cache = self._cache_agreed_across_ranks(c["cache"], cache_spec, r.kv_layout)
         self.attention = c["attention"].cls(c["attention"].options, spec, r.device, r.dtype)
         self.decoder = c["decoding"].cls(c["decoding"].options, spec, r.device)
-        limits = SchedulerLimits(r.max_model_len, self.decoder.num_lookahead_tokens)
+        limits = SchedulerLimits(limit, self.decoder.num_lookahead_tokens)
         self.scheduler = c["scheduler"].cls(c["scheduler"].options, self.cache, limits)
         step = self.scheduler.max_step_tokens
         self.cache.limit_step_tokens(None if step is None else step + limits.num_lookahead_tokens)
@@ -116,18 +130,20 @@ class Pipeline:
         self.lora = self._build_lora() if config.lora.active else None
         if self.runner.compiles_kernels():
             self._warm_up()
-        if config.cuda_graphs and self.runner.graphs_unsupported() is None and self.ranks is None:
-            self._capture_graphs()
-        self.async_scheduling = r.async_scheduling and self.ranks is None
-        self.stop = StopRule(self._eos_ids(hf_config), r.max_model_len, decode_text=self._decode_text)
+        if config.cuda_graphs and self.runner.graphs_unsupported() is None and self.ranks is None and not pooling:
+            self._capture_graphs()  # decode graphs: a pooling pipeline only prefills
+        self.async_scheduling = r.async_scheduling and self.ranks is None and not pooling
+        self.stop = StopRule(self._eos_ids(hf_config), limit, decode_text=self._decode_text)
         grammar = c.get("grammar")
         build = (lambda: grammar.cls(grammar.options, self.tokenizer, spec.vocab_size)) if grammar else None
-        self.engine = Engine(self.runner, self.cache, self.scheduler, self.decoder, stop=self.stop,
-                             vocab_size=self.spec.vocab_size, seed=config.seed,
-                             sync=RankSync(self.ranks.world) if self.ranks else None,
-                             grammar=GrammarSession(build, self.decoder.num_lookahead_tokens),
-                             processors=self._logits_processors(), lora=self.lora,
-                             async_scheduling=self.async_scheduling)
+        self.pooler = self._build_pooler(pooling) if pooling else None
+        """The pooling plugin of an embedding or scoring pipeline (None: the pipeline generates)."""
+        pooled = {"pooler": self.pooler, "max_input_len": r.max_model_len} if self.pooler else {}
+        self.engine = (PoolingEngine if self.pooler else Engine)(
+            self.runner, self.cache, self.scheduler, self.decoder, stop=self.stop, vocab_size=self.spec.vocab_size,
+            seed=config.seed, sync=RankSync(self.ranks.world) if self.ranks else None,
+            grammar=GrammarSession(build, self.decoder.num_lookahead_tokens), processors=self._logits_processors(),
+            lora=self.lora, async_scheduling=self.async_scheduling, **pooled)
         self._attach_decoder()
         if self.ranks and not self.ranks.world.is_leader:  # a follower serves rank 0 until it stops, then exits
             follow(self.engine, self.engine.sync)
@@ -136,6 +152,71 @@ class Pipeline:
     def close(self) -> None:
         """Finish what outlives the pipeline: the cache's (a disk tier's queued writes)."""
         self.cache.close()
+
+    @property
+    def task(self) -> str:
+        """What the pipeline serves: "generate", or its pooler's task ("embed", "score")."""
+        return self.pooler.task if self.pooler is not None else "generate"
+
+    def _check_pooling(self, pooling: Any) -> None:
+        """A pipeline without a pooler generates: refused for an encoder; one with a pooler runs
+        on one rank (its engine is not one tensor- or pipeline-parallel ranks follow)."""
+        said = self.checkpoint_pooling
+        if pooling is None and said.mode is not None:  # an embedding model must not quietly become a generator
+            served = ", ".join(f"{e.name} ({', '.join(sorted(e.cls.modes)) or 'by name only'})"
+                               for e in self.registry.entries("pooling"))
+            raise ConfigError(f"pooling.name: the checkpoint pools with {said.mode!r} ({said.source}), which no "
+                              f"installed pooler implements; the poolers (and the modes they take): {served}; "
+                              f"name one to pool otherwise")
+        if pooling is None and self.spec.bidirectional:
+            raise ConfigError(f"pooling.name: {self.spec.model_type!r} attends both ways (an encoder): it embeds or "
+                              f"scores, it cannot generate, and no pooler serves it (the checkpoint's pooling: "
+                              f"{self.checkpoint_pooling.source}); name one, e.g. pooling.name=cls")
+        if pooling is not None and self.ranks is not None:
+            raise ConfigError("pooling: embedding and scoring pipelines run on one rank; set parallel.tensor=1 and "
+                              "parallel.pipeline=1")
+
+    POOLING_STEP_TOKENS = 8192
+    """A pooling pipeline's default step budget (tokens), where its scheduler has one the
+    config leaves unset: it prefills only, so no decode waits behind a large step, and larger
+    steps are fewer, larger products (on a 2-core CPU a MiniLM-shaped encoder embeds about 1.7x
+    faster in steps of 4096 tokens than of 1024; docs/benchmarks.md)."""
+    POOLING_STEP_SEQS = 256
+    """A pooling pipeline's default sequences per step (short texts fill a step by count)."""
+
+    def _pooling_step_budget(self, config: PipelineConfig) -> None:
+        """Larger default steps for a pooling pipeline, and one that holds an encoder's longest
+        prompt (which runs whole, in one step); a budget the config sets is kept, and an
+        encoder's prompt longer than it is refused naming it."""
+        choice = self.resolved.choices["scheduler"]
+        fields, given = type(choice.options).model_fields, config.scheduler.options
+        update = {}
+        if "max_num_batched_tokens" in fields and "max_num_batched_tokens" not in given:
+            update["max_num_batched_tokens"] = max(self.POOLING_STEP_TOKENS, self.resolved.max_model_len,
+                                                   choice.options.max_num_batched_tokens)
+        if "max_num_seqs" in fields and "max_num_seqs" not in given:
+            update["max_num_seqs"] = max(self.POOLING_STEP_SEQS, choice.options.max_num_seqs)
+        if update:
+            logger.info("scheduler.options: %s for a pooling pipeline (prefills only)", update)
+            choice.options = choice.options.model_copy(update=update)
+
+    def _build_pooler(self, choice: Any) -> Any:
+        """The chosen pooler, given the model's heads it may read and the checkpoint's Dense
+        modules on the pipeline's device."""
+        r, model, said = self.resolved, self.model, self.checkpoint_pooling
+        dense = tuple(dataclasses.replace(d, weight=d.weight.to(r.device),
+                                          bias=None if d.bias is None else d.bias.to(r.device)) for d in said.dense)
+
+        def token_id(text: str) -> int | None:
+            with self.tokenizer_lock:
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+            return ids[0] if len(ids) == 1 else None
+
+        ctx = PoolingContext(self.spec, dataclasses.replace(said, dense=dense), r.device, r.dtype,
+                             lm_head_rows=getattr(model, "lm_head_rows", None) if choice.cls.uses_lm_head else None,
+                             classify=model.classify if getattr(model, "has_classifier", False) else None,
+                             classify_rows=getattr(model, "classify_rows", "first"), token_id=token_id)
+        return choice.cls(choice.options, ctx)
 
     def _kv_fingerprint(self) -> str:
         """What K/V values depend on besides the tokens (``CacheSpec.fingerprint``): the
@@ -291,7 +372,8 @@ class Pipeline:
         build_log.install()
         tokens = self.scheduler.max_step_tokens or self.resolved.max_model_len
         try:
-            warm_up(self.runner, tokens, self.resolved.max_model_len)
+            pooled = {"hidden_states": True} if "pooling" in self.resolved.choices else {}  # no LM head to run
+            warm_up(self.runner, tokens, self.resolved.max_model_len, **pooled)
         except torch.cuda.OutOfMemoryError as exc:  # a real step that size would fail too: say so now
             raise ConfigError(
                 f"start-up warm-up ran out of GPU memory running one step of {tokens} tokens (the "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from tessellm.core.interfaces.sequence import SamplingParams, Sequence
 
@@ -16,6 +17,9 @@ class RequestState:
     params: SamplingParams
     seqs: list[Sequence]
     forked: bool = False
+    pooled: Any = None
+    """A pooling pipeline's output for the request once it finished: its embedding or scores
+    (a 1-D float32 tensor)."""
 
     @property
     def finished(self) -> bool:

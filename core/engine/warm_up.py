@@ -22,9 +22,10 @@ from tessellm.core.model.runner import ModelRunner
 
 
 @torch.inference_mode()
-def warm_up(runner: ModelRunner, max_step_tokens: int, max_model_len: int) -> int:
+def warm_up(runner: ModelRunner, max_step_tokens: int, max_model_len: int, hidden_states: bool = False) -> int:
     """Run the warm-up shapes through ``runner``; return how many dummy forwards ran (0: the
-    cache has no scratch block, so nothing could run without touching real blocks)."""
+    cache has no scratch block, so nothing could run without touching real blocks).
+    ``hidden_states``: a pooling pipeline's forwards (no LM head)."""
     scratch = runner.cache.scratch_block
     if scratch is None:
         return 0
@@ -36,7 +37,8 @@ def warm_up(runner: ModelRunner, max_step_tokens: int, max_model_len: int) -> in
     slots = [-1] if runner.lora is None else [-1, 0]
     for slot in slots:
         for shape in shapes:
-            runner.forward(scratch_batch(shape, scratch, runner.cache.layout.block_size, runner.device, slot))
+            runner.forward(scratch_batch(shape, scratch, runner.cache.layout.block_size, runner.device, slot),
+                           hidden_states=hidden_states)
     return len(shapes) * len(slots)
 
 

@@ -20,7 +20,14 @@ FEATURE_WORDS = {
     "per_layer_window": "sliding windows on some layers only",
     "softcap": "attention logit softcapping",
     "sinks": "attention sinks",
+    "bidirectional": "bidirectional (encoder) attention",
+    "bidirectional_window": "a symmetric window on bidirectional layers",
 }
+
+
+FEATURE_SERVERS = {"bidirectional": "sdpa, cascade and flash serve it",
+                   "bidirectional_window": "sdpa and cascade serve it"}
+"""Which built-in backends serve a feature, where not all of them do (for the reason's hint)."""
 
 
 @dataclass(frozen=True)
@@ -137,7 +144,7 @@ class AttentionBackend(Plugin):
                 reasons.append(f"does not serve {FEATURE_WORDS[feature]} (layer feature {feature!r}), which "
                                f"{model.model_type!r} needs on layers {shown}; it serves "
                                f"{', '.join(sorted(cls.layer_features)) or 'no layer features'} "
-                               f"(sdpa, cascade and flash serve them all)")
+                               f"({FEATURE_SERVERS.get(feature, 'sdpa, cascade and flash serve them all')})")
         return reasons
 
     def layer_attention(self, layer: int) -> LayerAttention:

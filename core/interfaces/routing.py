@@ -13,7 +13,7 @@ Nothing here knows HTTP; the router (src/tessellm/serve/router/) owns the connec
 
     class FewestRouted(tessellm.RoutingPolicy):
         name = "fewest-routed"
-        api_version = "1.15"
+        api_version = "1.18"
 
         def choose(self, request, replicas):
             return min(replicas, key=lambda r: (r.routed, r.index)).index

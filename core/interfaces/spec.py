@@ -103,13 +103,16 @@ class KVShape:
         return self.tensors * self.num_heads * self.head_dim
 
 
-LAYER_FEATURES = ("sliding_window", "per_layer_window", "softcap", "sinks")
+LAYER_FEATURES = ("sliding_window", "per_layer_window", "softcap", "sinks", "bidirectional", "bidirectional_window")
 """What a model's layers may ask of an attention backend beyond causal attention at the
 model's scale (``LayerAttention``; a backend's ``layer_features`` names those it serves):
 "sliding_window", a window on every layer alike (the model-wide ``sliding_window`` that
 backends before plugin API 1.8 read); "per_layer_window", windows on some layers only or of
 different sizes; "softcap", attention logits capped as ``cap * tanh(s / cap)`` before the
-softmax; "sinks", a learned logit per query head in every softmax's denominator."""
+softmax; "sinks", a learned logit per query head in every softmax's denominator;
+"bidirectional" (plugin API 1.18), layers whose queries see every key of their sequence, later
+ones too (encoders: BERT, ModernBERT); "bidirectional_window", such layers with a symmetric
+window (ModernBERT's local layers)."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,9 @@ class LayerAttention:
     the whole context), ``softcap`` (scores s become cap * tanh(s / cap) after scaling and
     before masking; None: none) and ``sinks`` (the layer's forward passes a [num_heads]
     tensor of sink logits: each head's softmax denominator gains exp(sink); no value).
+    ``causal`` False (plugin API 1.18): the query at position p sees every key of its sequence,
+    later ones too (an encoder's layer; its sequences run whole, in one step, and keep no
+    K/V after it); a window then bounds the distance both ways (keys k with |p - k| < W).
     Model side, for reference: ``rope`` names the rotary table the layer's q and k are
     rotated by (a key of ``ModelSpec.rope_tables``; None: no RoPE on this layer). The
     softmax scale is the model's ``attention_scale`` on every layer."""
@@ -128,11 +134,13 @@ class LayerAttention:
     softcap: float | None = None
     sinks: bool = False
     rope: str | None = "default"
+    causal: bool = True
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A decoder-only transformer's shapes and numerics, independent of weights."""
+    """A transformer's shapes and numerics, independent of weights: a decoder's, or an
+    encoder's (layers with ``causal`` False; ``rms_norm_eps`` then holds its LayerNorm's eps)."""
 
     model_type: str
     vocab_size: int
@@ -200,7 +208,19 @@ class ModelSpec:
         sinks = [i for i, a in enumerate(layers) if a.sinks]
         if sinks:
             needs["sinks"] = sinks
+        both_ways = [i for i, a in enumerate(layers) if not a.causal]
+        if both_ways:
+            needs["bidirectional"] = both_ways
+            windowed_both_ways = [i for i in both_ways if layers[i].sliding_window is not None]
+            if windowed_both_ways:
+                needs["bidirectional_window"] = windowed_both_ways
         return needs
+
+    @property
+    def bidirectional(self) -> bool:
+        """Whether some layer attends both ways (an encoder): such a model embeds or scores
+        whole sequences, each in one step; it cannot generate."""
+        return any(not self.attention_of(i).causal for i in range(self.num_layers))
 
     @property
     def attention_scale(self) -> float:

@@ -250,6 +250,14 @@ class HeldElsewhere(nn.Module):
         raise RuntimeError("this part of the model is held by another pipeline stage")
 
 
+class NoLMHead(nn.Module):
+    """The LM head of a pooling pipeline whose pooler reads none (``drop_lm_head``): no
+    weights (a base-model checkpoint, Qwen3Model's, has none to load), never run."""
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("this pipeline pools hidden states and keeps no LM head")
+
+
 class DecoderBody(nn.Module):
     def __init__(self, spec: ModelSpec, layer_cls: type[DecoderLayer] = DecoderLayer):
         super().__init__()
@@ -327,8 +335,19 @@ class DecoderForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         """The LM head shares the input embedding's matrix (tie_word_embeddings)."""
-        if not isinstance(self.lm_head, HeldElsewhere):
+        if not isinstance(self.lm_head, (HeldElsewhere, NoLMHead)):
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def drop_lm_head(self) -> None:
+        """Keep no LM head (on the meta device, before loading): a pooling pipeline whose
+        pooler reads hidden states only (``forward(..., hidden_states=True)``)."""
+        self.lm_head = NoLMHead()
+
+    def lm_head_rows(self, token_ids: list[int]) -> torch.Tensor:
+        """Rows ``token_ids`` of the LM head's weight, [n, hidden] (a yes/no reranker's two)."""
+        if not isinstance(self.lm_head, nn.Linear):
+            raise RuntimeError(f"the LM head is a {type(self.lm_head).__name__}, whose rows cannot be read")
+        return self.lm_head.weight[token_ids]
 
     stage: Any = None
     """The pipeline stage this module runs (``hold_stage``); None: the whole model."""
@@ -389,11 +408,13 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
                 backend: AttentionBackend, cache: CacheManager, plan: Any,
                 layers: Sequence[int] | None = None, logits_out: torch.Tensor | None = None,
-                native_logits: bool = False) -> torch.Tensor:
+                native_logits: bool = False, hidden_states: bool = False) -> torch.Tensor:
         """input_ids, positions [T] -> logits [len(logits_indices), vocab], float32 (float64
         in a float64 model) or, with ``native_logits``, in the LM head's own dtype (bfloat16
         in a bfloat16 model: no float32 copy, for callers that only rank them). A pipeline
-        stage other than the last sends its hidden states on and returns None.
+        stage other than the last sends its hidden states on and returns None. With
+        ``hidden_states`` (a pooling pipeline): those rows' final hidden states (after the
+        final norm), [len(logits_indices), hidden] in the model's dtype, and no LM head.
 
         ``layers`` runs a subset of the decoder layers (self-drafting by layer skipping);
         ``logits_out`` receives the logits, which are then returned (a captured graph's
@@ -428,6 +449,8 @@ class DecoderForCausalLM(nn.Module):
                 stage.send(x)
                 return None
             x = self.model.norm(x[logits_indices])  # norm is per row: select first, then normalise
+        if hidden_states:
+            return x
         head = self.lm_head
         if logits_out is not None and type(head) is nn.Linear and head.bias is None and \
                 logits_out.dtype == head.weight.dtype == x.dtype and not self.adjusts_logits:

@@ -175,15 +175,28 @@ def checkpoint_state(architecture: ModelArchitecture, state: dict[str, torch.Ten
     return architecture.checkpoint_tensors(state)
 
 
+def base_model_names(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """A base model's checkpoint under the module's names: sentence-transformers saves a
+    decoder embedding model as its base model (Qwen3Model: ``layers.0...``, ``norm.weight``,
+    no ``model.`` prefix and no LM head), where the module names them ``model.layers.0...``."""
+    names = set(model.state_dict(keep_vars=True))
+    if not state or any(name in names for name in state) or not any(f"model.{name}" in names for name in state):
+        return state
+    return {f"model.{name}": tensor for name, tensor in state.items()}
+
+
 def build_model(spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype,
                 quantizer: Quantizer | None = None, architecture: ModelArchitecture | None = None,
-                prequantized: dict[str, Any] | None = None, stage: Any = None) -> nn.Module:
+                prequantized: dict[str, Any] | None = None, stage: Any = None,
+                drop_lm_head: bool = False) -> nn.Module:
     """Instantiate ``architecture``'s module (default: the model plugin serving the spec's
     model_type) without allocating, adopt the checkpoint's tensors, switch to its fast paths
     and apply ``quantizer``. With ``prequantized`` (the checkpoint's quantization_config),
     ``quantizer`` builds the quantized modules from their stored tensors first
     (``load_quantized``) and is not applied after. With ``stage`` (a ``PipelineStage``) the
-    module keeps only that stage's parts (``hold_stage``) and needs only their tensors."""
+    module keeps only that stage's parts (``hold_stage``) and needs only their tensors. With
+    ``drop_lm_head`` (a pooling pipeline whose pooler reads none) the module keeps no LM head
+    (``drop_lm_head``) and the checkpoint needs none."""
     if architecture is None:
         from tessellm.core.registry import get_registry
 
@@ -199,7 +212,9 @@ def build_model(spec: ModelSpec, state: dict[str, torch.Tensor], device: torch.d
                               f"{type(model).__name__}, which does not split into pipeline stages (it has no "
                               f"hold_stage; modules built on core's DecoderForCausalLM do); set parallel.pipeline=1")
         model.hold_stage(stage)
-    state = checkpoint_state(architecture, state)
+    if drop_lm_head and hasattr(model, "drop_lm_head"):
+        model.drop_lm_head()
+    state = checkpoint_state(architecture, base_model_names(state, model))
     if prequantized is not None:
         quantizer.load_quantized(model, state, prequantized)  # its modules are built on the quantizer's device
     expected = {name for name, t in model.state_dict(keep_vars=True).items() if t.is_meta}

@@ -3,7 +3,7 @@ replays a captured CUDA graph for a decode batch."""
 
 from __future__ import annotations
 
-from typing import Sequence as Layers
+from typing import Any, Sequence as Layers
 
 import torch
 from torch import nn
@@ -81,7 +81,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: BatchMetadata, layers: Layers[int] | None = None, *,
-                native_logits: bool = False, parts: list[BatchMetadata] | None = None) -> torch.Tensor:
+                native_logits: bool = False, parts: list[BatchMetadata] | None = None,
+                hidden_states: bool = False, token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab]: float32 (float64 in a float64 pipeline),
         or with ``native_logits`` possibly in the model's dtype (bfloat16 on a GPU), which
         spares a float32 copy of a batch x vocabulary tensor where only their order matters
@@ -89,7 +90,14 @@ class ModelRunner:
 
         On a pipeline stage ``parts``, the same sequences cut into micro-batches (None: one),
         flow through the stages in turn and every rank returns the last stage's logits of the
-        whole batch, float32 (float64 in a float64 pipeline)."""
+        whole batch, float32 (float64 in a float64 pipeline).
+
+        ``hidden_states`` (a pooling pipeline): the rows' final hidden states instead of
+        logits, run eagerly; ``token_type_ids`` [T] go to a model that reads them (an
+        encoder's segment ids: ``uses_token_types``)."""
+        if hidden_states:
+            extra = {"token_type_ids": token_type_ids} if getattr(self.model, "uses_token_types", False) else {}
+            return self._run_model(batch, layers, False, hidden_states=True, **extra)
         if self.stage is not None:
             return self._forward_stage(batch, parts or [batch], layers)
         if self.graphs is not None and layers is None:
@@ -99,8 +107,9 @@ class ModelRunner:
         return self._run_model(batch, layers, native_logits)
 
     def _run_model(self, batch: BatchMetadata, layers: Layers[int] | None,
-                   native_logits: bool) -> torch.Tensor | None:
-        """The model over ``batch``: attention planned, LoRA's plan set where it has adapters."""
+                   native_logits: bool, **extra: Any) -> torch.Tensor | None:
+        """The model over ``batch``: attention planned, LoRA's plan set where it has adapters;
+        ``extra``: keyword arguments for the module (a pooling pipeline's)."""
         plan = self.backend.plan(batch, self.cache)
         if batch.groups:  # a plan per block table (a cache that frees out-of-window blocks)
             plan = LayerPlans([plan, *(self.backend.plan(view, self.cache) for view in batch.groups)],
@@ -108,11 +117,11 @@ class ModelRunner:
         lora = self.lora
         if lora is None or batch.lora_slots_cpu is None:
             return self.model(batch.input_ids, batch.positions, batch.logits_indices,
-                              self.backend, self.cache, plan, layers, native_logits=native_logits)
+                              self.backend, self.cache, plan, layers, native_logits=native_logits, **extra)
         lora.plan = lora.plan_for(batch)
         try:
             return self.model(batch.input_ids, batch.positions, batch.logits_indices,
-                              self.backend, self.cache, plan, layers, native_logits=native_logits)
+                              self.backend, self.cache, plan, layers, native_logits=native_logits, **extra)
         finally:
             lora.plan = None
 

@@ -5,6 +5,7 @@ core/interfaces/spec.py, below the interfaces; they are importable from here as 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from tessellm.core.errors import ModelLoadError
@@ -162,9 +163,16 @@ def _windows(config: Any) -> tuple[int | None, tuple[LayerAttention, ...]]:
     layer_types = list(getattr(config, "layer_types", None) or [])
     if sliding is not None and "full_attention" in layer_types:
         # windows on some layers only (Gemma 2/3, GPT-OSS; Qwen2 past max_window_layers)
-        return None, tuple(LayerAttention(sliding_window=sliding if t == "sliding_attention" else None)
-                           for t in layer_types)
-    return sliding, ()
+        layers = tuple(LayerAttention(sliding_window=sliding if t == "sliding_attention" else None)
+                       for t in layer_types)
+        sliding = None
+    else:
+        layers = ()
+    if getattr(config, "is_causal", True) is False:  # a decoder trained to attend both ways (some gte-Qwen2 configs)
+        layers = tuple(dataclasses.replace(layer, causal=False) for layer in
+                       (layers or [LayerAttention(sliding_window=sliding)] * config.num_hidden_layers))
+        sliding = None
+    return sliding, layers
 
 
 def quantization_config(config: Any) -> dict[str, Any] | None:

@@ -8,6 +8,13 @@ layer then stores its new K/V, gathers the context and calls SDPA:
   context length;
 - every other sequence (a prompt, a prefill chunk, a speculative verification) runs alone,
   with ``is_causal`` when it has no earlier context and an explicit mask when it has.
+
+A layer that attends both ways (an encoder's, ``LayerAttention.causal`` False) drops the
+causal part of those masks: each query sees every key of its sequence (within a symmetric
+window where the layer has one). An encoder's steps are whole prompts: those of like
+lengths (power-of-two buckets, as decodes) share one padded call, fewer and larger calls
+than one per prompt, and one alone over plain storage reads its keys and values from the
+step's own rows (what the cache stored, bit for bit) rather than gathering them back.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import tessellm
 from tessellm.core.interfaces.attention import AttentionBackend
 from tessellm.core.interfaces.batch import BatchMetadata
 from tessellm.core.interfaces.cache import CacheManager
-from tessellm.core.interfaces.kv import KVStorage
+from tessellm.core.interfaces.kv import DenseKVStorage, KVStorage
 from tessellm.core.plugin import PluginOptions
 
 
@@ -51,15 +58,22 @@ class _Group:
     q_pos: torch.Tensor | None = None  # [B, 1, Q, 1] each query's position (with ``mask``)
     windowed: dict = field(default_factory=dict)  # window -> ``mask`` cut to it (made once a step)
     all_rows: bool = False  # rows are the step's rows 0..T-1 in order: q and out need no gather/scatter
+    span: tuple[int, int] | None = None  # one sequence whose whole context is the step's rows [a, b)
 
-    def mask_for(self, window: int | None) -> torch.Tensor | None:
-        """The group's mask for a layer with sliding ``window`` (None: the whole context)."""
-        if window is None or self.mask is None:
+    def mask_for(self, window: int | None, causal: bool = True) -> torch.Tensor | None:
+        """The group's mask for a layer with sliding ``window`` (None: the whole context);
+        ``causal`` False: every key of the sequence, within ``window`` both ways (an encoder's
+        layer). None where SDPA needs none (``causal`` then says whether it is causal)."""
+        if self.mask is None or (causal and window is None):
             return self.mask
-        if window not in self.windowed:
-            k_pos = torch.arange(self.mask.shape[-1], device=self.mask.device)
-            self.windowed[window] = self.mask & (self.q_pos - k_pos < window)
-        return self.windowed[window]
+        if (window, causal) not in self.windowed:
+            # the union over a sequence's queries is its keys: the last query sees every one
+            mask = self.mask if causal else self.mask.any(dim=-2, keepdim=True).expand_as(self.mask)
+            if window is not None:
+                distance = self.q_pos - torch.arange(self.mask.shape[-1], device=self.mask.device)
+                mask = mask & ((distance < window) if causal else (distance.abs() < window))
+            self.windowed[(window, causal)] = mask
+        return self.windowed[(window, causal)]
 
 
 @dataclass
@@ -73,19 +87,21 @@ class SdpaPlan:
 class SdpaAttention(AttentionBackend):
     """Reference attention: any "kv" cache (read through ``KVStorage.gather``, so quantized
     storage too), any head size, GQA, and every layer feature: sliding windows (per layer),
-    logit softcapping and attention sinks (explicit scores where SDPA cannot do them).
+    logit softcapping, attention sinks (explicit scores where SDPA cannot do them) and
+    bidirectional (encoder) layers, windowed or not.
 
     Exact up to SDPA's own rounding; float64 works too, which the tests use as ground truth.
     """
 
     name = "sdpa"
-    api_version = "1.17"
+    api_version = "1.18"
     description = "torch scaled_dot_product_attention over the KV cache (reference, CPU and CUDA)"
     Options = SdpaOptions
     auto_priority = 10
     cache_formats = frozenset({"kv"})
     cache_dtypes = None  # reads through KVStorage.gather, which dequantizes: any storage dtype
-    layer_features = frozenset({"sliding_window", "per_layer_window", "softcap", "sinks"})
+    layer_features = frozenset({"sliding_window", "per_layer_window", "softcap", "sinks", "bidirectional",
+                                "bidirectional_window"})
 
     # ---------------------------------------------------------------- per step
 
@@ -99,6 +115,11 @@ class SdpaAttention(AttentionBackend):
         decodes = [i for i in members if batch.query_lens_cpu[i] == 1] if self.options.batch_decode else []
         batched = set(decodes)
         groups = self._decode_groups(batch, decodes, qsl, device)
+        if self._both_ways:  # an encoder's step: whole prompts of like lengths share a padded call
+            prompts = [i for i in members if i not in batched and batch.query_lens_cpu[i] == batch.seq_lens_cpu[i]]
+            if len(prompts) > 1:
+                groups += SdpaAttention._decode_groups(self, batch, prompts, qsl, device)
+                batched.update(prompts)
         for i in members:
             if i not in batched:
                 groups.append(self._group(batch, [i], qsl, batch.block_size, device))
@@ -143,7 +164,16 @@ class SdpaAttention(AttentionBackend):
                 valid = (q_idx[None, :] < torch.tensor(q_lens)[:, None]).to(device)
         all_rows = valid is None and len(seqs) * q_max == qsl[-1] and \
             [qsl[i] + j for i, n in zip(seqs, q_lens) for j in range(n)] == list(range(qsl[-1]))
-        return _Group(rows.to(device), slots.to(device), mask, alone_causal, valid, q_pos, all_rows=all_rows)
+        span = (qsl[seqs[0]], qsl[seqs[0]] + q_lens[0]) if len(seqs) == 1 and q_lens[0] == kv_lens[0] else None
+        return _Group(rows.to(device), slots.to(device), mask, alone_causal, valid, q_pos, all_rows=all_rows,
+                      span=span)
+
+    @property
+    def _both_ways(self) -> bool:
+        """Whether some layer attends both ways (an encoder: every step is whole prompts)."""
+        if not hasattr(self, "_any_both_ways"):
+            self._any_both_ways = any(not self.layer_attention(i).causal for i in range(self.model.num_layers))
+        return self._any_both_ways
 
     @property
     def _windowed(self) -> bool:
@@ -161,25 +191,36 @@ class SdpaAttention(AttentionBackend):
         kv.store(k, v, plan.slot_mapping)
         out = None
         features = self.layer_attention(layer)
+        # an encoder's step over plain storage (k and v kept as they are): a whole prompt's keys
+        # are read from them, not gathered back (a decoder's prompts keep the one path they had)
+        stored_as_given = self._both_ways and isinstance(kv, DenseKVStorage) and kv.layout.dtype == k.dtype
         for g in plan.groups:
             if not isinstance(g, _Group):
                 out = torch.empty_like(q) if out is None else out
                 g.attend(q, kv, self.scale, out)  # a subclass's own kind of group
                 continue
-            keys, values = kv.gather(g.slots)  # [B, L, Hkv, D]
-            query = q.view(*g.rows.shape, *q.shape[1:]) if g.all_rows else q[g.rows]  # [B, Q, Hq, D]
-            mask = g.mask_for(features.sliding_window)
+            if g.span is not None and stored_as_given:  # a whole prompt: its K/V are this step's rows, as stored
+                a, b = g.span
+                keys, values, query = k[a:b][None], v[a:b][None], q[a:b][None]  # views: [1, L, H, D]
+            else:
+                keys, values = kv.gather(g.slots)  # [B, L, Hkv, D]
+                query = q.view(*g.rows.shape, *q.shape[1:]) if g.all_rows else q[g.rows]  # [B, Q, Hq, D]
+            mask = g.mask_for(features.sliding_window, features.causal)
             if features.softcap is not None or sinks is not None:
+                if mask is None and not features.causal:  # every key (explicit_attention reads None as causal)
+                    mask = torch.ones(1, 1, query.shape[1], keys.shape[1], dtype=torch.bool, device=q.device)
                 o = explicit_attention(query, keys, values, mask, self.scale, features.softcap, sinks)
             else:
                 o = F.scaled_dot_product_attention(
                     query.transpose(1, 2), keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
-                    attn_mask=mask, is_causal=g.causal, scale=self.scale,
+                    attn_mask=mask, is_causal=g.causal and features.causal, scale=self.scale,
                     enable_gqa=q.shape[1] != k.shape[1]).transpose(1, 2)  # [B, Q, Hq, D]
             if g.all_rows:  # the step's only group, its rows in order
                 return o.reshape(q.shape)
             out = torch.empty_like(q) if out is None else out
-            if g.valid_rows is None:
+            if g.span is not None:
+                out[g.span[0]:g.span[1]] = o[0]
+            elif g.valid_rows is None:
                 out[g.rows.reshape(-1)] = o.reshape(-1, *o.shape[2:])
             else:
                 out[g.rows[g.valid_rows]] = o[g.valid_rows]

@@ -122,7 +122,7 @@ class GemmaArchitecture(ModelArchitecture):
     Gemma3ForConditionalGeneration on text prompts)."""
 
     name = "gemma"
-    api_version = "1.17"
+    api_version = "1.18"
     model_types = ("gemma", "gemma2", "gemma3_text", "gemma3")
 
     def spec(self, hf_config: Any) -> ModelSpec:

@@ -35,6 +35,7 @@ BUILTINS = {
     "model": ["llama", "qwen3", "qwen2-moe", "mixtral", "deepseek"],
     "logits": ["min_tokens", "logit_bias"],
     "lora": ["torch", "triton"],
+    "pooling": ["last", "mean", "cls", "classify", "yes-no"],
 }
 BUILTIN_ENTRY_POINTS = [f"{kind}.{name}" for kind, names in BUILTINS.items() for name in names]
 MODULE_PREFIX = "tessellm_testplug_"  # every module this file writes to disk starts with this
@@ -55,7 +56,8 @@ def plugin_source(name: str, *, kind: str = "attention", api_version: str | None
             "model": ("tessellm", "ModelArchitecture"),
             "logits": ("tessellm", "LogitsProcessor"),
             "lora": ("tessellm", "LoraKernel"),
-            "routing": ("tessellm", "RoutingPolicy")}[kind]
+            "routing": ("tessellm", "RoutingPolicy"),
+            "pooling": ("tessellm", "Pooler")}[kind]
     version_line = "" if api_version is None else f"api_version = {api_version!r}"
     return textwrap.dedent(f"""\
         import tessellm
@@ -70,6 +72,7 @@ def plugin_source(name: str, *, kind: str = "attention", api_version: str | None
             {"spec = build = lambda self, arg: None  # what a model plugin must implement" if kind == "model" else ""}
             {"apply = lambda self, logits, rows: None  # what a logits processor must implement" if kind == "logits" else ""}
             {"choose = lambda self, request, replicas: replicas[0].index  # a routing policy's" if kind == "routing" else ""}
+            {"pool = lambda self, hidden, params: [h[-1] for h in hidden]  # what a pooler must implement" if kind == "pooling" else ""}
 
         @tessellm.hookimpl
         def {hook or "register_" + kind}(register):

@@ -153,7 +153,7 @@ def ranked_attention(name: str, priority: int | None):
 def test_default_config_resolves_on_cpu(registry, spec):
     resolved = resolve(config(), registry, spec)
     assert isinstance(resolved, ResolvedPipeline)
-    assert list(resolved.choices) == [k for k in ORDER if k not in ("grammar", "lora")]  # none registered here: optional
+    assert list(resolved.choices) == [k for k in ORDER if k not in ("grammar", "lora", "pooling")]  # optional ones
     assert names(resolved) == {"quant": "none", "cache": "contiguous", "attention": "sdpa",
                                "scheduler": "static", "decoding": "sample"}
     assert resolved.device == torch.device("cpu")
@@ -178,8 +178,29 @@ def test_default_config_resolves_with_the_entry_point_registry(spec):
     from tessellm.core.config import load_config
 
     resolved = resolve(load_config(overrides=["device=cpu"]), PluginRegistry(), spec)
-    assert list(resolved.choices) == list(ORDER)
+    assert list(resolved.choices) == [k for k in ORDER if k != "pooling"]  # a checkpoint that says nothing: it generates
     assert all(choice.entry.package for choice in resolved.choices.values())
+
+
+@pytest.mark.parametrize("mode,chosen", [("mean", "mean"), ("lasttoken", "last"), ("cls", "cls"),
+                                         ("classify", "classify"), (None, None)])
+def test_auto_pooler_follows_what_the_checkpoint_says(spec, mode, chosen):
+    from tessellm.core.config import load_config
+    from tessellm.core.interfaces.pooling import CheckpointPooling
+
+    resolved = resolve(load_config(overrides=["device=cpu"]), PluginRegistry(), spec, pooling=CheckpointPooling(mode))
+    assert (resolved.choices["pooling"].entry.name if "pooling" in resolved.choices else None) == chosen
+
+
+def test_a_named_pooler_overrides_the_checkpoint_and_an_unknown_one_is_refused(spec):
+    from tessellm.core.config import load_config
+    from tessellm.core.interfaces.pooling import CheckpointPooling
+
+    said = CheckpointPooling("cls")
+    resolved = resolve(load_config(overrides=["device=cpu", "pooling.name=mean"]), PluginRegistry(), spec, pooling=said)
+    assert resolved.choices["pooling"].entry.name == "mean"
+    with pytest.raises(ConfigError, match=r"pooling.name: unknown pooling plugin 'meen' \(did you mean 'mean'\?\)"):
+        resolve(load_config(overrides=["device=cpu", "pooling.name=meen"]), PluginRegistry(), spec, pooling=said)
 
 
 def test_explicit_names_and_options(registry, spec):

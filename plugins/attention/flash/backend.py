@@ -106,14 +106,15 @@ class FlashAttention(AttentionBackend):
     docs/benchmarks.md), never on a CPU, where it only runs interpreted. Supports CUDA graphs
     (a plan serves every layer: the layer features are arguments of each layer's launch).
 
-    Serves every layer feature: each forward reads its layer's ``LayerAttention`` (window,
-    softcap) and takes the layer's ``sinks``; the kernels apply the cap to the scaled scores
-    inside the tile loop and fold the sinks into the final normalisation (the split-K
-    decode's merge, once).
+    Serves every layer feature but a window on a bidirectional layer: each forward reads its
+    layer's ``LayerAttention`` (window, softcap, causal) and takes the layer's ``sinks``; the
+    kernels apply the cap to the scaled scores inside the tile loop and fold the sinks into
+    the final normalisation (the split-K decode's merge, once); an encoder's layer runs the
+    prefill kernel with every row seeing the whole context.
     """
 
     name = "flash"
-    api_version = "1.17"
+    api_version = "1.18"
     description = "Triton FlashAttention over packed varlen batches, K/V read through block tables"
     Options = FlashOptions
     auto_priority = 30
@@ -121,7 +122,7 @@ class FlashAttention(AttentionBackend):
     cache_dtypes = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.int8})
     head_dims = None
     supports_cuda_graphs = True
-    layer_features = frozenset({"sliding_window", "per_layer_window", "softcap", "sinks"})
+    layer_features = frozenset({"sliding_window", "per_layer_window", "softcap", "sinks", "bidirectional"})
 
     @classmethod
     def unsupported_reasons(cls, ctx: SelectionContext) -> list[str]:
@@ -207,7 +208,8 @@ class FlashAttention(AttentionBackend):
             paged_flash_attention(q, k_cache, v_cache, out, s.block_tables, s.query_start, s.query_lens, s.seq_lens,
                                   s.max_query_len, self.scale, plan.block_size, window, o.block_m, o.block_n,
                                   k_new=k if packed else None, v_new=v if packed else None, k_scale=k_scale,
-                                  v_scale=v_scale, softcap=softcap, sinks=sinks)
+                                  v_scale=v_scale, softcap=softcap, sinks=sinks,
+                                  causal=attention is None or attention.causal)
         if plan.decodes is not None:
             s = plan.decodes
             paged_decode_attention(q, k_cache, v_cache, out, s.query_start, s.block_tables, s.seq_lens, s.max_seq_len,

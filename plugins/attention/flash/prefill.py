@@ -140,6 +140,7 @@ def _paged_flash_fwd(
     GROUP: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, SINKS: tl.constexpr, KV_BLOCK: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     FP32_DOT: tl.constexpr, UPCAST: tl.constexpr, PACKED: tl.constexpr, QUANT: tl.constexpr, COMPUTE: tl.constexpr,
+    CAUSAL: tl.constexpr = True,
 ):
     """``PACKED``: key tiles wholly among the step's new tokens are read from ``KNew`` /
     ``VNew``, TMA descriptors over the packed K/V rows [tokens, KV heads x HEAD_DIM] (whole
@@ -147,7 +148,9 @@ def _paged_flash_fwd(
     block table (``KNew``, ``VNew`` unused). ``QUANT``: the cache is int8 with per-token
     scales ``KScale``, ``VScale`` (never with ``PACKED``: every key is read as stored).
     ``WINDOW`` (0: none), ``SOFTCAP`` (base 2; 0.0: none) and ``SINKS`` (``Sinks`` [Hq]
-    holds each query head's sink logit; unused otherwise) are the layer's features."""
+    holds each query head's sink logit; unused otherwise) are the layer's features.
+    ``CAUSAL`` False (an encoder's layer; no ``WINDOW``): every row sees the whole context, as
+    the sequence's last row does, so each row takes the last row's position."""
     # the longest tiles (last rows of the causal triangle) start first
     tile = tl.num_programs(0) - 1 - tl.program_id(0)
     seq = tl.program_id(1)
@@ -171,12 +174,16 @@ def _paged_flash_fwd(
     if UPCAST:
         q = q.to(tl.float32)
     q_pos = kv_len - q_len + offs_m  # absolute position of each query row
+    if not CAUSAL:  # both ways: every row masks keys as the last one does (only those past the context)
+        q_pos = q_pos * 0 + kv_len - 1
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     first_pos = kv_len - q_len + tile * BLOCK_M  # the tile's first row's position
+    if not CAUSAL:
+        first_pos = kv_len - 1
     # causal: the tile's last row sees keys up to its own position
     hi = tl.minimum(kv_len, first_pos + BLOCK_M)
     if WINDOW > 0:  # the first row sees only its last WINDOW keys: every tile is masked
@@ -251,9 +258,10 @@ def paged_flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           config: KernelConfig | None = None, k_new: torch.Tensor | None = None,
                           v_new: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                           v_scale: torch.Tensor | None = None, softcap: float | None = None,
-                          sinks: torch.Tensor | None = None) -> None:
+                          sinks: torch.Tensor | None = None, causal: bool = True) -> None:
     """Attention of packed queries ``q`` [T, Hq, D] over each sequence's cached context,
-    written into ``out`` at the same rows.
+    written into ``out`` at the same rows (``causal`` False: every query sees the whole
+    context, an encoder's layer; not with a ``window``).
 
     ``k_cache``, ``v_cache``: [num_slots, Hkv, D] (slot = block * kv_block_size + offset);
     per sequence (any subset of the batch, in any order): ``block_tables`` [B, max_blocks],
@@ -273,6 +281,8 @@ def paged_flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     ``softcap``: the scaled scores s become softcap * tanh(s / softcap) before masking;
     ``sinks`` [Hq] (float32): each query head's sink logit joins its softmax denominators.
     """
+    if not causal and window:
+        raise ValueError("the prefill kernel serves bidirectional layers without a window only")
     num_seqs = seq_lens.shape[0]
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -299,7 +309,7 @@ def paged_flash_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         KV_BLOCK=kv_block_size,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         FP32_DOT=q.dtype == torch.float32 or upcast, UPCAST=upcast, PACKED=packed, QUANT=quant,
-        COMPUTE=TL_DTYPES[q.dtype],
+        COMPUTE=TL_DTYPES[q.dtype], CAUSAL=causal,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if upcast:  # only this call's rows: others may belong to the decode kernel

@@ -20,8 +20,9 @@ def add_parsers(sub: Any, add_config_args: Callable[[argparse.ArgumentParser], N
                                    "TTFT/TPOT/e2e percentiles and KV-cache figures.")
     add_config_args(b)
     b.add_argument("--workload", default="mixed", metavar="NAME|PATH.jsonl",
-                   help="mixed (default), shared-prefix, scoring, multi-turn, or a .jsonl file of {prompt | prompt_token_ids, "
-                        "max_tokens, chat} objects")
+                   help="mixed (default), shared-prefix, scoring, multi-turn, embed (an embedding or reranking "
+                        "pipeline against sentence-transformers on the same texts), or a .jsonl file of {prompt | "
+                        "prompt_token_ids, max_tokens, chat} objects")
     b.add_argument("--workload-set", dest="workload_overrides", metavar="KEY=VALUE", action="append", default=[],
                    help="override a workload parameter, e.g. prefix_len=512 (repeatable)")
     b.add_argument("--num-requests", type=int, default=None,
@@ -105,6 +106,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from tessellm.bench.workloads import get_workload
     from tessellm.core.engine.llm import LLM
 
+    if args.workload == "embed":
+        return _bench_embed(args)
     # every argument is checked before a model is loaded
     workload = get_workload(args.workload, args.workload_overrides)
     if args.num_requests is not None and args.num_requests < 1:
@@ -163,6 +166,41 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.plot:
         plots.plot_report(report, results, args.plot)
     print(json.dumps(report, indent=2) if args.json else format_report(report), flush=True)
+    return 0
+
+
+def _bench_embed(args: argparse.Namespace) -> int:
+    """``tessellm bench --workload embed``: against sentence-transformers, interleaved."""
+    from pydantic import ValidationError
+
+    from tessellm.bench.embed import EmbedParams, embed_texts, format_embed_report, run_embed_bench
+    from tessellm.bench.offline import describe_device, progress_enabled
+    from tessellm.bench.workloads import _parse_overrides
+    from tessellm.core.engine.llm import LLM
+
+    for flag in ("serve", "plot", "baseline"):
+        if getattr(args, flag):
+            raise ConfigError(f"--{flag} does not apply to --workload embed (it always compares with "
+                              f"sentence-transformers, in this process)")
+    values = _parse_overrides(args.workload_overrides)
+    unknown = sorted(set(values) - set(EmbedParams.model_fields))
+    if unknown:
+        raise ConfigError(f"workload 'embed' has no parameter {unknown[0]!r}; allowed: {', '.join(EmbedParams.model_fields)}")
+    try:
+        params = EmbedParams.model_validate(values)
+    except ValidationError as exc:
+        raise ConfigError(f"workload 'embed': {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from None
+    llm = LLM(args.config, overrides=args.overrides)
+    if llm.pipeline.task == "generate":
+        raise ConfigError("--workload embed needs an embedding or reranking pipeline; this one generates (its "
+                          "checkpoint names no pooling): serve an embedding model or set pooling.name")
+    texts = embed_texts(params, llm.tokenizer, args.seed, args.num_requests or 100, llm.pipeline.resolved.max_model_len)
+    report = run_embed_bench(llm, texts, params, progress_enabled(args.no_progress, args.json))
+    report.update(seed=args.seed, workload={"name": "embed", "params": params.model_dump()},
+                  pipeline=json.loads(json.dumps(llm.pipeline.resolved.summary(), default=str)),
+                  device=describe_device(llm.pipeline.resolved.device),
+                  command=shlex.join(["tessellm", *(sys.argv[1:] if args.argv is None else args.argv)]))
+    print(json.dumps(report, indent=2) if args.json else format_embed_report(report), flush=True)
     return 0
 
 

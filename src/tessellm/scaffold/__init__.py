@@ -1,11 +1,12 @@
-"""``tessellm new-plugin KIND NAME``: a ready plugin package for the five kinds of the forward and decode path, for model architectures, logits processors, LoRA kernels and routing policies.
+"""``tessellm new-plugin KIND NAME``: a ready plugin package for the five kinds of the forward and decode path, for model architectures, logits processors, LoRA kernels, routing policies and poolers.
 
 The package holds a plugin class whose body is a correct plain-torch implementation of its
 kind (attention: explicit softmax attention; cache: one region per sequence; scheduler: FCFS
 continuous batching; decoding: argmax; quant: int8 per-channel weights; model: Llama's
 decoder from tessellm's building blocks; logits: a per-request cap on repeated tokens; lora:
 rows grouped by adapter slot, a gather and two matmuls per slot; routing: the power of two
-choices), its options model,
+choices; pooling: sentence-transformers' "max" pooling, which no built-in implements), its
+options model,
 a pyproject.toml with the ``tessellm`` entry point, a tests/ module subclassing the kind's
 conformance suite, and a README. It imports only ``tessellm``, the plugin API.
 """
@@ -27,13 +28,13 @@ NAME_PATTERN = re.compile(r"[a-z][a-z0-9]*(?:-[a-z0-9]+)*")
 
 CLASS_SUFFIX = {"attention": "Attention", "cache": "Cache", "scheduler": "Scheduler", "decoding": "Decoder",
                 "quant": "Quantizer", "model": "Architecture", "logits": "Processor", "lora": "Lora",
-                "routing": "Policy"}
+                "routing": "Policy", "pooling": "Pooler"}
 SCAFFOLD_KINDS = tuple(CLASS_SUFFIX)
 """The kinds ``new-plugin`` has templates for (every kind but the optional grammar kind)."""
 SECTION = {"model": "architecture"}
 """A kind's config section where it is not named after the kind."""
 BUILTIN_TO_COMPARE = {"attention": "sdpa", "cache": "paged", "scheduler": "continuous", "decoding": "greedy",
-                      "quant": "none", "model": "llama", "lora": "torch"}
+                      "quant": "none", "model": "llama", "lora": "torch", "pooling": "mean"}
 """The built-in ``tessellm ab`` compares a generated plugin with (a logits processor has no
 config section: its README compares requests with and without it instead)."""
 
@@ -90,7 +91,19 @@ def substitutions(kind: str, name: str) -> dict[str, str]:
         values.update(_under_an_adapter(name))
     if kind == "routing":
         values.update(_in_front_of_replicas(name))
+    if kind == "pooling":
+        values.update(_after_the_model(name))
     return values
+
+
+def _after_the_model(name: str) -> dict[str, str]:
+    """A pooler serves an embedding model's checkpoint: what its README runs and compares."""
+    model = "--set model=AN_EMBEDDING_MODEL_FOLDER"
+    return {"run_hint": f"tessellm serve {model} --set pooling.name={name}   # then POST /v1/embeddings",
+            "compare": ("Then compare it with sentence-transformers on the same texts (its throughput and how far the\n"
+                        "embeddings agree; a checkpoint whose 1_Pooling/config.json says \"max\" is what it serves):\n"
+                        f"`tessellm bench --workload embed {model} --set pooling.name={name}`\n"
+                        "(see tessellm's docs/plugins.md, 'Writing a pooler').")}
 
 
 def _in_front_of_replicas(name: str) -> dict[str, str]:

@@ -4,8 +4,10 @@ POST /v1/completions (serve/completions.py), /v1/chat/completions (serve/chat.py
 /v1/responses (serve/responses.py), streamed as server-sent events when ``stream`` is true;
 GET /v1/models and /v1/models/{id}, the base model and its LoRA adapters, and vLLM's POST
 /v1/load_lora_adapter and /v1/unload_lora_adapter (serve/models.py: a request's ``model``
-may name an adapter); vLLM's POST /tokenize and /detokenize; /health and /metrics
-(Prometheus), /version and /ping. One ``EngineClient`` (serve/engine_client.py) sends every
+may name an adapter); vLLM's POST /tokenize and /detokenize; POST /v1/embeddings
+(serve/embeddings.py), /v1/rerank and /v1/score (serve/rerank.py) for a pipeline with a pooler
+(each route answers a pipeline of another task 400, naming what it serves); /health and
+/metrics (Prometheus), /version and /ping. One ``EngineClient`` (serve/engine_client.py) sends every
 connection's requests to one engine core, in its own process (``tessellm serve``'s default)
 or on a thread (an ``LLM`` handed to ``build_app``), so requests from all clients are batched
 by the configured scheduler. Every error is OpenAI's error body
@@ -28,7 +30,7 @@ from fastapi.responses import PlainTextResponse  # noqa: E402
 from starlette.datastructures import Headers  # noqa: E402
 
 import tessellm.serve.responses  # noqa: E402
-from tessellm.serve import chat, completions, models  # noqa: E402
+from tessellm.serve import chat, completions, embeddings, models, rerank  # noqa: E402
 from tessellm.serve.context import ServerContext  # noqa: E402
 from tessellm.serve.engine_client import EngineClient  # noqa: E402
 from tessellm.serve.engine_thread import EngineThread  # noqa: E402
@@ -75,6 +77,8 @@ def build_app(engine: Any, *, model_name: str | None = None, api_key: str | None
     completions.add_routes(app, ctx)
     chat.add_routes(app, ctx)
     tessellm.serve.responses.add_routes(app, ctx)
+    embeddings.add_routes(app, ctx)
+    rerank.add_routes(app, ctx)
     return app
 
 

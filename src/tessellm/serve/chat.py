@@ -30,7 +30,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
 async def chat(ctx: ServerContext, body: ChatCompletionRequest, request: Request):
     """The whole answer, or its stream."""
-    lora = check_model(ctx, body.model)
+    lora = check_model(ctx, body.model, "generate", "/v1/chat/completions")
     if body.top_logprobs and not body.logprobs:
         raise RequestError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     if not getattr(ctx.tokenizer, "chat_template", None):

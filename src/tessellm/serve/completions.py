@@ -30,7 +30,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
 async def complete(ctx: ServerContext, body: CompletionRequest, request: Request):
     """The whole answer, or its stream."""
-    lora = check_model(ctx, body.model)
+    lora = check_model(ctx, body.model, "generate", "/v1/completions")
     if body.max_tokens == 0 and not body.echo:
         raise RequestError(400, "max_tokens: 0 generates nothing; it is allowed only with echo: true (to score the "
                                 "prompt)", param="max_tokens")

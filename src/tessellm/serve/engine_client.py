@@ -254,23 +254,31 @@ class EngineClient:
         unadmitted = sum(1 for r in self.requests.values() if not r.admitted)
         return int(self.gauges.get("waiting", 0)) + unadmitted
 
+    def check_room(self) -> None:
+        """ServerBusy when ``max_waiting`` requests wait already."""
+        if self.max_waiting is not None and self.num_waiting() >= self.max_waiting:
+            if self.metrics is not None:
+                self.metrics.request_rejected("busy")
+            raise ServerBusy(f"the server is busy: {self.num_waiting()} requests are waiting "
+                             f"(limit {self.max_waiting}); retry later")
+
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
                        **kwargs: Any) -> AsyncIterator[StepOutput]:
         text = RequestText(self._decode, params.stop)  # detokenized here, as the outputs are read
         async for out in self.submit(GENERATE, request_id, GENERATE.encode(prompt_ids, params, **kwargs)):
             yield text.fill(out)
 
-    async def submit(self, kind: RequestKind, request_id: str, payload: dict[str, Any]) -> AsyncIterator[Any]:
-        """Send a request of ``kind`` and yield its decoded records until it finishes."""
+    async def submit(self, kind: RequestKind, request_id: str, payload: dict[str, Any], *,
+                     check_room: bool = True) -> AsyncIterator[Any]:
+        """Send a request of ``kind`` and yield its decoded records until it finishes;
+        ``check_room`` False: the caller checked the waiting queue once for a batch of them
+        (``check_room()``), which is admitted whole."""
         if self._loop is not asyncio.get_running_loop():
             self._attach(asyncio.get_running_loop())
         if not self.alive:
             raise EngineDead(f"the engine is not serving: {self.down_reason}")
-        if self.max_waiting is not None and self.num_waiting() >= self.max_waiting:
-            if self.metrics is not None:
-                self.metrics.request_rejected("busy")
-            raise ServerBusy(f"the server is busy: {self.num_waiting()} requests are waiting "
-                             f"(limit {self.max_waiting}); retry later")
+        if check_room:
+            self.check_room()
         if request_id in self.requests:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
         inbox = _Inbox()

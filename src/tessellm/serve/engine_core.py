@@ -15,7 +15,8 @@ server (``--engine-core thread``, for debugging). Each pass of ``run``:
    whenever the engine goes idle).
 
 Request kinds: a kind's handler (``CORE_KINDS``) admits its payload and reports each
-request's progress as a record; ``generate`` is the one here. Utility calls (``CORE_CALLS``)
+request's progress as a record; ``generate`` is the one here, ``pool`` (embeddings and scores)
+serve/pooling_kind.py's. Utility calls (``CORE_CALLS``)
 run between two steps; one that needs slow work returns ``Deferred``.
 """
 
@@ -37,6 +38,7 @@ from tessellm.core.interfaces.sequence import Sequence, SequenceStatus
 from tessellm.core.parallel.group import TensorParallelError
 from tessellm.serve.engine_protocol import (EngineInfo, decode_params, encode_error, encode_logprobs,
                                             pack, unpack)
+from tessellm.serve.pooling_kind import PoolKind
 
 logger = logging.getLogger("tessellm.server")
 
@@ -150,7 +152,7 @@ def _compile(grammar: Any, spec: Any) -> Any:
         raise
 
 
-CORE_KINDS: dict[str, Any] = {"generate": GenerateKind()}
+CORE_KINDS: dict[str, Any] = {"generate": GenerateKind(), "pool": PoolKind()}
 """Request kinds the core admits, by name (the API side's are serve/engine_protocol.py's
 ``REQUEST_KINDS``)."""
 
@@ -186,7 +188,18 @@ def engine_info(llm: Any) -> EngineInfo:
                       lora_adapters={n: a.path for n, a in lora.adapters.items()} if lora is not None else {},
                       lora_runtime_updates=lora is not None and pipeline.config.lora.runtime_updates,
                       total_blocks=pipeline.cache.num_blocks, pid=os.getpid(), request_kinds=sorted(CORE_KINDS),
-                      gauges=gauges(engine, 0.0))
+                      gauges=gauges(engine, 0.0), **pooling_info(pipeline))
+
+
+def pooling_info(pipeline: Any) -> dict[str, Any]:
+    """What the API side needs of a pipeline's pooling: its task, its pooler, and how an
+    embedding pipeline scores pairs (the checkpoint's similarity, the prompts of each side)."""
+    from tessellm.core.engine.embed import similarity_prompts
+
+    said = pipeline.checkpoint_pooling
+    query_prompt, document_prompt = similarity_prompts(said)
+    return {"task": pipeline.task, "pooler": None if pipeline.pooler is None else pipeline.pooler.name,
+            "similarity": said.similarity, "query_prompt": query_prompt, "document_prompt": document_prompt}
 
 
 def gauges(engine: Any, cpu_seconds: float) -> dict[str, Any]:

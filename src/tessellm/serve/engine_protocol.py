@@ -130,6 +130,16 @@ class EngineInfo:
     gauges: dict[str, Any] = field(default_factory=dict)
     """The engine's gauges when it was built (serve/engine_core.py ``gauges``): the metrics'
     baseline (a pipeline used before it was served has counted already)."""
+    task: str = "generate"
+    """What the pipeline serves: "generate", or its pooler's task ("embed", "score")."""
+    pooler: str | None = None
+    """The pooling plugin's name (None: the pipeline generates)."""
+    similarity: str = "cosine"
+    """How an embedding pipeline scores two embeddings (the checkpoint's similarity function)."""
+    query_prompt: str | None = None
+    """The prompt name a query is embedded under when an embedding pipeline scores pairs."""
+    document_prompt: str | None = None
+    """The prompt name a document is embedded under then."""
 
     def to_wire(self) -> dict[str, Any]:
         return dict(self.__dict__)

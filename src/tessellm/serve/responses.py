@@ -455,7 +455,7 @@ def prepare(ctx: ServerContext, store: ResponseStore, body: ResponsesRequest) ->
     """The request as a turn to run: its conversation (an earlier stored one continued),
     its prompt rendered with the chat template, its sampling; RequestError naming the
     field if it cannot run."""
-    lora = check_model(ctx, body.model)
+    lora = check_model(ctx, body.model, "generate", "/v1/responses")
     history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         stored = store.get(body.previous_response_id)

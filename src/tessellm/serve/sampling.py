@@ -15,10 +15,32 @@ from tessellm.serve.context import ServerContext
 from tessellm.serve.http_errors import RequestError, clean_message
 
 
-def check_model(ctx: ServerContext, requested: str | None) -> str | None:
+def check_model(ctx: ServerContext, requested: str | None, task: str | None = None, route: str = "") -> str | None:
     """The LoRA adapter ``requested`` names, None for the base model (its name, or None: the
-    default); a 404 ``model_not_found`` RequestError for a model this server does not serve."""
-    return ctx.models.lora_of(requested)
+    default); a 404 ``model_not_found`` RequestError for a model this server does not serve.
+    With ``task`` ("generate", "embed", "score"), a 400 from ``route`` unless the pipeline
+    serves it (``check_task``)."""
+    lora = ctx.models.lora_of(requested)
+    if task is not None:
+        check_task(ctx, task, route)
+    return lora
+
+
+ROUTES = {"embed": "/v1/embeddings", "score": "/v1/rerank or /v1/score", "generate": "/v1/completions, "
+          "/v1/chat/completions or /v1/responses"}
+
+
+def check_task(ctx: ServerContext, task: str, route: str) -> None:
+    """A 400 unless the pipeline serves ``task`` ("embed"; "score": a reranker, or an
+    embedding model scoring by similarity), naming what it serves and where."""
+    info = ctx.engine.info
+    have = info.task
+    if have == task or (task == "score" and have == "embed"):
+        return
+    what = {"generate": "generates text (it has no pooler)", "embed": f"embeds texts (pooling plugin {info.pooler!r})",
+            "score": f"scores (query, document) pairs (pooling plugin {info.pooler!r})"}[have]
+    raise RequestError(400, f"{route}: model {ctx.model_name!r} {what}; it serves {ROUTES[have]}",
+                       param="model", code="wrong_task")
 
 
 def sampling_params(ctx: ServerContext, body: Any, *, max_tokens: int | None, logprobs: int | None,

@@ -19,7 +19,7 @@ from tessellm.core.model.spec import LayerAttention, ModelSpec
 
 def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                         window: int | None = None, softcap: float | None = None,
-                        sinks: torch.Tensor | None = None) -> torch.Tensor:
+                        sinks: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
     """softmax(q k^T * scale + causal mask) v for ONE sequence, in float64.
 
     q [Q, Hq, D] are the last Q of the L positions whose keys/values are k, v [L, Hkv, D];
@@ -27,7 +27,9 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     W, only those with position - j < W). ``softcap``: the scaled scores s become
     softcap * tanh(s / softcap) before masking (Gemma 2). ``sinks`` [Hq]: one logit per query
     head added to each of its softmax denominators, attending no value (GPT-OSS); a row's
-    weights then sum to less than one. Returns [Q, Hq, D] float64.
+    weights then sum to less than one. ``causal`` False (an encoder's layer, plugin API 1.18):
+    every query sees every key, within a window both ways (|position - j| < W). Returns
+    [Q, Hq, D] float64.
     """
     q, k, v = q.double(), k.double(), v.double()
     n_q, hq, _ = q.shape
@@ -39,9 +41,9 @@ def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
         scores = softcap * torch.tanh(scores / softcap)
     q_pos = torch.arange(n_k - n_q, n_k)[:, None]
     k_pos = torch.arange(n_k)[None, :]
-    allowed = k_pos <= q_pos
+    allowed = k_pos <= q_pos if causal else torch.ones(n_q, n_k, dtype=torch.bool)
     if window is not None:
-        allowed &= q_pos - k_pos < window
+        allowed &= (q_pos - k_pos < window) if causal else ((q_pos - k_pos).abs() < window)
     scores = scores.masked_fill(~allowed, float("-inf"))
     if sinks is not None:  # the sink is one more logit in the softmax, with no value
         sink = sinks.double().cpu()[:, None, None].expand(hq, n_q, 1)
@@ -283,12 +285,12 @@ def int8_case(case: PackedCase, key_bounds: bool = False) -> PackedCase:
 
 
 def reference_packed(case: PackedCase, scale: float, window: int | None = None, softcap: float | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """The float64 reference for every packed query row of ``case``: [T, Hq, D]; ``softcap``
-    and ``sinks`` [Hq] as in ``reference_attention``."""
+                     sinks: torch.Tensor | None = None, causal: bool = True) -> torch.Tensor:
+    """The float64 reference for every packed query row of ``case``: [T, Hq, D]; ``softcap``,
+    ``sinks`` [Hq] and ``causal`` as in ``reference_attention``."""
     outs, start = [], 0
     for k, v, n_q in zip(case.k_full, case.v_full, case.q_lens):
-        outs.append(reference_attention(case.q[start:start + n_q], k, v, scale, window, softcap, sinks))
+        outs.append(reference_attention(case.q[start:start + n_q], k, v, scale, window, softcap, sinks, causal))
         start += n_q
     return torch.cat(outs)
 

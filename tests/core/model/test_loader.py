@@ -64,9 +64,9 @@ def test_unsupported_architectures_and_rope(monkeypatch):
     with pytest.raises(ModelLoadError) as refused:
         ModelSpec.from_hf_config(GPT2Config())
     message = str(refused.value)
-    assert message.startswith("model_type 'gpt2' is not supported; supported: deepseek_v2, deepseek_v3, gemma, ")
+    assert message.startswith("model_type 'gpt2' is not supported; supported: bert, deepseek_v2, deepseek_v3, gemma, ")
     for served in ("mixtral", "qwen2_moe", "qwen3", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss", "phi3", "olmo2",
-                   "granite", "smollm3", "llama"):
+                   "granite", "smollm3", "llama", "modernbert", "roberta", "xlm-roberta"):
         assert served in message
     assert "tessellm new-plugin model NAME" in message and "model_types = ('gpt2',)" in message
     config = LlamaConfig(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})

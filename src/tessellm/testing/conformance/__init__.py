@@ -19,7 +19,7 @@ from tessellm.testing.conformance.base import ConformanceSuite, property_setting
 _SUITES = {"AttentionConformance": "attention", "CacheConformance": "cache", "SchedulerConformance": "scheduler",
            "DecodingConformance": "decoding", "QuantConformance": "quant", "GrammarConformance": "grammar",
            "ModelConformance": "model", "LogitsConformance": "logits",
-           "LoraConformance": "lora", "RoutingConformance": "routing"}
+           "LoraConformance": "lora", "RoutingConformance": "routing", "PoolingConformance": "pooling"}
 
 __all__ = ["ConformanceSuite", "property_settings", *_SUITES]
 

@@ -25,7 +25,7 @@ from typing import Any
 SUITES = {"attention": "AttentionConformance", "cache": "CacheConformance", "scheduler": "SchedulerConformance",
           "decoding": "DecodingConformance", "quant": "QuantConformance", "grammar": "GrammarConformance",
           "model": "ModelConformance", "logits": "LogitsConformance",
-          "lora": "LoraConformance", "routing": "RoutingConformance"}
+          "lora": "LoraConformance", "routing": "RoutingConformance", "pooling": "PoolingConformance"}
 """The conformance class of each kind, in tessellm.testing.conformance."""
 
 
