@@ -1,0 +1,165 @@
+"""The CPU int8 dot-product kernels (plugins/quant/cpu): the activations' int8 blocks equal
+the torch reference's bit for bit, each product equals its float64 reference of the same
+int8 x int4 / int8 x int8 arithmetic within float32 rounding, bad shapes are refused by name,
+the layers and quantizers run them where named or measured fastest, and without a compiler
+everything falls back to torch's kernels with one log line."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from tessellm.core.errors import ConfigError
+from tessellm.plugins.quant.cpu import int8_dot
+from tessellm.plugins.quant.cpu.build import kernels
+from tessellm.plugins.quant.int4.quantize import quantize_int4, reference_matmul, unpack_nibbles
+from tessellm.plugins.quant.int8.quantize import quantize_per_channel
+
+pytestmark = pytest.mark.skipif(kernels() is None, reason="the CPU int8 dot-product kernels are unavailable here")
+
+ULPS = 1e-5
+"""Float32 rounding allowance, relative to a row's largest |output| (the integer sums are
+exact; what rounds is a few dozen float32 multiply-adds a row)."""
+
+
+def activations(m: int, k: int, seed: int) -> torch.Tensor:
+    """Rows with outlier channels, an all-zero block and exact ties (x * 127 / max on .5)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g)
+    x[:, torch.randint(0, k, (max(1, k // 32),), generator=g)] *= 25.0
+    if k >= 64:
+        x[0, 32:64] = 0.0
+        x[-1, :4] = torch.tensor([127.0, 0.5, -1.5, 2.5])  # block max 127: 0.5 and 2.5 are ties
+    return x
+
+
+def assert_matches(y: torch.Tensor, reference: torch.Tensor) -> None:
+    assert y.dtype == torch.float32 and y.shape == reference.shape
+    tolerance = ULPS * reference.abs().amax(dim=-1, keepdim=True) + 1e-30
+    excess = ((y.double() - reference).abs() - tolerance).max()
+    assert excess <= 0, f"off its float64 reference by {excess:.3g} beyond float32 rounding"
+
+
+@given(m=st.integers(1, 6), blocks=st.integers(1, 20), seed=st.integers(0, 2**16))
+def test_activation_blocks_equal_the_torch_reference_bit_for_bit(m, blocks, seed):
+    x = activations(m, 32 * blocks, seed)
+    q, d, sums = kernels().ops.quantize_rows(x, False)
+    q_ref, d_ref = int8_dot.quantize_blocks(x)
+    assert torch.equal(q, q_ref) and torch.equal(d, d_ref)
+    torch.testing.assert_close(sums.double(), x.double().view(m, blocks, 32).sum(-1), rtol=1e-6, atol=1e-5)
+    interleaved, _, _ = kernels().ops.quantize_rows(x, True)  # int4's order: even channels, then odd
+    order = torch.cat([torch.arange(0, 32, 2), torch.arange(1, 32, 2)])
+    assert torch.equal(interleaved.view(m, blocks, 32), q_ref.view(m, blocks, 32)[..., order])
+
+
+@given(m=st.integers(1, 9), n=st.integers(1, 70), blocks=st.integers(1, 24), group=st.sampled_from([32, 64, 128, 256]),
+       seed=st.integers(0, 2**16))
+def test_int4_product_equals_its_float64_reference(m, n, blocks, group, seed):
+    k = 32 * blocks  # a group that does not divide K leaves a shorter last group
+    x = activations(m, k, seed)
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed + 1))
+    weight = quantize_int4(w, group)
+    y = int8_dot.int4_matmul(x, weight.packed, weight.scale, weight.offset, group)
+    assert_matches(y, int8_dot.reference_int4(x, unpack_nibbles(weight.packed), weight.scale, weight.offset, group))
+
+
+@given(m=st.integers(1, 9), n=st.integers(1, 70), blocks=st.integers(1, 24), grouped=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_int8_product_equals_its_float64_reference(m, n, blocks, grouped, seed):
+    k = 32 * blocks
+    x = activations(m, k, seed)
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed + 1))
+    q, scale = quantize_per_channel(w, 32 if grouped else None)
+    assert_matches(int8_dot.int8_matmul(x, q, scale), int8_dot.reference_int8(x, q, scale))
+
+
+def test_int8_activations_stay_near_the_float_product():
+    """What the int8 activations cost against float activations on the same int4 weight:
+    under a percent on random rows (blocks of 32 keep an outlier channel's range to
+    its own block)."""
+    x = torch.randn(4, 576, generator=torch.Generator().manual_seed(0))
+    weight = quantize_int4(torch.randn(960, 576, generator=torch.Generator().manual_seed(1)), 32)
+    exact = reference_matmul(x, weight)
+    y = int8_dot.int4_matmul(x, weight.packed, weight.scale, weight.offset, 32)
+    assert float((y.double() - exact).norm() / exact.norm()) < 0.01
+
+
+def test_bad_shapes_and_dtypes_are_refused_by_name():
+    weight = quantize_int4(torch.randn(16, 64), 32)
+    with pytest.raises(RuntimeError, match="not a multiple of 32"):
+        int8_dot.int4_matmul(torch.randn(2, 48), weight.packed[:, :24].contiguous(), weight.scale[:, :2].contiguous(),
+                             weight.offset[:, :2].contiguous(), 32)
+    with pytest.raises(RuntimeError, match="float32"):
+        int8_dot.int4_matmul(torch.randn(2, 64, dtype=torch.float64), weight.packed, weight.scale, weight.offset, 32)
+    with pytest.raises(RuntimeError, match="group a multiple of 32"):
+        int8_dot.int4_matmul(torch.randn(2, 64), weight.packed, weight.scale, weight.offset, 16)
+    assert int8_dot.int4_unfit(16, 48, 32) and int8_dot.int4_unfit(16, 64, 32) is None
+
+
+def test_the_kernels_run_inside_a_compiled_graph():
+    weight = quantize_int4(torch.randn(48, 64), 32)
+
+    def f(x):
+        return int8_dot.int4_matmul(torch.nn.functional.silu(x), weight.packed, weight.scale, weight.offset, 32) * 2
+
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(torch.compile(f, fullgraph=True, backend="eager")(x), f(x))
+
+
+def test_the_build_goes_to_the_cache_folder(tmp_path, monkeypatch):
+    from tessellm.plugins.quant.cpu.build import build_dir
+
+    monkeypatch.setenv("TESSELLM_CACHE_DIR", str(tmp_path))
+    assert build_dir("k").parent == tmp_path / "cpu-kernels"
+
+
+def test_turned_off_by_the_environment_the_quantizer_keeps_torchs_kernels(monkeypatch, caplog):
+    from tessellm.plugins.quant.int4.weight_only import Int4WeightOptions, Int4WeightQuantizer
+
+    monkeypatch.setenv("TESSELLM_CPU_KERNELS", "0")
+    kernels.cache_clear()
+    try:
+        with caplog.at_level("WARNING"):
+            assert kernels() is None and kernels() is None
+        assert [r.getMessage() for r in caplog.records if "int8 dot-product" in r.getMessage()] == [
+            "tessellm CPU int8 dot-product kernels unavailable (TESSELLM_CPU_KERNELS=0); using torch's kernels"]
+        model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False))
+        options = {"group_size": 32}
+        Int4WeightQuantizer(Int4WeightOptions(**options), torch.device("cpu"), torch.float32).apply(model)
+        assert all(kernel != "int8-dot" for _, kernel in model[0].few_rows)
+        with pytest.raises(ConfigError, match="cpu_kernel 'int8-dot' cannot run 0 .*not available here"):
+            Int4WeightQuantizer(Int4WeightOptions(cpu_kernel="int8-dot", **options), torch.device("cpu"),
+                                torch.float32).apply(torch.nn.Sequential(torch.nn.Linear(64, 32)))
+    finally:
+        monkeypatch.delenv("TESSELLM_CPU_KERNELS")
+        kernels.cache_clear()
+
+
+FALLBACK = textwrap.dedent("""
+    import json, logging, torch
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    from tessellm.plugins.quant.int4.weight_only import Int4WeightOptions, Int4WeightQuantizer
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32, bias=False), torch.nn.Linear(32, 64, bias=False))
+    Int4WeightQuantizer(Int4WeightOptions(group_size=32), torch.device("cpu"), torch.float32).apply(model)
+    y = model(torch.randn(2, 64))
+    print(json.dumps({"finite": bool(torch.isfinite(y).all()), "kernels": [list(m.few_rows) for m in model]}))
+""")
+
+
+def test_without_a_compiler_the_quantizer_falls_back_with_one_log_line(tmp_path):
+    """A machine without a C++ compiler (CXX names none) in a fresh cache folder: one warning
+    line, the model quantizes and runs on torch's kernels."""
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "TESSELLM_CACHE_DIR": str(tmp_path)}
+    run = subprocess.run([sys.executable, "-c", FALLBACK], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    warnings = [line for line in run.stderr.splitlines() if "int8 dot-product kernels unavailable" in line]
+    assert len(warnings) == 1, run.stderr[-2000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["finite"] and all(kernel != "int8-dot" for table in result["kernels"] for _, kernel in table)
