@@ -23,6 +23,7 @@
 
 #include <algorithm>
 #include <tuple>
+#include <vector>
 
 #include <cstdint>
 #include <string>
@@ -35,8 +36,12 @@
 #pragma GCC target("avx2,fma,f16c")
 namespace avx2 {
 #define DOT_U8S8(u, s) _mm256_madd_epi16(_mm256_maddubs_epi16((u), (s)), _mm256_set1_epi16(1))
+#define DOT2_U8S8(u1, s1, u2, s2) \
+    _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16((u1), (s1)), _mm256_maddubs_epi16((u2), (s2))), \
+                      _mm256_set1_epi16(1))
 #include "int8_dot_body.h"
 #undef DOT_U8S8
+#undef DOT2_U8S8
 }  // namespace avx2
 #pragma GCC pop_options
 
@@ -44,8 +49,10 @@ namespace avx2 {
 #pragma GCC target("avx2,fma,f16c,avxvnni")
 namespace avx_vnni {
 #define DOT_U8S8(u, s) _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), (u), (s))
+#define DOT2_U8S8(u1, s1, u2, s2) _mm256_dpbusd_avx_epi32(DOT_U8S8(u1, s1), (u2), (s2))
 #include "int8_dot_body.h"
 #undef DOT_U8S8
+#undef DOT2_U8S8
 }  // namespace avx_vnni
 #pragma GCC pop_options
 
@@ -53,8 +60,10 @@ namespace avx_vnni {
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
 namespace avx512_vnni {
 #define DOT_U8S8(u, s) _mm256_dpbusd_epi32(_mm256_setzero_si256(), (u), (s))
+#define DOT2_U8S8(u1, s1, u2, s2) _mm256_dpbusd_epi32(DOT_U8S8(u1, s1), (u2), (s2))
 #include "int8_dot_body.h"
 #undef DOT_U8S8
+#undef DOT2_U8S8
 }  // namespace avx512_vnni
 #pragma GCC pop_options
 #endif
@@ -164,10 +173,12 @@ at::Tensor int4_matmul(const at::Tensor& x_in, const at::Tensor& packed, const a
     float* gp = group_sums.data_ptr<float>();
     float* grp = group_rests.data_ptr<float>();
     const int64_t blocks = k / 32, per_group = group / 32;
+    std::vector<int32_t> group_of(blocks);  // each block's weight group
+    for (int64_t b = 0; b < blocks; ++b) group_of[b] = static_cast<int32_t>(b / per_group);
     for (int64_t i = 0; i < m; ++i) {
         for (int64_t b = 0; b < blocks; ++b) {
-            gp[i * groups + b / per_group] += sp[i * blocks + b];
-            grp[i * groups + b / per_group] += 8.0f * rp[i * blocks + b];
+            gp[i * groups + group_of[b]] += sp[i * blocks + b];
+            grp[i * groups + group_of[b]] += 8.0f * rp[i * blocks + b];
         }
     }
     at::Tensor y = at::empty({m, n}, x.options());
@@ -178,7 +189,7 @@ at::Tensor int4_matmul(const at::Tensor& x_in, const at::Tensor& packed, const a
     const float* op = offset.data_ptr<float>();
     float* yp = y.data_ptr<float>();
     at::parallel_for(0, n, grain_for(n), [&](int64_t begin, int64_t end) {
-        TESSELLM_DISPATCH(int4_rows(qp, dp, gp, grp, m, k, wp, scp, op, groups, group, begin, end, n, yp))
+        TESSELLM_DISPATCH(int4_rows(qp, dp, gp, grp, m, k, wp, scp, op, groups, group_of.data(), begin, end, n, yp))
     });
     return y;
 }

@@ -25,9 +25,10 @@ static inline int32_t hsum8i(__m256i v) {
 // d[b] = max|x| / 127 over block b, q = round-half-even(x * (127 / max|x|)) in int8 (an
 // all-zero block has d 0 and q 0), sums[b] = the float32 sum of the block's x (summed in
 // four 8-lane partials, then across lanes) and rest[b] = sums[b] - d[b] * (the sum of the
-// block's q): what the int8 block loses of the block's sum. With `deinterleave` each block's
-// bytes are stored even positions first, then odd (the order int4's low and high nibbles
-// come in).
+// block's q): what the int8 block loses of the block's sum. With `deinterleave` the bytes
+// come in the order int4's nibbles do (int4_tile): blocks in pairs, each pair's 64 bytes
+// [evens of b, evens of b + 1, odds of b, odds of b + 1] (16 each), a last unpaired block
+// [evens, odds].
 static void quantize_row(const float* x, int64_t k, bool deinterleave, int8_t* q, float* d, float* sums,
                          float* rest) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -58,35 +59,62 @@ static void quantize_row(const float* x, int64_t k, bool deinterleave, int8_t* q
         __m256i w01 = _mm256_packs_epi32(i0, i1), w23 = _mm256_packs_epi32(i2, i3);
         __m256i bytes = _mm256_packs_epi16(w01, w23);
         bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        if (deinterleave) {
-            bytes = _mm256_shuffle_epi8(bytes, evens_odds);  // per lane: 8 evens, 8 odds
-            bytes = _mm256_permute4x64_epi64(bytes, 0xD8);     // evens of both lanes, then odds
+        if (!deinterleave) {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * 32), bytes);
+            continue;
         }
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * 32), bytes);
+        bytes = _mm256_shuffle_epi8(bytes, evens_odds);  // per lane: 8 evens, 8 odds
+        bytes = _mm256_permute4x64_epi64(bytes, 0xD8);     // evens of both lanes, then odds
+        if (b == k / 32 - 1 && b % 2 == 0) {  // unpaired last block
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * 32), bytes);
+            continue;
+        }
+        int8_t* pair = q + (b - b % 2) * 32 + (b % 2) * 16;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(pair), _mm256_castsi256_si128(bytes));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(pair + 32), _mm256_extracti128_si256(bytes, 1));
     }
 }
 
 // R output channels from `row` on (see int4_rows), for every activation row: R independent
-// accumulators share each block of activations loaded.
+// accumulators share each pair of activation blocks loaded. A pair of weight blocks is 32
+// bytes: their low nibbles are the two blocks' even elements (one 128-bit lane each), their
+// high nibbles the odd ones, which is how quantize_row lays the activations out; the two
+// products sum in int16 (at most 2 x 2 x 15 x 127) before widening, and the 8 int32 lanes
+// (4 a block) take their block's scale. `group_of` maps a block to its weight group.
 template <int R>
 static inline void int4_tile(const int8_t* qx, const float* dx, const float* group_sums, const float* group_rests,
                              int64_t m, int64_t k, const uint8_t* packed, const float* scale, const float* offset,
-                             int64_t groups, int64_t group, int64_t row, int64_t n, float* y) {
-    const int64_t blocks = k / 32, per_group = group / 32;
+                             int64_t groups, const int32_t* group_of, int64_t row, int64_t n, float* y) {
+    const int64_t blocks = k / 32, pairs = blocks / 2;
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int64_t i = 0; i < m; ++i) {
         const int8_t* a = qx + i * k;
         const float* ad = dx + i * blocks;
         __m256 acc[R];
         for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < blocks; ++b) {
+        for (int64_t p = 0; p < pairs; ++p) {
+            const int64_t b = 2 * p;
+            const __m256i evens = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + b * 32));
+            const __m256i odds = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + b * 32 + 32));
+            const int32_t g0 = group_of[b], g1 = group_of[b + 1];
+            for (int r = 0; r < R; ++r) {
+                const float* ws = scale + (row + r) * groups;
+                __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + (row + r) * (k / 2) + b * 16));
+                __m256i lo = _mm256_and_si256(w, low), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), low);
+                __m256 sums = _mm256_cvtepi32_ps(DOT2_U8S8(lo, evens, hi, odds));
+                __m256 scales = _mm256_set_m128(_mm_set1_ps(ws[g1] * ad[b + 1]), _mm_set1_ps(ws[g0] * ad[b]));
+                acc[r] = _mm256_fmadd_ps(scales, sums, acc[r]);
+            }
+        }
+        if (blocks % 2) {  // the unpaired last block: [evens, odds] of its 16 bytes
+            const int64_t b = blocks - 1;
             const __m256i acts = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + b * 32));
             for (int r = 0; r < R; ++r) {
-                const int64_t at = (row + r) * (k / 2) + b * 16;
-                __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + at));
-                __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low);  // evens, odds
+                __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(packed + (row + r) * (k / 2) + b * 16));
+                __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), low);
                 __m256 sums = _mm256_cvtepi32_ps(DOT_U8S8(nibbles, acts));
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale[(row + r) * groups + b / per_group] * ad[b]), sums, acc[r]);
+                const float s = scale[(row + r) * groups + group_of[b]] * ad[b];
+                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(s), sums, acc[r]);
             }
         }
         const float* gs = group_sums + i * groups;
@@ -111,12 +139,12 @@ static inline void int4_tile(const int8_t* qx, const float* dx, const float* gro
 // the group's sum of `rest` (quantize_row): the same value up to float rounding.
 static void int4_rows(const int8_t* qx, const float* dx, const float* group_sums, const float* group_rests,
                       int64_t m, int64_t k, const uint8_t* packed, const float* scale, const float* offset,
-                      int64_t groups, int64_t group, int64_t n_begin, int64_t n_end, int64_t n, float* y) {
+                      int64_t groups, const int32_t* group_of, int64_t n_begin, int64_t n_end, int64_t n, float* y) {
     int64_t row = n_begin;
     for (; row + 4 <= n_end; row += 4)
-        int4_tile<4>(qx, dx, group_sums, group_rests, m, k, packed, scale, offset, groups, group, row, n, y);
+        int4_tile<4>(qx, dx, group_sums, group_rests, m, k, packed, scale, offset, groups, group_of, row, n, y);
     for (; row < n_end; ++row)
-        int4_tile<1>(qx, dx, group_sums, group_rests, m, k, packed, scale, offset, groups, group, row, n, y);
+        int4_tile<1>(qx, dx, group_sums, group_rests, m, k, packed, scale, offset, groups, group_of, row, n, y);
 }
 
 // y[m, n] = sum_b scale[n, g(b)] * dx[m, b] * sum_j qx[m, 32b + j] * qw[n, 32b + j] for int8
@@ -130,14 +158,17 @@ static inline void int8_tile(const int8_t* qx, const float* dx, int64_t m, int64
         const float* ad = dx + i * blocks;
         __m256 acc[R];
         for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < blocks; ++b) {
-            const __m256i acts = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + b * 32));
-            for (int r = 0; r < R; ++r) {
-                __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + (row + r) * k + b * 32));
-                // |w| as unsigned bytes, and the activations carrying w's sign (w = 0 zeroes them)
-                __m256i sums = DOT_U8S8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(acts, w));
-                acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(scale[(row + r) * groups + b / per_group] * ad[b]),
-                                         _mm256_cvtepi32_ps(sums), acc[r]);
+        for (int64_t g = 0; g < groups; ++g) {  // blocks of one weight group share its scales
+            float ws[R];
+            for (int r = 0; r < R; ++r) ws[r] = scale[(row + r) * groups + g];
+            for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+                const __m256i acts = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + b * 32));
+                for (int r = 0; r < R; ++r) {
+                    __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qw + (row + r) * k + b * 32));
+                    // |w| as unsigned bytes, and the activations carrying w's sign (w = 0 zeroes them)
+                    __m256i sums = DOT_U8S8(_mm256_sign_epi8(w, w), _mm256_sign_epi8(acts, w));
+                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(ws[r] * ad[b]), _mm256_cvtepi32_ps(sums), acc[r]);
+                }
             }
         }
         for (int r = 0; r < R; ++r) y[i * n + row + r] = hsum8(acc[r]);
