@@ -13,7 +13,8 @@ llama.cpp's rate (without ``--llamacpp``: to the first variant's).
         [--rounds 7] [--new-tokens 128] [--threads 2] [--only REGEX]
 
 Variants: float32 and int4-weight group 32 with lm_head (torch's int4 kernel, as before the
-int8-dot kernel; the int8-dot kernel; what ``auto`` chooses), each eager and with
+int8-dot kernel; the int8-dot kernel with two activation digits, the default, and with one,
+llama.cpp's arithmetic; what ``auto`` chooses with each), each eager and with
 ``cpu_compile`` (the decode step compiled as one graph, where measured faster at its first
 step: the log says which ran).
 """
@@ -37,10 +38,11 @@ PROMPT = [1, 504, 3458, 314, 260, 1345, 282, 4193, 30]  # bench/int4_cpu.py's an
 
 
 def variants() -> list[tuple[str, dict]]:
-    int4 = lambda kernel: {"quant": {"name": "int4-weight", "options": {  # noqa: E731
-        "group_size": 32, "quantize_lm_head": True, "cpu_kernel": kernel}}}
+    int4 = lambda kernel, digits=2: {"quant": {"name": "int4-weight", "options": {  # noqa: E731
+        "group_size": 32, "quantize_lm_head": True, "cpu_kernel": kernel, "int8_dot_digits": digits}}}
     base = [("float32", {}), ("int4 g32 lm_head int4pack", int4("int4pack")),
-            ("int4 g32 lm_head int8-dot", int4("int8-dot")), ("int4 g32 lm_head auto", int4("auto"))]
+            ("int4 g32 lm_head int8-dot", int4("int8-dot")), ("int4 g32 lm_head int8-dot 1 digit", int4("int8-dot", 1)),
+            ("int4 g32 lm_head auto", int4("auto")), ("int4 g32 lm_head auto 1 digit", int4("auto", 1))]
     return base + [(f"{name} compiled", {**parts, "cpu_compile": True}) for name, parts in base]
 
 

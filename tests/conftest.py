@@ -184,3 +184,16 @@ def install_plugin_folder(tmp_path, monkeypatch):
     for name in set(sys.modules) - before:
         if name.split(".")[0] in packages:
             del sys.modules[name]
+
+
+@pytest.fixture(scope="session")
+def int8_dot_kernels():
+    """The CPU int8 dot-product kernels (plugins/quant/cpu), built or loaded from the cache
+    folder once per session at the first test that asks; the test skips, saying why, where
+    they cannot be had (no C++ compiler, not x86-64, no AVX2, TESSELLM_CPU_KERNELS=0)."""
+    from tessellm.plugins.quant.cpu import build
+
+    found = build.kernels()
+    if found is None:
+        pytest.skip(f"the CPU int8 dot-product kernels are unavailable here: {build.why_unavailable}")
+    return found

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 
-from tessellm.plugins.quant.cpu.build import kernels
 from tessellm.testing.conformance import QuantConformance
 
 # The suite's tiny model reads words t0..t511 and its prompts are random ids from 3 up, so the
@@ -77,16 +76,16 @@ class TestFp8ScaledMm(QuantConformance):
     options = {"matmul": "scaled_mm"}  # FP8 tensor cores' arithmetic, through torch's CPU kernel here
 
 
-_no_int8_dot = pytest.mark.skipif(kernels() is None, reason="the CPU int8 dot-product kernels are unavailable here")
+needs_int8_dot = pytest.mark.usefixtures("int8_dot_kernels")
 
 
-@_no_int8_dot
+@needs_int8_dot
 class TestInt4WeightInt8Dot(QuantConformance):
     plugin = "int4-weight"
-    options = {"group_size": 32, "cpu_kernel": "int8-dot", "quantize_lm_head": True}
+    options = {"group_size": 32, "cpu_kernel": "int8-dot", "quantize_lm_head": True, "int8_dot_digits": 1}
 
 
-@_no_int8_dot
+@needs_int8_dot
 class TestInt8WeightInt8Dot(QuantConformance):
     plugin = "int8-weight"
     options = {"cpu_kernel": "int8-dot", "group_size": 32}

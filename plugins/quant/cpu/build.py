@@ -4,7 +4,8 @@ The library is compiled by ``torch.utils.cpp_extension.load`` (ninja and the mac
 compiler) into ``<cache>/cpu-kernels/<name>-<hash>``: the hash covers the sources, torch's
 version and the compiler flags, so an edit or a new torch builds afresh and a stale library
 is never loaded. Concurrent builds in several processes wait on cpp_extension's lock.
-``TESSELLM_CPU_KERNELS=0`` turns the kernels off (torch's paths everywhere).
+``TESSELLM_CPU_KERNELS=0`` turns the kernels off (torch's paths everywhere);
+``TESSELLM_CPU_ISA`` caps the instruction-set variant the library picks by CPUID.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ logger = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = ("int8_dot.cpp",)
 HEADERS = ("int8_dot_body.h",)
-CFLAGS = ("-O3", "-fno-math-errno")
+CFLAGS = ("-O3", "-fno-math-errno", "-ffp-contract=off")
 """No -march: every instruction set's variant is compiled in its own target region and the
-CPU's is chosen when the library loads, so one build serves any x86-64 CPU."""
+CPU's is chosen when the library loads, so one build serves any x86-64 CPU. No contraction
+of a multiply and an add into one rounding where the code does not ask for it: the
+activations' int8 digits must equal the torch reference's bit for bit."""
 
 
 def build_dir(name: str) -> Path:
@@ -40,19 +43,34 @@ def build_dir(name: str) -> Path:
     return default_cache_dir() / "cpu-kernels" / f"{name}-{digest.hexdigest()[:16]}"
 
 
+ISA_CAPS = ("avx2", "avx-vnni", "avx512-vnni")
+"""What ``TESSELLM_CPU_ISA`` may name: the most capable variant the library may choose (the
+CPU's best up to it; unset: the CPU's best)."""
+
+
 def unavailable_reason() -> str | None:
     """Why the kernels cannot be built here before trying (None: try)."""
     if os.environ.get("TESSELLM_CPU_KERNELS", "1") == "0":
         return "TESSELLM_CPU_KERNELS=0"
+    isa = os.environ.get("TESSELLM_CPU_ISA")
+    if isa is not None and isa not in ISA_CAPS:
+        return f"TESSELLM_CPU_ISA={isa!r} is not one of {', '.join(ISA_CAPS)}"
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return f"the CPU is {platform.machine()}, not x86-64"
     return None
 
 
+why_unavailable: str | None = None
+"""Why the last ``kernels()`` found none (None while they load or before the first call)."""
+
+
 @functools.lru_cache(maxsize=None)
 def kernels() -> SimpleNamespace | None:
     """The loaded ops (``torch.ops.tessellm_cpu``) and the instruction set they run
-    (``isa``), or None where they cannot run here; the reason is logged once."""
+    (``isa``), or None where they cannot run here; the reason is logged once (and kept in
+    ``why_unavailable``). Built at most once per cache key, loaded once per process."""
+    global why_unavailable
+    why_unavailable = None
     reason = unavailable_reason()
     if reason is None:
         try:
@@ -64,6 +82,7 @@ def kernels() -> SimpleNamespace | None:
             reason = "this CPU has no AVX2 and FMA"
         except Exception as error:  # no compiler, no ninja, a failed build: torch's paths remain
             reason = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else ''}"
+    why_unavailable = reason
     logger.warning("tessellm CPU int8 dot-product kernels unavailable (%s); using torch's kernels", reason)
     return None
 
@@ -89,6 +108,7 @@ def _register_fakes() -> None:
     torch.library.register_fake("tessellm_cpu::int8_matmul", matmul)
 
     @torch.library.register_fake("tessellm_cpu::quantize_rows")
-    def quantize_rows(x, deinterleave):
+    def quantize_rows(x, deinterleave, digits):
         m, k = x.shape
-        return x.new_empty(m, k, dtype=torch.int8), x.new_empty(m, k // 32), x.new_empty(m, k // 32)
+        return (x.new_empty(m, k, dtype=torch.int8), x.new_empty(m, k, dtype=torch.int8), x.new_empty(m, k // 32),
+                x.new_empty(m, k // 32))

@@ -7,10 +7,12 @@
 // (each in its own `#pragma GCC target` region, so one build runs on any x86-64 CPU and
 // uses what it finds). Without AVX2 `isa()` is "" and the Python side keeps torch's path.
 //
-// Ops (torch.ops.tessellm_cpu.*), float32 activations x [M, K], K a multiple of 32:
-//   int4_matmul(x, packed uint8 [N, K/2], scale [N, G], offset [N, G], group) -> [M, N]
-//   int8_matmul(x, qw int8 [N, K], scale [N, G]) -> [M, N]
-//   quantize_rows(x, deinterleave) -> (q int8 [M, K], d [M, K/32], sums [M, K/32])
+// Ops (torch.ops.tessellm_cpu.*), float32 activations x [M, K], K a multiple of 32, in
+// `digits` int8 digits a value (1: llama.cpp's Q8 activations; 2: a second int8 digit for
+// the first's rounding, about 15 bits, twice the integer products):
+//   int4_matmul(x, packed uint8 [N, K/2], scale [N, G], offset [N, G], group, digits) -> [M, N]
+//   int8_matmul(x, qw int8 [N, K], scale [N, G], digits) -> [M, N]
+//   quantize_rows(x, deinterleave, digits) -> (q1, q2 int8 [M, K], d [M, K/32], sums [M, K/32])
 //   isa() -> the instruction set the kernels run ("avx512-vnni", "avx-vnni", "avx2" or "")
 //
 // Built as a plain shared library (no Python module): loading it registers the ops.
@@ -26,6 +28,7 @@
 #include <vector>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -72,14 +75,26 @@ namespace {
 
 enum class Isa { none, avx2, avx_vnni, avx512_vnni };
 
+// The most capable variant allowed: TESSELLM_CPU_ISA ("avx2" or "avx-vnni") caps the choice,
+// so a CPU with VNNI can run (and tests can compare) the variants below its own; unset or
+// anything else allows all. Python (build.py) refuses values other than these names.
+Isa cap() {
+    const char* value = std::getenv("TESSELLM_CPU_ISA");
+    const std::string name = value ? value : "";
+    if (name == "avx2") return Isa::avx2;
+    if (name == "avx-vnni") return Isa::avx_vnni;
+    return Isa::avx512_vnni;
+}
+
 Isa detect() {
 #ifdef TESSELLM_X86
     __builtin_cpu_init();
     if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return Isa::none;
-    if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+    const Isa limit = cap();
+    if (limit >= Isa::avx512_vnni && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512bw"))
         return Isa::avx512_vnni;
-    if (__builtin_cpu_supports("avxvnni")) return Isa::avx_vnni;
+    if (limit >= Isa::avx_vnni && __builtin_cpu_supports("avxvnni")) return Isa::avx_vnni;
     return Isa::avx2;
 #else
     return Isa::none;
@@ -118,23 +133,30 @@ void check_rows(const at::Tensor& x) {
 #define TESSELLM_DISPATCH(call) TORCH_CHECK(false, "tessellm_cpu: not an x86-64 build")
 #endif
 
-// Every row of x (float32 [M, K], contiguous) quantized: q [M, K], and per block d, sums, rest [M, K/32].
+// Every row of x (float32 [M, K], contiguous) quantized: its int8 digits q1 (and q2 with
+// `digits` 2; else q2 is q1) [M, K], and per block d, sums, rest [M, K/32].
 struct Quantized {
-    at::Tensor q, d, sums, rest;
+    at::Tensor q1, q2, d, sums, rest;
 };
 
-Quantized quantize_all(const at::Tensor& x, bool deinterleave) {
+Quantized quantize_all(const at::Tensor& x, bool deinterleave, int64_t digits) {
+    TORCH_CHECK(digits == 1 || digits == 2, "tessellm_cpu: digits must be 1 or 2, got ", digits);
     const int64_t m = x.size(0), k = x.size(1), blocks = k / 32;
-    Quantized out{at::empty({m, k}, x.options().dtype(at::kChar)), at::empty({m, blocks}, x.options()),
-                  at::empty({m, blocks}, x.options()), at::empty({m, blocks}, x.options())};
+    at::Tensor q1 = at::empty({m, k}, x.options().dtype(at::kChar));
+    Quantized out{q1, digits == 2 ? at::empty({m, k}, x.options().dtype(at::kChar)) : q1,
+                  at::empty({m, blocks}, x.options()), at::empty({m, blocks}, x.options()),
+                  at::empty({m, blocks}, x.options())};
     const float* xp = x.data_ptr<float>();
-    int8_t* qp = out.q.data_ptr<int8_t>();
+    int8_t* q1p = out.q1.data_ptr<int8_t>();
+    int8_t* q2p = out.q2.data_ptr<int8_t>();
     float* dp = out.d.data_ptr<float>();
     float* sp = out.sums.data_ptr<float>();
     float* rp = out.rest.data_ptr<float>();
+    const int d = static_cast<int>(digits);
     for (int64_t i = 0; i < m; ++i) {
         const int64_t base = i * blocks;
-        TESSELLM_DISPATCH(quantize_row(xp + i * k, k, deinterleave, qp + i * k, dp + base, sp + base, rp + base))
+        TESSELLM_DISPATCH(quantize_row(xp + i * k, k, deinterleave, d, q1p + i * k, q2p + i * k, dp + base, sp + base,
+                                       rp + base))
     }
     return out;
 }
@@ -145,14 +167,15 @@ int64_t grain_for(int64_t n) {
     return std::max<int64_t>(16, n / (4 * threads));
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_in, bool deinterleave) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_rows(const at::Tensor& x_in, bool deinterleave,
+                                                                       int64_t digits) {
     check_rows(x_in);
-    Quantized out = quantize_all(x_in.contiguous(), deinterleave);
-    return {out.q, out.d, out.sums};
+    Quantized out = quantize_all(x_in.contiguous(), deinterleave, digits);
+    return {out.q1, out.q2, out.d, out.sums};
 }
 
 at::Tensor int4_matmul(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale,
-                       const at::Tensor& offset, int64_t group) {
+                       const at::Tensor& offset, int64_t group, int64_t digits) {
     check_rows(x_in);
     const at::Tensor x = x_in.contiguous();
     const int64_t m = x.size(0), k = x.size(1), n = packed.size(0), groups = scale.size(1);
@@ -163,7 +186,7 @@ at::Tensor int4_matmul(const at::Tensor& x_in, const at::Tensor& packed, const a
                 "tessellm_cpu.int4_matmul: packed [N, K/2] uint8, scale and offset [N, ceil(K/group)] float32 "
                 "with group a multiple of 32; got K ", k, ", packed ", packed.sizes(), ", scale ", scale.sizes(),
                 ", group ", group);
-    const Quantized a = quantize_all(x, /*deinterleave=*/true);
+    const Quantized a = quantize_all(x, /*deinterleave=*/true, digits);
     // per weight group: the activations' sum (times the offsets) and 8 x what the int8
     // blocks lose of it (times the scales: the nibbles centred on 8)
     at::Tensor group_sums = at::zeros({m, groups}, x.options());
@@ -182,19 +205,25 @@ at::Tensor int4_matmul(const at::Tensor& x_in, const at::Tensor& packed, const a
         }
     }
     at::Tensor y = at::empty({m, n}, x.options());
-    const int8_t* qp = a.q.data_ptr<int8_t>();
+    const int8_t* q1p = a.q1.data_ptr<int8_t>();
+    const int8_t* q2p = a.q2.data_ptr<int8_t>();
     const float* dp = a.d.data_ptr<float>();
     const uint8_t* wp = packed.data_ptr<uint8_t>();
     const float* scp = scale.data_ptr<float>();
     const float* op = offset.data_ptr<float>();
     float* yp = y.data_ptr<float>();
+    const int32_t* gop = group_of.data();
     at::parallel_for(0, n, grain_for(n), [&](int64_t begin, int64_t end) {
-        TESSELLM_DISPATCH(int4_rows(qp, dp, gp, grp, m, k, wp, scp, op, groups, group_of.data(), begin, end, n, yp))
+        if (digits == 1) {
+            TESSELLM_DISPATCH(int4_rows<1>(q1p, q2p, dp, gp, grp, m, k, wp, scp, op, groups, gop, begin, end, n, yp))
+        } else {
+            TESSELLM_DISPATCH(int4_rows<2>(q1p, q2p, dp, gp, grp, m, k, wp, scp, op, groups, gop, begin, end, n, yp))
+        }
     });
     return y;
 }
 
-at::Tensor int8_matmul(const at::Tensor& x_in, const at::Tensor& qw, const at::Tensor& scale_in) {
+at::Tensor int8_matmul(const at::Tensor& x_in, const at::Tensor& qw, const at::Tensor& scale_in, int64_t digits) {
     check_rows(x_in);
     const at::Tensor x = x_in.contiguous();
     const at::Tensor scale = scale_in.dim() == 1 ? scale_in.unsqueeze(1).contiguous() : scale_in.contiguous();
@@ -203,15 +232,20 @@ at::Tensor int8_matmul(const at::Tensor& x_in, const at::Tensor& qw, const at::T
                     scale.scalar_type() == at::kFloat && scale.size(0) == n && (k / 32) % groups == 0,
                 "tessellm_cpu.int8_matmul: qw [N, K] int8, scale [N] or [N, G] float32 with K / G a multiple "
                 "of 32; got K ", k, ", qw ", qw.sizes(), ", scale ", scale_in.sizes());
-    const Quantized a = quantize_all(x, /*deinterleave=*/false);
+    const Quantized a = quantize_all(x, /*deinterleave=*/false, digits);
     at::Tensor y = at::empty({m, n}, x.options());
-    const int8_t* qp = a.q.data_ptr<int8_t>();
+    const int8_t* q1p = a.q1.data_ptr<int8_t>();
+    const int8_t* q2p = a.q2.data_ptr<int8_t>();
     const float* dp = a.d.data_ptr<float>();
     const int8_t* wp = qw.data_ptr<int8_t>();
     const float* scp = scale.data_ptr<float>();
     float* yp = y.data_ptr<float>();
     at::parallel_for(0, n, grain_for(n), [&](int64_t begin, int64_t end) {
-        TESSELLM_DISPATCH(int8_rows(qp, dp, m, k, wp, scp, groups, begin, end, n, yp))
+        if (digits == 1) {
+            TESSELLM_DISPATCH(int8_rows<1>(q1p, q2p, dp, m, k, wp, scp, groups, begin, end, n, yp))
+        } else {
+            TESSELLM_DISPATCH(int8_rows<2>(q1p, q2p, dp, m, k, wp, scp, groups, begin, end, n, yp))
+        }
     });
     return y;
 }
@@ -219,9 +253,9 @@ at::Tensor int8_matmul(const at::Tensor& x_in, const at::Tensor& qw, const at::T
 }  // namespace
 
 TORCH_LIBRARY(tessellm_cpu, m) {
-    m.def("int4_matmul(Tensor x, Tensor packed, Tensor scale, Tensor offset, int group) -> Tensor");
-    m.def("int8_matmul(Tensor x, Tensor qw, Tensor scale) -> Tensor");
-    m.def("quantize_rows(Tensor x, bool deinterleave) -> (Tensor, Tensor, Tensor)");
+    m.def("int4_matmul(Tensor x, Tensor packed, Tensor scale, Tensor offset, int group, int digits) -> Tensor");
+    m.def("int8_matmul(Tensor x, Tensor qw, Tensor scale, int digits) -> Tensor");
+    m.def("quantize_rows(Tensor x, bool deinterleave, int digits) -> (Tensor, Tensor, Tensor, Tensor)");
     m.def("isa() -> str", &isa_name);
 }
 

@@ -55,6 +55,8 @@ class Int4WeightLinear(nn.Module):
         self.register_buffer("int4pack_weight", None if pack is None else pack.weight)
         self.register_buffer("int4pack_scales", None if pack is None else pack.scales_and_zeros)
         self.few_rows: tuple[tuple[int, str], ...] = ((small_batch_rows, "int4pack"),) if pack is not None else ()
+        self.dot_digits = 2
+        """The int8 digits a value the int8-dot kernel quantizes activations into (1 or 2)."""
         # decode's path in one call (forward): a few-rows kernel straight on the rows, which
         # need no padding to whole groups, no permutation and no bias added after
         self._direct = self.in_features % self.group_size == 0 and input_perm is None and bias is None
@@ -86,7 +88,7 @@ class Int4WeightLinear(nn.Module):
         reads (group size, inputs, act-order permutation, a bias, the kernels held)."""
         first = parts[0]
         key = [(p.group_size, p.in_features, p.small_batch_rows, p.bias is None, p.int4pack_weight is None,
-                p.input_perm is None, p.few_rows) for p in parts]
+                p.input_perm is None, p.few_rows, p.dot_digits) for p in parts]
         if len(set(key)) > 1 or (first.input_perm is not None and
                                  not all(torch.equal(p.input_perm, first.input_perm) for p in parts)):
             return None
@@ -96,7 +98,7 @@ class Int4WeightLinear(nn.Module):
         stacked = cls(weight, sum(p.out_features for p in parts), bias, use_int4pack=first.int4pack_weight is not None,
                       small_batch_rows=first.small_batch_rows, input_perm=first.input_perm,
                       kernel_choice=first.kernel_choice)
-        stacked.few_rows = first.few_rows
+        stacked.few_rows, stacked.dot_digits = first.few_rows, first.dot_digits
         return stacked
 
     @staticmethod
@@ -133,7 +135,7 @@ class Int4WeightLinear(nn.Module):
             return tinygemm_matmul(rows, TinygemmPack(self.tinygemm_weight, self.tinygemm_scales, self.group_size))
         if kernel == "int8-dot":
             out = int8_dot.int4_matmul(rows.float(), self.weight_packed, self.weight_scale, self.weight_offset,
-                                       self.group_size)
+                                       self.group_size, self.dot_digits)
             return out.to(rows.dtype)
         if kernel == "int4pack":
             return int4pack_matmul(rows, Int4Pack(self.int4pack_weight, self.int4pack_scales, self.group_size,
@@ -169,7 +171,7 @@ class Int4WeightLinear(nn.Module):
         if self.input_perm is not None:
             rows = rows.index_select(1, self.input_perm)
         out = int8_dot.reference_int4(rows.float(), unpack_nibbles(self.weight_packed), self.weight_scale,
-                                      self.weight_offset, self.group_size)
+                                      self.weight_offset, self.group_size, self.dot_digits)
         if self.bias is not None:
             out = out + self.bias.double()
         return out.view(*x.shape[:-1], self.out_features)

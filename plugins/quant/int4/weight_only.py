@@ -58,6 +58,11 @@ class Int4WeightOptions(PluginOptions):
     and keeps the fastest for each range of rows (logged)."""
     small_batch_rows: int = Field(128, ge=0, le=1024)
     """Token rows up to which the CPU runs its few-rows kernel; above, the tiled path."""
+    int8_dot_digits: Literal[1, 2] = 2
+    """The int8 digits of each activation the ``int8-dot`` kernel multiplies: 1 is llama.cpp's
+    arithmetic (int8 in blocks of 32, each value rounded to 1/254 of its block's largest:
+    fastest), 2 adds a digit for the first's rounding (about 15 bits: float activations'
+    perplexity, twice the integer products)."""
 
 
 class Int4WeightQuantizer(Quantizer):
@@ -137,6 +142,8 @@ class Int4WeightQuantizer(Quantizer):
         if not named:
             return
         layers = [m for _, m in named]
+        for layer in layers:
+            layer.dot_digits = options.int8_dot_digits
         if options.cpu_kernel == "auto":
             timed = max([m for name, m in named if name.rpartition(".")[2] != "lm_head"] or layers,
                         key=lambda m: m.weight_packed.numel())

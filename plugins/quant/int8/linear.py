@@ -95,6 +95,8 @@ class Int8WeightLinear(Int8Linear):
         self.small_batch_rows = small_batch_rows
         self.compile = compile
         self.small_kernel = "compiled" if compile else "tiled"
+        self.dot_digits = 2
+        """The int8 digits a value the int8-dot kernel quantizes activations into (1 or 2)."""
         self.kernel_choice = kernel_choice or KernelChoice("int8-weight", None)
         self._cuda_dispatch: RowDispatch | None = None
 
@@ -109,7 +111,7 @@ class Int8WeightLinear(Int8Linear):
         if kernel == "int8pack":
             return int8pack_matmul(rows, self.weight_int8, self.scale)
         if kernel == "int8-dot":
-            return int8_dot.int8_matmul(rows.float(), self.weight_int8, self.scale).to(rows.dtype)
+            return int8_dot.int8_matmul(rows.float(), self.weight_int8, self.scale, self.dot_digits).to(rows.dtype)
         return tiled_matmul(rows, self.weight_int8, self.scale)
 
     def unfit(self, kernel: str) -> str | None:
@@ -126,7 +128,7 @@ class Int8WeightLinear(Int8Linear):
         if rows.device.type != "cpu" or rows.shape[0] > self.small_batch_rows or self.small_kernel != "int8-dot" \
                 or self.kernel_choice.named is not None:
             return None
-        out = int8_dot.reference_int8(rows.float(), self.weight_int8, self.scale)
+        out = int8_dot.reference_int8(rows.float(), self.weight_int8, self.scale, self.dot_digits)
         if self.bias is not None:
             out = out + self.bias.double()
         return out.view(*x.shape[:-1], self.out_features)

@@ -62,6 +62,10 @@ class Int8WeightOptions(PluginOptions):
     ``int8-dot`` quantizes the activations to int8 per block of 32 and sums in int32 with the
     CPU's integer dot products (a C++ kernel built at first use, plugins/quant/cpu).
     ``compile`` off means ``tiled``."""
+    int8_dot_digits: Literal[1, 2] = 2
+    """The int8 digits of each activation the ``int8-dot`` kernel multiplies: 1 (int8 in blocks
+    of 32, llama.cpp's arithmetic: fastest) or 2 (a second digit for the first's rounding,
+    about 15 bits: float activations' accuracy, twice the integer products)."""
 
 
 class Int8WeightQuantizer(Quantizer):
@@ -93,6 +97,8 @@ class Int8WeightQuantizer(Quantizer):
 
         model = replace_linears(model, make, options.quantize_lm_head, self.name)
         layers = [m for m in model.modules() if isinstance(m, Int8WeightLinear)]
+        for layer in layers:
+            layer.dot_digits = options.int8_dot_digits
         dot_unfit = next(filter(None, (self._dot_unfit(m) for m in layers)), None) \
             if self.device.type == "cpu" and options.cpu_kernel == "int8-dot" and choice.named is None else None
         if dot_unfit:
