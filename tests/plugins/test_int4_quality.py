@@ -38,7 +38,8 @@ DOT_BOUNDS = {2: 0.001, 1: 0.01}
 llama.cpp's arithmetic, rounds each activation to 1/254 of its block's largest."""
 
 
-@pytest.mark.parametrize("digits", [2, pytest.param(1, marks=pytest.mark.extended)])
+@pytest.mark.extended  # two perplexity runs of SmolLM2: minutes on a loaded CPU
+@pytest.mark.parametrize("digits", [2, 1])
 def test_int8_dot_activations_keep_the_perplexity_bound(smollm2_dir, int8_dot_kernels, digits):
     """The int8-dot kernel on every row (small_batch_rows 1024 takes the 512-token windows
     through it too, where prefill would otherwise take the tiled path)."""

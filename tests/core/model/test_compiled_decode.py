@@ -45,6 +45,7 @@ def test_one_stream_decode_runs_compiled_with_the_same_tokens(cpu_config, tiny_m
     assert _tokens(compiled, PROMPTS) == _tokens(eager, PROMPTS)
 
 
+@pytest.mark.extended  # a second traced pipeline pair: tens of seconds on a loaded CPU
 def test_with_a_scratch_block_the_choice_is_made_at_start_up(cpu_config, tiny_model, traced_only):
     paged = {"cache": {"name": "paged", "options": {"num_blocks": 64}}}
     eager, compiled = _pipelines(cpu_config, tiny_model, **paged)
