@@ -35,6 +35,7 @@ def traced_only(monkeypatch):
     monkeypatch.setattr(compiled_module.torch, "compile", lambda model, **kw: real(model, backend="eager", **kw))
 
 
+@pytest.mark.extended  # dynamo traces the tiny model: about a minute and a half at load 18
 def test_one_stream_decode_runs_compiled_with_the_same_tokens(cpu_config, tiny_model, traced_only):
     eager, compiled = _pipelines(cpu_config, tiny_model)
     choice = compiled.pipeline.runner.compiled
