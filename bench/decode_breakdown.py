@@ -11,7 +11,13 @@ Stages, each keeping the replacements before it (the differences are each part's
 (no cache store, gather or SDPA); 6. the MLP returns its input; 7. the attention module
 returns its input (what remains: embedding, LM head wrapper, sampling and the engine).
 
-    .venv/bin/python bench/decode_breakdown.py [--threads 2] [--repeats 7]
+With ``--cpu-compile`` a second pipeline runs the decode step compiled as one graph (the
+config's ``cpu_compile``): its time a token, and its floor as that time less the products'
+time measured in stage 1 (the same kernels run in both; a compiled graph cannot have its
+parts replaced from outside, so the stages run eagerly only).
+
+    .venv/bin/python bench/decode_breakdown.py [--threads 2] [--repeats 7] [--kernel auto|int4pack|int8-dot]
+        [--cpu-compile] [--no-stages]
 
 A probe, not a model: stages 2-7 generate meaningless tokens, so only their timings count.
 """
@@ -81,20 +87,40 @@ def replacements() -> list[tuple[str, object, str, object]]:
     ]
 
 
+def pipeline(kernel: str, cpu_compile: bool = False) -> LLM:
+    """The embedded SmolLM2, int4-weight group 32 with lm_head on CPU kernel ``kernel``."""
+    return LLM({"model": "smollm2-135m", "device": "cpu", "dtype": "float32", "cpu_compile": cpu_compile,
+                "quant": {"name": "int4-weight",
+                          "options": {"group_size": 32, "quantize_lm_head": True, "cpu_kernel": kernel}}})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--kernel", default="auto", help="int4-weight's cpu_kernel")
+    ap.add_argument("--cpu-compile", action="store_true", help="also time the decode step compiled")
+    ap.add_argument("--no-stages", action="store_true", help="skip the replacement stages")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from tessellm.bench.offline import cpu_name
 
     print(f"# {datetime.now(timezone.utc).isoformat(timespec='seconds')} {cpu_name() or platform.machine()}, "
-          f"{args.threads} threads, torch {torch.__version__}")
-    llm = LLM({"model": "smollm2-135m", "device": "cpu", "dtype": "float32",
-               "quant": {"name": "int4-weight", "options": {"group_size": 32, "quantize_lm_head": True}}})
+          f"{args.threads} threads, torch {torch.__version__}, int4-weight cpu_kernel {args.kernel}")
+    llm = pipeline(args.kernel)
+    kernels = sorted({kernel for m in llm.pipeline.model.modules() for _, kernel in getattr(m, "few_rows", ())})
     total, int4 = timed_int4(llm, args.repeats)
-    print(f"{'as it runs':32s} {total:6.2f} ms a token ({int4:.2f} inside the int4 layers)")
+    print(f"{'as it runs':32s} {total:6.2f} ms a token ({int4:.2f} inside the int4 layers: {', '.join(kernels)}; "
+          f"floor {total - int4:.2f}, {(total - int4) / total:.0%})", flush=True)
+    if args.cpu_compile:
+        compiled = pipeline(args.kernel, cpu_compile=True)
+        now = ms_per_token(compiled, args.repeats)
+        print(f"{'compiled (' + compiled.pipeline.runner.compiled.state + ' kept)':32s} {now:6.2f} ms a token "
+              f"(floor {now - int4:.2f}, {(now - int4) / now:.0%}, taking the products' {int4:.2f} from above)",
+              flush=True)
+        del compiled
+    if args.no_stages:
+        return
     before = total
     saved = []
     try:

@@ -1,6 +1,8 @@
 """llama.cpp on the embedded SmolLM2 GGUF (Q4_1), batch-1 decode on the CPU, measured the way
 bench/int4_cpu.py measures tessellm: the same 9-token prompt, then 64 greedy tokens (EOS not
-checked), best of ``--repeats``, ``--threads`` threads.
+checked), best of ``--repeats``, ``--threads`` threads. With ``--serve`` it loads the model,
+prints its header line, then for each number N read from stdin decodes N tokens and prints
+the seconds it took (bench/cpu_vs_llamacpp.py interleaves it with tessellm's variants so).
 
 It runs in a virtual environment of its own with llama-cpp-python (the package registry has
 it as source only). Built without AVX-512 and AMX (the native build uses AMX, which crashes on
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import sys
 import time
 from datetime import datetime, timezone
 
@@ -33,14 +36,26 @@ def cpu_model() -> str:
         return platform.machine()
 
 
-def decode_tok_s(llm, new_tokens: int) -> float:
-    """Seconds for the prompt and ``new_tokens`` greedy steps, as tokens per second of output."""
+def decode_seconds(llm, new_tokens: int) -> float:
+    """Seconds for the prompt and ``new_tokens`` greedy steps."""
     llm.reset()
     start = time.perf_counter()
     llm.eval(PROMPT)
     for _ in range(new_tokens):
         llm.eval([llm.sample(temp=0.0)])
-    return new_tokens / (time.perf_counter() - start)
+    return time.perf_counter() - start
+
+
+def decode_tok_s(llm, new_tokens: int) -> float:
+    """``decode_seconds`` as tokens per second of output."""
+    return new_tokens / decode_seconds(llm, new_tokens)
+
+
+def serve(llm, header: str) -> None:
+    """The header, then one decode per number on stdin, its seconds on stdout."""
+    print(header, flush=True)
+    for line in sys.stdin:
+        print(decode_seconds(llm, int(line)), flush=True)
 
 
 def main() -> None:
@@ -48,15 +63,19 @@ def main() -> None:
     ap.add_argument("--gguf", required=True, help="the GGUF file")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--serve", action="store_true", help="decode once per number read from stdin")
     args = ap.parse_args()
     import llama_cpp
 
     llm = llama_cpp.Llama(model_path=args.gguf, n_threads=args.threads, n_threads_batch=args.threads, n_ctx=512,
                           verbose=False)
     decode_tok_s(llm, 8)  # warm-up
+    header = (f"# {datetime.now(timezone.utc).isoformat(timespec='seconds')} {cpu_model()}, "
+              f"{args.threads} threads, llama-cpp-python {llama_cpp.__version__}")
+    if args.serve:
+        return serve(llm, header)
     best = max(decode_tok_s(llm, 64) for _ in range(args.repeats))
-    print(f"# {datetime.now(timezone.utc).isoformat(timespec='seconds')} {cpu_model()}, "
-          f"{args.threads} threads, llama-cpp-python {llama_cpp.__version__}")
+    print(header)
     print(f"llama.cpp {args.gguf.rsplit('/', 1)[-1]}: {best:.1f} tok/s")
 
 

@@ -158,6 +158,12 @@ class PipelineConfig(BaseModel):
     cuda_graph_max_batch: int = Field(512, ge=1, le=2048, strict=True)
     """Largest decode batch replayed from a graph (capped by the scheduler's sequences per
     step); larger batches run eagerly."""
+    cpu_compile: bool = False
+    """On the CPU, run decode steps of one sequence through the model compiled as one graph
+    (torch.compile, Inductor's C++ backend: the small operations between the products fused,
+    no Python between them), where the first such step measures it faster than eager (logged;
+    a failed compile keeps eager). The compile happens in that first step: tens of seconds or
+    more, cached on disk by torch for later processes."""
     async_scheduling: Optional[bool] = None
     """Schedule and launch each decode step before the previous step's tokens reach the host,
     and absorb them while the GPU runs (requests whose decoder samples on the device: greedy;

@@ -246,3 +246,16 @@ def imports_beyond_the_plugin_api(folder: Path) -> list[str]:
 def plugin_api_imports():
     """``imports_beyond_the_plugin_api``, for the tests of the examples/ packages."""
     return imports_beyond_the_plugin_api
+
+
+@pytest.fixture(scope="session")
+def int8_dot_kernels():
+    """The CPU int8 dot-product kernels (plugins/quant/cpu), built or loaded from the cache
+    folder once per session at the first test that asks; the test skips, saying why, where
+    they cannot be had (no C++ compiler, not x86-64, no AVX2, TESSELLM_CPU_KERNELS=0)."""
+    from tessellm.plugins.quant.cpu import build
+
+    found = build.kernels()
+    if found is None:
+        pytest.skip(f"the CPU int8 dot-product kernels are unavailable here: {build.why_unavailable}")
+    return found

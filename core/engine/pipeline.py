@@ -23,7 +23,7 @@ from tessellm.core.engine.lora import LoraAdapters
 from tessellm.core.engine.outputs import StopRule
 from tessellm.core.engine.pooling import PoolingEngine
 from tessellm.core.engine.scoring import score_tokens
-from tessellm.core.engine.warm_up import warm_up
+from tessellm.core.engine.warm_up import scratch_batch, warm_up
 from tessellm.core.errors import ConfigError
 from tessellm.core.interfaces.batch import ScheduledSeq
 from tessellm.core.interfaces.cache import CacheSpec
@@ -130,6 +130,8 @@ class Pipeline:
         self.lora = self._build_lora() if config.lora.active else None
         if self.runner.compiles_kernels():
             self._warm_up()
+        if config.cpu_compile and r.device.type == "cpu" and self.ranks is None and not pooling:
+            self._compile_decode()
         if config.cuda_graphs and self.runner.graphs_unsupported() is None and self.ranks is None and not pooling:
             self._capture_graphs()  # decode graphs: a pooling pipeline only prefills
         self.async_scheduling = r.async_scheduling and self.ranks is None and not pooling
@@ -366,6 +368,15 @@ class Pipeline:
         with torch.inference_mode():
             quantizer.calibrate(self.model, ctx)
         self.model = self.runner.model = quantized(self.model, quantizer)
+
+    def _compile_decode(self) -> None:
+        """``cpu_compile``: compile one-stream decode steps and choose between compiled and
+        eager now, on a dummy step in the cache's scratch block (without one: at the first
+        such step of a request)."""
+        self.runner.compile_decode()
+        scratch = self.cache.scratch_block
+        if scratch is not None:  # a context of 2: 1 would be specialised, the stream never meets it
+            self.runner.forward(scratch_batch([(1, 2)], scratch, self.cache.layout.block_size, self.runner.device))
 
     def _warm_up(self) -> None:
         """Compile every kernel variant now, not inside a request's step."""

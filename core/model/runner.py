@@ -11,6 +11,7 @@ from torch import nn
 from tessellm.core.interfaces.attention import AttentionBackend
 from tessellm.core.interfaces.batch import BatchMetadata, LayerPlans
 from tessellm.core.interfaces.cache import CacheManager
+from tessellm.core.model.compiled import CompiledDecode
 from tessellm.core.model.cuda_graphs import DecodeGraphs
 from tessellm.core.model.lora import LoraState
 from tessellm.core.model.spec import ModelSpec
@@ -21,7 +22,9 @@ class ModelRunner:
 
     ``forward(batch, layers)`` returns the logits of ``batch.logits_indices``; ``layers`` runs
     a subset of the decoder layers (self-drafting). After ``capture_graphs`` a qualifying
-    decode batch replays a captured graph instead (``DecodeGraphs``).
+    decode batch replays a captured graph instead (``DecodeGraphs``); after ``compile_decode``
+    (CPU) a one-stream decode step runs the compiled forward where it was measured faster
+    (``CompiledDecode``).
     """
 
     def __init__(self, model: nn.Module, spec: ModelSpec, backend: AttentionBackend, cache: CacheManager,
@@ -42,6 +45,8 @@ class ModelRunner:
         """Into how many micro-batches the engine cuts a step at most (above 1 only for a
         stage), each of at least ``microbatch_min_tokens`` tokens."""
         self.microbatch_min_tokens = 1
+        self.compiled: CompiledDecode | None = None
+        """Set by ``compile_decode``: the compiled one-stream decode forward and its choice."""
 
     def _group_of_layer(self) -> list[int]:
         """Each layer's group in the cache's ``layer_groups`` (fixed: worked out once)."""
@@ -78,6 +83,13 @@ class ModelRunner:
         padded static-buffer path, run eagerly, for testing without a GPU)."""
         self.graphs = DecodeGraphs(self.model, self.backend, self.cache, self.device, max_batch=max_batch,
                                    max_model_len=max_model_len, capture=capture, lora=self.lora)
+
+    def compile_decode(self) -> None:
+        """Run one-stream decode steps through the model compiled as one graph where that is
+        measured faster than eager at the first such step (``CompiledDecode``); CPU only."""
+        if self.device.type != "cpu" or self.stage is not None:
+            raise ValueError(f"compiling decode steps is for a single-process CPU pipeline (device {self.device})")
+        self.compiled = CompiledDecode(self.model)
 
     @torch.inference_mode()
     def forward(self, batch: BatchMetadata, layers: Layers[int] | None = None, *,
@@ -116,6 +128,10 @@ class ModelRunner:
                               self._group_of_layer())
         lora = self.lora
         if lora is None or batch.lora_slots_cpu is None:
+            if self.compiled is not None and CompiledDecode.applies(batch, layers):
+                return self.compiled.run(lambda forward: forward(
+                    batch.input_ids, batch.positions, batch.logits_indices, self.backend, self.cache, plan,
+                    native_logits=native_logits))
             return self.model(batch.input_ids, batch.positions, batch.logits_indices,
                               self.backend, self.cache, plan, layers, native_logits=native_logits, **extra)
         lora.plan = lora.plan_for(batch)

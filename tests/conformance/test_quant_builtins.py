@@ -2,8 +2,10 @@
 compiled decode kernel) and in groups with lm_head (its tiled path); w8a8 with lm_head, and
 with SmoothQuant calibrated on text like the suite's prompts; int4-weight at groups 64 (torch's
 int4 kernel), 32 with lm_head (the tiled path) and 128 (a group wider than the tiny model's
-layers); fp8 per channel, in blocks with lm_head, and with e4m3 activations (scaled_mm); then each
-quantizer's CUDA kernels named (Triton interpreted; the torch.compile'd ones extended)."""
+layers); int4-weight and int8-weight on the int8 dot-product kernel (int8 activations, held to
+the float64 reference of that arithmetic); fp8 per channel, in blocks with lm_head, and with
+e4m3 activations (scaled_mm); then each quantizer's CUDA kernels named (Triton interpreted; the
+torch.compile'd ones extended)."""
 
 from __future__ import annotations
 
@@ -72,6 +74,21 @@ class TestFp8Block(QuantConformance):
 class TestFp8ScaledMm(QuantConformance):
     plugin = "fp8"
     options = {"matmul": "scaled_mm"}  # FP8 tensor cores' arithmetic, through torch's CPU kernel here
+
+
+needs_int8_dot = pytest.mark.usefixtures("int8_dot_kernels")
+
+
+@needs_int8_dot
+class TestInt4WeightInt8Dot(QuantConformance):
+    plugin = "int4-weight"
+    options = {"group_size": 32, "cpu_kernel": "int8-dot", "quantize_lm_head": True, "int8_dot_digits": 1}
+
+
+@needs_int8_dot
+class TestInt8WeightInt8Dot(QuantConformance):
+    plugin = "int8-weight"
+    options = {"cpu_kernel": "int8-dot", "group_size": 32}
 
 
 # Each quantizer's kernels named through the whole model (the CUDA ones run here as they can:

@@ -31,3 +31,22 @@ def test_perplexity_within_the_bound_of_float32(smollm2_dir, group_size, text):
     reference, quantized = measured["float32"][text], measured["int4"][text]
     assert quantized <= reference * (1 + bound), (f"int4-weight group {group_size}: perplexity {quantized:.3f} on "
                                                   f"{text} is more than +{bound:.1%} over float32's {reference:.3f}")
+
+
+DOT_BOUNDS = {2: 0.001, 1: 0.01}
+"""int8-dot's activations: two int8 digits (the default) keep group 32's bound; one digit,
+llama.cpp's arithmetic, rounds each activation to 1/254 of its block's largest."""
+
+
+@pytest.mark.extended  # two perplexity runs of SmolLM2: minutes on a loaded CPU
+@pytest.mark.parametrize("digits", [2, 1])
+def test_int8_dot_activations_keep_the_perplexity_bound(smollm2_dir, int8_dot_kernels, digits):
+    """The int8-dot kernel on every row (small_batch_rows 1024 takes the 512-token windows
+    through it too, where prefill would otherwise take the tiled path)."""
+    options = {"group_size": 32, "cpu_kernel": "int8-dot", "small_batch_rows": 1024, "int8_dot_digits": digits}
+    measured = smollm2_perplexities({"float32": {}, "int4": {"quant": {"name": "int4-weight", "options": options}}},
+                                    ["paradise-lost"])
+    reference, quantized = measured["float32"]["paradise-lost"], measured["int4"]["paradise-lost"]
+    assert quantized <= reference * (1 + DOT_BOUNDS[digits]), (
+        f"int4-weight g32 int8-dot ({digits} digits): perplexity {quantized:.3f} is more than "
+        f"+{DOT_BOUNDS[digits]:.1%} over float32's {reference:.3f}")

@@ -18,6 +18,8 @@ import tessellm
 from tessellm.core.errors import ConfigError
 from tessellm.core.interfaces.quantizer import Quantizer
 from tessellm.core.plugin import PluginOptions
+from tessellm.plugins.quant.cpu.choice import rows_table
+from tessellm.plugins.quant.cpu.int8_dot import int4_unfit as int8_dot_unfit
 from tessellm.plugins.quant.int4.checkpoints import checkpoint_support, read_linear, shard_rule
 from tessellm.plugins.quant.int4.cpu import int4pack_unfit
 from tessellm.plugins.quant.int4.linear import Int4WeightLinear
@@ -47,12 +49,20 @@ class Int4WeightOptions(PluginOptions):
     kernel_table: Optional[str] = None
     """A kernel table written by ``bench/quant_kernels.py --table`` (JSON); None: the default
     for Hopper (plugins/quant/kernel_tables/sm_90.json)."""
-    cpu_kernel: Literal["auto", "int4pack", "tiled"] = "auto"
+    cpu_kernel: Literal["auto", "int4pack", "int8-dot", "tiled"] = "auto"
     """On the CPU, for few rows: ``int4pack`` torch's int4 kernel (bfloat16 activations inside;
-    every quantized layer must fit it), ``tiled`` dequantize-then-BLAS, ``auto`` int4pack
-    where a layer fits it, tiled elsewhere."""
+    every quantized layer must fit it), ``int8-dot`` int8 activations (per block of 32) times
+    the int4 weights summed in int32 by the CPU's integer dot products (AVX2 or VNNI; a C++
+    kernel built at first use, plugins/quant/cpu), ``tiled`` dequantize-then-BLAS. ``auto``
+    times the kernels the layers fit on the largest layer at load, at 1, 4, 16 and 64 rows,
+    and keeps the fastest for each range of rows (logged)."""
     small_batch_rows: int = Field(128, ge=0, le=1024)
-    """Token rows up to which the CPU runs torch's int4 kernel; above, the tiled path."""
+    """Token rows up to which the CPU runs its few-rows kernel; above, the tiled path."""
+    int8_dot_digits: Literal[1, 2] = 2
+    """The int8 digits of each activation the ``int8-dot`` kernel multiplies: 1 is llama.cpp's
+    arithmetic (int8 in blocks of 32, each value rounded to 1/254 of its block's largest:
+    fastest), 2 adds a digit for the first's rounding (about 15 bits: float activations'
+    perplexity, twice the integer products)."""
 
 
 class Int4WeightQuantizer(Quantizer):
@@ -88,8 +98,17 @@ class Int4WeightQuantizer(Quantizer):
         if self.device.type == "cpu" and which and unfit:
             raise ConfigError(f"quant.options.{which} 'int4pack': torch's CPU int4 kernel cannot run {layer} "
                               f"({unfit}); use auto or tiled")
-        return self.device.type == "cpu" and options.cpu_kernel != "tiled" and not unfit and \
+        return self.device.type == "cpu" and options.cpu_kernel in ("auto", "int4pack") and not unfit and \
             options.kernel in ("auto", "int4pack")
+
+    def _check_int8_dot(self, out_features: int, in_features: int, group_size: int, layer: str) -> None:
+        """A ConfigError where ``cpu_kernel`` names int8-dot and the layer cannot take it."""
+        if self.device.type != "cpu" or self.options.cpu_kernel != "int8-dot" or self.options.kernel != "auto":
+            return
+        unfit = int8_dot_unfit(out_features, in_features, group_size)
+        if unfit:
+            raise ConfigError(f"quant.options.cpu_kernel 'int8-dot' cannot run {layer} ({unfit}); use "
+                              f"cpu_kernel auto, int4pack or tiled")
 
     def apply(self, model: nn.Module) -> nn.Module:
         options = self.options
@@ -99,13 +118,53 @@ class Int4WeightQuantizer(Quantizer):
             if linear.in_features % 2:
                 raise ConfigError(f"quant 'int4-weight': {full} has an odd in_features ({linear.in_features}); "
                                   f"int4 packs two values a byte")
+            self._check_int8_dot(linear.out_features, linear.in_features, options.group_size, full)
             layer = Int4WeightLinear.from_linear(
                 linear, options.group_size, small_batch_rows=options.small_batch_rows, kernel_choice=choice,
                 int4pack=self._int4pack(linear.out_features, linear.in_features, options.group_size, full))
             check_named(choice.named, full, layer.unfit, Int4WeightLinear.KERNELS)
             return layer
 
-        return replace_linears(model, make, options.quantize_lm_head, self.name)
+        model = replace_linears(model, make, options.quantize_lm_head, self.name)
+        self._choose_cpu_kernels(model)
+        return model
+
+    def _choose_cpu_kernels(self, model: nn.Module) -> None:
+        """Each CPU layer's few-rows kernels: the one named, or (``auto``) the fastest of those
+        that fit, timed on the largest layer (lm_head only if it is the only one). A layer some
+        kernel does not fit keeps the default (int4pack where it fits, else tiled); torch's
+        packed copy is let go where no range runs it. Not on other devices, nor where
+        ``kernel`` names the kernel for every step."""
+        options = self.options
+        if self.device.type != "cpu" or options.kernel != "auto":
+            return
+        named = [(name, m) for name, m in model.named_modules() if isinstance(m, Int4WeightLinear)]
+        if not named:
+            return
+        layers = [m for _, m in named]
+        for layer in layers:
+            layer.dot_digits = options.int8_dot_digits
+        if options.cpu_kernel == "auto":
+            timed = max([m for name, m in named if name.rpartition(".")[2] != "lm_head"] or layers,
+                        key=lambda m: m.weight_packed.numel())
+            fit = [k for k in Int4WeightLinear.SMALL_KERNELS if self._fits(k, timed)]
+            table = rows_table(timed.run, fit, timed.in_features, options.small_batch_rows, self.dtype,
+                               f"int4-weight g{options.group_size}")
+        else:
+            table = ((options.small_batch_rows, options.cpu_kernel),) if options.small_batch_rows else ()
+        for layer in layers:
+            if all(self._fits(kernel, layer) for _, kernel in table):
+                layer.few_rows = table
+            if not any(kernel == "int4pack" for _, kernel in layer.few_rows):
+                layer.int4pack_weight = layer.int4pack_scales = None
+
+    @staticmethod
+    def _fits(kernel: str, layer: Int4WeightLinear) -> bool:
+        if kernel == "int4pack":
+            return layer.int4pack_weight is not None
+        if kernel == "int8-dot":
+            return int8_dot_unfit(layer.out_features, layer.in_features, layer.group_size) is None
+        return True
 
     @classmethod
     def checkpoint_support(cls, quantization_config: dict[str, Any]) -> str | None:
@@ -140,6 +199,7 @@ class Int4WeightQuantizer(Quantizer):
             return layer
 
         replace_stored_linears(model, build)
+        self._choose_cpu_kernels(model)
         refuse_unread(state, self.name, "packed 4-bit tensors",
                       lambda name, _: name.endswith((".weight_packed", ".qweight", ".qzeros")))
 

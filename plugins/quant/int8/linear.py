@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tessellm.plugins.quant.cpu import int8_dot
 from tessellm.plugins.quant.int8.cpu import int8_weight_matmul, int8pack_matmul, tiled_matmul
 from tessellm.plugins.quant.kernel_table import KernelChoice, RowDispatch
 from tessellm.plugins.quant.int8.quantize import quantize_per_channel
@@ -82,8 +83,9 @@ class Int8WeightLinear(Int8Linear):
     (the quantizer times the CPU's candidates at load), more rows the tiles.
     """
 
-    SMALL_KERNELS = ("compiled", "int8pack", "tiled")
-    """The CPU's few-rows paths: the compiled reduction, torch's int8pack kernel, tiles + BLAS."""
+    SMALL_KERNELS = ("compiled", "int8pack", "int8-dot", "tiled")
+    """The CPU's few-rows paths: the compiled reduction, torch's int8pack kernel, int8
+    activations times the int8 weights in int32 (plugins/quant/cpu), tiles + BLAS."""
     KERNELS = ("triton", "int8pack", "compiled", "tiled")
     """Every kernel the ``kernel`` option names."""
 
@@ -93,6 +95,8 @@ class Int8WeightLinear(Int8Linear):
         self.small_batch_rows = small_batch_rows
         self.compile = compile
         self.small_kernel = "compiled" if compile else "tiled"
+        self.dot_digits = 2
+        """The int8 digits a value the int8-dot kernel quantizes activations into (1 or 2)."""
         self.kernel_choice = kernel_choice or KernelChoice("int8-weight", None)
         self._cuda_dispatch: RowDispatch | None = None
 
@@ -106,6 +110,8 @@ class Int8WeightLinear(Int8Linear):
             return int8_weight_matmul(rows, self.weight_int8, self.scale)
         if kernel == "int8pack":
             return int8pack_matmul(rows, self.weight_int8, self.scale)
+        if kernel == "int8-dot":
+            return int8_dot.int8_matmul(rows.float(), self.weight_int8, self.scale, self.dot_digits).to(rows.dtype)
         return tiled_matmul(rows, self.weight_int8, self.scale)
 
     def unfit(self, kernel: str) -> str | None:
@@ -113,6 +119,19 @@ class Int8WeightLinear(Int8Linear):
         if kernel == "int8pack" and self.group_size is not None:
             return f"int8pack takes per-channel scales only (group_size {self.group_size})"
         return None
+
+    def reference_forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``forward(x)`` in float64 by the arithmetic its CPU kernel runs for that many rows,
+        where that is not the dequantized weight's product: the int8-dot kernel's
+        (cpu/int8_dot.py); None for the other paths."""
+        rows = x.reshape(-1, self.in_features)
+        if rows.device.type != "cpu" or rows.shape[0] > self.small_batch_rows or self.small_kernel != "int8-dot" \
+                or self.kernel_choice.named is not None:
+            return None
+        out = int8_dot.reference_int8(rows.float(), self.weight_int8, self.scale, self.dot_digits)
+        if self.bias is not None:
+            out = out + self.bias.double()
+        return out.view(*x.shape[:-1], self.out_features)
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
         if self.kernel_choice.named is not None:

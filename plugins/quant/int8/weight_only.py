@@ -20,6 +20,7 @@ import tessellm
 from tessellm.core.errors import ConfigError
 from tessellm.core.interfaces.quantizer import Quantizer
 from tessellm.core.plugin import PluginOptions
+from tessellm.plugins.quant.cpu.int8_dot import int8_unfit as int8_dot_unfit
 from tessellm.plugins.quant.int8.cpu import fastest
 from tessellm.plugins.quant.int8.linear import Int8WeightLinear
 from tessellm.plugins.quant.int8.quantize import replace_linears
@@ -54,11 +55,17 @@ class Int8WeightOptions(PluginOptions):
     kernel_table: Optional[str] = None
     """A kernel table written by ``bench/quant_kernels.py --table`` (JSON); None: the default
     for Hopper (plugins/quant/kernel_tables/sm_90.json)."""
-    cpu_kernel: Literal["auto", "compiled", "int8pack", "tiled"] = "auto"
+    cpu_kernel: Literal["auto", "compiled", "int8pack", "int8-dot", "tiled"] = "auto"
     """The CPU's path for up to ``small_batch_rows`` rows: ``auto`` times the candidates on the
     largest layer at load and keeps the fastest on this CPU (the compiled reduction wins on
-    one machine and loses on another); ``int8pack`` (torch's kernel) needs per-channel scales.
+    one machine and loses on another); ``int8pack`` (torch's kernel) needs per-channel scales;
+    ``int8-dot`` quantizes the activations to int8 per block of 32 and sums in int32 with the
+    CPU's integer dot products (a C++ kernel built at first use, plugins/quant/cpu).
     ``compile`` off means ``tiled``."""
+    int8_dot_digits: Literal[1, 2] = 2
+    """The int8 digits of each activation the ``int8-dot`` kernel multiplies: 1 (int8 in blocks
+    of 32, llama.cpp's arithmetic: fastest) or 2 (a second digit for the first's rounding,
+    about 15 bits: float activations' accuracy, twice the integer products)."""
 
 
 class Int8WeightQuantizer(Quantizer):
@@ -90,6 +97,13 @@ class Int8WeightQuantizer(Quantizer):
 
         model = replace_linears(model, make, options.quantize_lm_head, self.name)
         layers = [m for m in model.modules() if isinstance(m, Int8WeightLinear)]
+        for layer in layers:
+            layer.dot_digits = options.int8_dot_digits
+        dot_unfit = next(filter(None, (self._dot_unfit(m) for m in layers)), None) \
+            if self.device.type == "cpu" and options.cpu_kernel == "int8-dot" and choice.named is None else None
+        if dot_unfit:
+            raise ConfigError(f"quant.options.cpu_kernel 'int8-dot': {dot_unfit}; use cpu_kernel auto, compiled, "
+                              f"int8pack or tiled")
         if self.device.type == "cpu" and options.compile and layers and choice.named is None:
             kernel = options.cpu_kernel if options.cpu_kernel != "auto" else self._fastest_small_kernel(layers)
             for layer in layers:
@@ -99,12 +113,18 @@ class Int8WeightQuantizer(Quantizer):
     def _fastest_small_kernel(self, layers: list[Int8WeightLinear]) -> str:
         """Time each few-rows path on the largest layer at one row; the fastest, logged."""
         largest = max(layers, key=lambda m: m.weight_int8.numel())
-        names = [k for k in Int8WeightLinear.SMALL_KERNELS if k != "int8pack" or self.options.group_size is None]
+        names = [k for k in Int8WeightLinear.SMALL_KERNELS if (k != "int8pack" or self.options.group_size is None)
+                 and (k != "int8-dot" or not any(self._dot_unfit(m) for m in layers))]
         x = torch.randn(1, largest.in_features, dtype=self.dtype)
         with torch.inference_mode():
             kernel = fastest({name: (lambda name=name: largest.small_rows(name, x)) for name in names})
         logger.info("int8-weight: %s is the fastest few-rows path on this CPU (of %s)", kernel, ", ".join(names))
         return kernel
+
+    @staticmethod
+    def _dot_unfit(layer: Int8WeightLinear) -> str | None:
+        groups = 1 if layer.scale.dim() == 1 else layer.scale.shape[1]
+        return int8_dot_unfit(layer.in_features, groups)
 
 
 @tessellm.hookimpl

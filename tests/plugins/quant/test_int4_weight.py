@@ -137,17 +137,36 @@ def test_the_quantizer_replaces_linears_and_keeps_lm_head_and_bias():
     _quantizer(group_size=32).apply(model)
     assert isinstance(model.up, Int4WeightLinear) and isinstance(model.down, Int4WeightLinear)
     assert type(model.lm_head) is torch.nn.Linear
-    assert model.up.int4pack_weight is not None  # 32 x 64 in groups of 32 fits torch's kernel
     assert (model.up(x) - float_up).abs().max() < 0.1 * float_up.abs().max()
+    packed = _quantizer(group_size=32, cpu_kernel="int4pack").apply(_model())
+    assert packed.up.int4pack_weight is not None  # 32 x 64 in groups of 32 fits torch's kernel
+    assert packed.up.few_rows == ((128, "int4pack"),)
 
 
-def test_auto_takes_the_tiled_path_where_int4pack_cannot_and_int4pack_named_refuses():
+def test_auto_keeps_a_measured_kernel_per_range_of_rows_where_each_layer_fits_it():
+    """auto times the kernels a layer fits at 1, 4, 16, 64 and small_batch_rows rows: each
+    range of rows gets one kernel, and torch's packed copy stays only where a range runs it."""
+    model = _quantizer(group_size=32).apply(_model(out_features=(32, 32)))
+    table = model.up.few_rows
+    assert table and table[-1][0] == 128 and [rows for rows, _ in table] == sorted({rows for rows, _ in table})
+    assert all(kernel in Int4WeightLinear.SMALL_KERNELS for _, kernel in table) and model.down.few_rows == table
+    assert (model.up.int4pack_weight is not None) == any(kernel == "int4pack" for _, kernel in table)
+    x = torch.randn(70, 64)
+    for rows in (1, 3, 9, 70):  # every range's kernel computes the product, up to its arithmetic
+        torch.testing.assert_close(model.up(x[:rows]).double(), reference_matmul(x[:rows], model.up.int4, model.up.bias),
+                                   rtol=0.02, atol=0.02)
+
+
+def test_auto_runs_each_layer_on_kernels_it_fits_and_int4pack_named_refuses():
     model = _quantizer(group_size=32).apply(_model(out_features=(24, 32)))
-    assert model.up.int4pack_weight is None and model.down.int4pack_weight is not None  # 24 out; 32 out
+    assert model.up.int4pack_weight is None and all(k != "int4pack" for _, k in model.up.few_rows)  # 24 out
+    assert all(k != "int8-dot" for _, k in model.down.few_rows)  # 24 in: not whole blocks of 32
     with pytest.raises(ConfigError, match=r"cannot run up \(out_features 24 is not a multiple of 16\)"):
         _quantizer(group_size=32, cpu_kernel="int4pack").apply(_model(out_features=(24, 32)))
+    with pytest.raises(ConfigError, match=r"'int8-dot' cannot run down \(in_features 24 .* multiples of 32\)"):
+        _quantizer(group_size=32, cpu_kernel="int8-dot").apply(_model(out_features=(24, 32)))
     tiled = _quantizer(cpu_kernel="tiled").apply(_model())
-    assert tiled.up.int4pack_weight is None
+    assert tiled.up.int4pack_weight is None and tiled.up.few_rows == ((128, "tiled"),)
 
 
 def test_odd_in_features_and_bad_options_are_refused():
@@ -157,7 +176,7 @@ def test_odd_in_features_and_bad_options_are_refused():
         Int4WeightOptions(group_size=48)
 
 
-@pytest.mark.parametrize("cpu_kernel", ["auto", "tiled"])
+@pytest.mark.parametrize("cpu_kernel", ["auto", "tiled", "int8-dot"])
 def test_a_pipeline_runs_it_by_config(cpu_config, tiny_model, cpu_kernel):
     llm = LLM(cpu_config(tiny_model("llama"), quant={"name": "int4-weight",
                                                      "options": {"group_size": 32, "cpu_kernel": cpu_kernel}}))

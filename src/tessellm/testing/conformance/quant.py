@@ -32,7 +32,11 @@ class QuantConformance(ConformanceSuite):
       default its ``max_relative_error``) of the float pipeline's (the same
       config with quant ``none``), relative Frobenius norm over every position;
     - every ``nn.Linear`` of the float model is still at its name after ``apply``, and maps
-      random inputs of shape [..., in_features] to finite outputs [..., out_features].
+      random inputs of shape [..., in_features] to finite outputs [..., out_features];
+    - a quantized linear that states the arithmetic of its kernel for an input
+      (``reference_forward(x)``: the float64 result of the same operations, e.g. int8
+      activations times int4 weights summed exactly; None where it states none) equals it
+      within float32 rounding: ``REFERENCE_ULPS`` of each row's largest |output|.
 
     ``engine`` holds the config pieces of both pipelines besides the model and the quantizer
     (device, dtype, ...). A pipeline the plugin declares unsupported skips with its
@@ -41,6 +45,7 @@ class QuantConformance(ConformanceSuite):
 
     kind = "quant"
     engine: ClassVar[dict[str, Any]] = {"device": "cpu", "dtype": "float32"}
+    REFERENCE_ULPS: ClassVar[float] = 1e-5
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -105,6 +110,30 @@ class QuantConformance(ConformanceSuite):
             except AttributeError:
                 pytest.fail(f"apply() dropped or renamed linear {name!r}: a quantizer must keep module names")
             _check_shapes(name, module, linear, g)
+
+
+    @given(seed=st.integers(0, 2**31 - 1), rows=st.integers(1, 9))
+    @property_settings(max_examples=10)
+    def test_linears_equal_the_reference_of_their_own_arithmetic(self, quantized_llm: Any, seed: int,
+                                                                 rows: int) -> None:
+        """Random rows through each linear that has ``reference_forward``: the kernel's
+        output within float32 rounding of the float64 result of the arithmetic it states."""
+        self.case()
+        g = torch.Generator().manual_seed(seed)
+        stated = [(name, m) for name, m in quantized_llm.pipeline.model.named_modules()
+                  if callable(getattr(m, "reference_forward", None))]
+        for name, module in stated:
+            weight_device = next(iter(module.buffers())).device
+            x = (torch.randn(rows, module.in_features, generator=g) * 3).to(weight_device)
+            with torch.no_grad():
+                reference = module.reference_forward(x)
+                if reference is None:
+                    continue
+                y = module(x)
+            tolerance = self.REFERENCE_ULPS * reference.abs().amax(dim=-1, keepdim=True) + 1e-30
+            excess = float(((y.double() - reference).abs() - tolerance).max())
+            assert excess <= 0, (f"linear {name!r} ({type(module).__name__}) is off the float64 reference of its own "
+                                 f"arithmetic by {excess:.3g} beyond float32 rounding ({rows} rows, seed {seed})")
 
 
 def _check_shapes(name: str, module: nn.Module, linear: nn.Linear, g: torch.Generator) -> None:
