@@ -207,6 +207,7 @@ def test_cli_reports_the_distribution_test(config_file, capsys):
         assert words in text, text
 
 
+@pytest.mark.extended
 def test_cli_identical_sampling_arms_are_not_rejected(config_file, capsys):
     argv = ["ab", "--config", str(config_file), "--a", "dtype=float32", "--b", "dtype=float32",
             "--params", "temperature=1.0,top_k=3", "--num-samples", "48", "--sample-tokens", "3", *SMALL]

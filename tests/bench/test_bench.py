@@ -212,6 +212,7 @@ KEYS = {"output_tokens_per_s", "requests_per_s", *METRICS, "kv_waste", "prefix_h
         "workload", "pipeline", "device", "date", "command"}
 
 
+@pytest.mark.extended
 def test_cli_json_with_baseline_and_plot(config_file, tmp_path, capsys):
     plot = tmp_path / "out.png"
     argv = ["bench", "--config", str(config_file), "--set", "max_model_len=256", "--num-requests", "6",
@@ -245,6 +246,7 @@ def test_cli_table_for_shared_prefix(config_file, capsys):
         assert row in out
 
 
+@pytest.mark.extended
 def test_cli_plain_baseline_measures_speculative_decoding(config_file, tmp_path, capsys):
     """--baseline plain reruns the requests with plain decoding: speedup, acceptance and
     tokens per forward are reported, and greedy outputs are identical; requests may stop at EOS."""

@@ -3,6 +3,8 @@ the probe time the wrong thing), and its int4 timer restores the layer's forward
 
 from __future__ import annotations
 
+import pytest
+
 from tessellm import LLM
 
 
@@ -12,6 +14,7 @@ def test_every_stand_in_replaces_an_existing_attribute(bench_script):
     assert all(callable(getattr(owner, attr)) for _, owner, attr, _ in stages)
 
 
+@pytest.mark.extended
 def test_the_int4_timer_reports_a_share_and_restores_forward(bench_script, cpu_config, tiny_model):
     from tessellm.plugins.quant.int4.linear import Int4WeightLinear
 

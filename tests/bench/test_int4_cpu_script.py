@@ -3,6 +3,8 @@ pipelines' batch-1 decode round by round (two short rounds here)."""
 
 from __future__ import annotations
 
+import pytest
+
 from tessellm import LLM
 
 
@@ -12,6 +14,7 @@ def test_variants_cover_every_group_and_the_baselines(bench_script):
     assert {"int4-weight g32", "int4-weight g64", "int4-weight g128", "int4-weight g32 lm_head"} <= set(names)
 
 
+@pytest.mark.extended
 def test_interleaved_rates_of_two_pipelines(bench_script, cpu_config, tiny_model):
     """Each variant's median rate and, per round, its ratio to the first variant's time."""
     llms = {"float32": LLM(cpu_config(tiny_model("llama"))),

@@ -21,6 +21,7 @@ def run(script: str, *args: str, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.extended
 def test_copy_bandwidth_rehearsal_on_the_cpu(tmp_path):
     report = run("kv_tiers_gpu.py", "--blocks", "2", "--out", out=tmp_path / "gpu.json")
     assert report["device"].startswith("cpu") and report["command"].startswith("python ")

@@ -17,6 +17,7 @@ import torch
 SCRIPT = Path(__file__).parents[2] / "bench" / "lora_kernels.py"
 
 
+@pytest.mark.extended
 @pytest.mark.skipif(torch.cuda.is_available(), reason="--smoke checks the CPU code path")
 def test_smoke_times_both_kernels_at_every_point(tmp_path):
     out = tmp_path / "lora.json"

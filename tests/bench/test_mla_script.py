@@ -58,6 +58,7 @@ def test_attention_smoke_flags_a_wrong_fast_path(mla_script, tmp_path, monkeypat
     assert "MISMATCH" in capsys.readouterr().out
 
 
+@pytest.mark.extended
 def test_model_smoke_reports_throughput_per_batch(mla_script, tmp_path, capsys):
     status, report = run(mla_script, tmp_path, "--part", "model")
     assert status == 0

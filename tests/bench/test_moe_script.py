@@ -11,11 +11,13 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+import pytest
 import torch
 
 SCRIPT = Path(__file__).parents[2] / "bench" / "moe.py"
 
 
+@pytest.mark.extended
 def test_smoke_times_both_forms_at_every_point(tmp_path):
     out = tmp_path / "moe.json"
     done = subprocess.run([sys.executable, str(SCRIPT), "--smoke", "--json", str(out)], capture_output=True,
@@ -40,6 +42,7 @@ def test_smoke_times_both_forms_at_every_point(tmp_path):
     assert "grouped_ms" in done.stdout and "MISMATCH" not in done.stdout
 
 
+@pytest.mark.extended
 def test_a_wrong_grouped_path_is_flagged(tmp_path, monkeypatch, capsys):
     from tessellm.core.model.moe import MoE
 

@@ -16,6 +16,7 @@ def script(bench_script):
     return bench_script("structured_outputs.py")
 
 
+@pytest.mark.extended
 def test_smoke_reports_both_sides_the_ratio_and_the_grammar_cost(script, tiny_model, tmp_path, capsys):
     pytest.importorskip("xgrammar")
     out = tmp_path / "so.json"

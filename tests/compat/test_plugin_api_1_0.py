@@ -47,6 +47,7 @@ def test_frozen_example_loads_selects_and_generates(monkeypatch, install_plugin_
     assert example.pipeline.attention.layer_calls > 0
 
 
+@pytest.mark.extended
 def test_frozen_examples_own_tests_pass():
     """Its tests build ``SelectionContext(config=PipelineConfig(), ...)`` and import from the
     old paths: run as its author would, in a process of its own."""

@@ -126,6 +126,7 @@ def test_greedy_alone_matches_transformers(case, smollm2_llm, hf_model, record_p
     print("\n".join(reports) or f"{kind}: all {len(ids)} prompts equal alone")
 
 
+@pytest.mark.extended
 def test_greedy_batched_matches_transformers(case, smollm2_llm, hf_model, record_property):
     kind, ids, refs = case
     outs = smollm2_llm.generate(ids, {"max_tokens": NEW_TOKENS})
