@@ -14,12 +14,43 @@ limit); token-id inputs keep their last ones, as vLLM does.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Sequence as Seq
 
 import torch
 
 from tessellm.core.errors import InvalidRequestError
 from tessellm.core.interfaces.pooling import PoolingParams
+
+@dataclass
+class EmbeddingOutput:
+    """One text's embedding (``LLM.embed``)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]
+
+
+@dataclass
+class ScoreOutput:
+    """One (query, document) pair's score (``LLM.score``): ``score`` the first label's (the
+    only one of a reranker), ``scores`` one per label."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    score: float
+    scores: list[float]
+
+
+@dataclass(frozen=True)
+class PooledInput:
+    """One pooling request's input: its token ids, their type ids (an encoder's segments; None:
+    all 0) and how many leading tokens (a prompt) pooling leaves out."""
+
+    token_ids: list[int]
+    token_type_ids: list[int] | None = None
+    skip: int = 0
+
 
 SIMILARITIES = ("cosine", "dot", "euclidean", "manhattan")
 """sentence-transformers' similarity functions (``similarity_fn_name``); the distances are
@@ -66,7 +97,6 @@ class EmbedAndScore:
         ``prompt_name``/``prompt``: a prompt before each text (default: the checkpoint's
         default prompt); ``dimensions``: keep the first values (Matryoshka); ``normalize``:
         unit length (None: as the checkpoint says)."""
-        from tessellm.core.engine.llm import EmbeddingOutput
 
         self._require("embed")
         texts = [texts] if isinstance(texts, str) or _is_ids(texts) else list(texts)
@@ -83,7 +113,6 @@ class EmbedAndScore:
         embedding pipeline the similarity of the two embeddings (the checkpoint's similarity
         function, cosine by default; the query under its "query" prompt, documents under
         their "document" one, as sentence-transformers' encode_query/encode_document)."""
-        from tessellm.core.engine.llm import ScoreOutput
 
         queries, docs = pairs_of(query, documents)
         if self.pipeline.task == "embed":
@@ -101,7 +130,6 @@ class EmbedAndScore:
         """Each text (a string or token ids) as a ``PooledInput``, tokenized as
         sentence-transformers does (see the module docstring); InvalidRequestError for an
         empty input, an unknown prompt name or a bad truncation."""
-        from tessellm.core.engine.llm import PooledInput
 
         said = self.pipeline.checkpoint_pooling
         text_prompt = self._prompt(prompt_name, prompt)
@@ -128,7 +156,6 @@ class EmbedAndScore:
         """Each (query, document) pair as one ``PooledInput``, as the pooler pairs them
         (``Pooler.encode_pair``: a cross-encoder's pair encoding, a decoder reranker's
         template), truncated as the pooler truncates where asked."""
-        from tessellm.core.engine.llm import PooledInput
 
         limit = self._truncation(truncate_prompt_tokens)
         pair = self.pipeline.pooler.encode_pair
@@ -205,7 +232,6 @@ class EmbedAndScore:
 
     def _similarities(self, queries: list[str], docs: list[str], truncate: int | None,
                       progress: bool | None) -> list[Any]:
-        from tessellm.core.engine.llm import ScoreOutput
 
         said = self.pipeline.checkpoint_pooling
         query_prompt, doc_prompt = similarity_prompts(said)

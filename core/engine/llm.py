@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from tqdm.auto import tqdm
 
 from tessellm.core.config import PipelineConfig
-from tessellm.core.engine.embed import EmbedAndScore
+from tessellm.core.engine.embed import EmbedAndScore, EmbeddingOutput, PooledInput, ScoreOutput  # noqa: F401 (re-exported)
 from tessellm.core.engine.gc_freeze import frozen_heap
 from tessellm.core.engine.pipeline import Pipeline
 from tessellm.core.engine.request import RequestState
@@ -66,36 +66,6 @@ class RequestOutput:
     @property
     def finish_reason(self) -> str | None:
         return self.outputs[0].finish_reason
-
-
-@dataclass
-class EmbeddingOutput:
-    """One text's embedding (``LLM.embed``)."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    embedding: list[float]
-
-
-@dataclass
-class ScoreOutput:
-    """One (query, document) pair's score (``LLM.score``): ``score`` the first label's (the
-    only one of a reranker), ``scores`` one per label."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    score: float
-    scores: list[float]
-
-
-@dataclass(frozen=True)
-class PooledInput:
-    """One pooling request's input: its token ids, their type ids (an encoder's segments; None:
-    all 0) and how many leading tokens (a prompt) pooling leaves out."""
-
-    token_ids: list[int]
-    token_type_ids: list[int] | None = None
-    skip: int = 0
 
 
 def to_sampling_params(value: Any) -> SamplingParams:

@@ -30,7 +30,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tessellm.core.errors import InvalidRequestError
-from tessellm.core.model.spec import ModelSpec
+from tessellm.core.interfaces.spec import ModelSpec
 from tessellm.core.plugin import Plugin, PluginOptions, SelectionContext, reject_booleans_for_numbers
 
 Rows = Literal["first", "last", "all"]

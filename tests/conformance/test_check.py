@@ -80,7 +80,8 @@ def test_checks_in_one_process_each_run_their_own_suite():
     second = run_check("quant", "none", examples=2)
     assert first.ok and second.ok
     assert {r.name for r in second.results} == {"test_forward_error_within_the_declared_bound",
-                                                  "test_linears_keep_their_names_and_shapes"}
+                                                  "test_linears_keep_their_names_and_shapes",
+                                                  "test_linears_equal_the_reference_of_their_own_arithmetic"}
 
 
 def test_examples_bound_every_property_parametrized_ones_included(capsys):

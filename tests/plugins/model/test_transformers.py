@@ -57,11 +57,11 @@ def test_auto_keeps_native_plugins_and_takes_undeclared_types(caplog):
 
 
 def test_a_variant_the_native_plugin_refuses_falls_back(caplog):
-    """Llama with a ReLU MLP: the llama plugin's gated MLP computes SiLU or GeLU only."""
+    """Llama with a Mish MLP: the llama plugin's MLP computes SiLU, GELU or ReLU only."""
     with caplog.at_level(logging.INFO, logger="tessellm.core.registry"):
-        plugin, _ = get_registry().model_for(tiny_config("llama", hidden_act="relu"))
+        plugin, _ = get_registry().model_for(tiny_config("llama", hidden_act="mish"))
     assert plugin.name == "transformers"
-    assert any("hidden_act 'relu'" in r.getMessage() and "'transformers' instead" in r.getMessage()
+    assert any("hidden_act 'mish'" in r.getMessage() and "'transformers' instead" in r.getMessage()
                for r in caplog.records)
 
 

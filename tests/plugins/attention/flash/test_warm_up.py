@@ -101,7 +101,8 @@ def test_warm_up_launches_every_kernel_variant_a_run_launches(tiny_model, cpu_co
     launched = rec.names()
     assert {"_paged_flash_fwd", "_paged_decode_split", "_paged_decode_merge", "_add_rmsnorm_kernel",
             "_rope_store_kernel", "_silu_mul_packed_kernel"} <= launched
-    prefills = {k[1][-3] for k in rec.seen if k[0] == "_paged_flash_fwd"}  # PACKED (then QUANT, COMPUTE)
+    packed_at = list(inspect.signature(prefill._paged_flash_fwd.fn).parameters).index("PACKED")
+    prefills = {k[1][packed_at] for k in rec.seen if k[0] == "_paged_flash_fwd"}  # a key: one entry a parameter
     assert prefills == {("constexpr", packed)}  # the option's prefill variant, and only it
     # both decode variants were met: the split one, merged, and the single-split one; and
     # the run's split counts varied (1, 2 and 3: the longest context in a step grows)
