@@ -33,8 +33,10 @@ demo: setup
 		"A recipe for pancakes: first,"
 	$(BIN)/tessellm generate --chat --max-tokens 48 "What is the capital of Japan?"
 
+# two workers (pytest-xdist), each test file on one worker: its module fixtures built once
+TEST_WORKERS ?= 2
 test: setup
-	$(BIN)/python -m pytest -q -m "not extended"
+	$(BIN)/python -m pytest -q -m "not extended" -n $(TEST_WORKERS) --dist loadfile
 
 # every test, the wider matrices marked `extended` included
 test-all: setup

@@ -43,6 +43,16 @@ def _gpu_shared_by_workers():
 
 
 @pytest.fixture(scope="session", autouse=True)
+def _cpu_threads_shared_by_workers():
+    """Parallel test workers (make test runs two) each take an equal share of the CPU's
+    threads, so that two workers' matrix kernels do not fight over the same cores."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
 def _float32_dots_are_ieee():
     """Every interpreted Triton launch of float32 tensors computes its dots in IEEE float32, as
     a float32 model needs on a GPU (the interpreter alone would never show TF32)."""

@@ -9,6 +9,7 @@ folder and take seconds.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -17,7 +18,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -80,8 +81,28 @@ def model_folder(path: Path, cache_dir: Path | None = None) -> Path:
     key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{CONVERTER_VERSION}".encode()).hexdigest()[:16]
     target = (cache_dir or default_cache_dir()) / "gguf" / f"{path.stem}-{key}"
     if not (target / "config.json").is_file():
-        _convert_gguf(path, target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with _exclusive(target.parent / f".{target.name}.lock"):
+            if not (target / "config.json").is_file():  # else another process converted it meanwhile
+                _convert_gguf(path, target)
     return target
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """Held by one process at a time (processes starting together, such as data-parallel
+    replicas or test workers, convert a checkpoint once, never one under another's feet)."""
+    try:
+        import fcntl
+    except ImportError:  # no POSIX locks (Windows): one process at a time is the caller's affair
+        yield
+        return
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _convert_gguf(path: Path, target: Path) -> None:

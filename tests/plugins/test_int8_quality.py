@@ -19,7 +19,8 @@ TEXTS = [pytest.param(t, marks=pytest.mark.extended) if t != "paradise-lost" els
 """One text in make test (both texts hold the same relation); the other under make test-all."""
 
 
-@pytest.mark.parametrize("variant", sorted(BOUNDS))
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=pytest.mark.extended) if v == "w8a8-smoothquant" else v
+                                     for v in sorted(BOUNDS)])  # w8a8's calibration pass: make test-all
 @pytest.mark.parametrize("text", TEXTS)
 def test_perplexity_within_the_bound_of_float32(smollm2_dir, variant, text):
     parts, bound = BOUNDS[variant]
