@@ -90,7 +90,7 @@ def tokens(n: int) -> str:
 
 
 def targets(results: dict) -> dict:
-    """Each of issue 58's figures beside its target: {name: {"value", "target", "met"}}."""
+    """Each QUEST GPU figure beside its target: {name: {"value", "target", "met"}}."""
     out = {}
 
     def put(name: str, value, target: str, met: bool) -> None:

@@ -1,4 +1,4 @@
-"""The GPT-NeoX case of issue 60, as a third party meets it: a model plugin written from the
+"""A GPT-NeoX model plugin as a third party meets it: a model plugin written from the
 docs alone (examples/tessellm-gptneox-example: LayerNorm with bias, parallel residual, partial
 rotary, a plain GELU MLP, a per-head fused qkv) passes ``tessellm plugins --check`` against
 transformers' own GPTNeoXForCausalLM with nothing of tessellm's internals touched; transformers'

@@ -1,5 +1,5 @@
-"""A third party's logits processor that writes rows it was not handed (issue 60's typical-p
-processor, which filters the whole logits tensor) cannot change another request's tokens: by
+"""A third party's logits processor that writes rows it was not handed (a typical-p
+processor that filters the whole logits tensor) cannot change another request's tokens: by
 default it is handed its own rows only, and with ``TESSELLM_CHECK_CONTRACTS=1`` it is a
 ``ContractError`` naming it, failing its own requests while the others finish."""
 
