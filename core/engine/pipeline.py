@@ -128,7 +128,9 @@ class Pipeline:
                              sync=RankSync(self.ranks.world) if self.ranks else None,
                              grammar=GrammarSession(build, self.decoder.num_lookahead_tokens),
                              processors=self._logits_processors(), lora=self.lora,
-                             async_scheduling=self.async_scheduling)
+                             async_scheduling=self.async_scheduling,
+                             max_images_per_prompt=config.images.max_per_prompt,
+                             encoder_cache_tokens=config.images.encoder_cache_tokens)
         self._attach_decoder()
         if self.ranks and not self.ranks.world.is_leader:  # a follower serves rank 0 until it stops, then exits
             follow(self.engine, self.engine.sync)
@@ -137,6 +139,14 @@ class Pipeline:
     def close(self) -> None:
         """Finish what outlives the pipeline: the cache's (a disk tier's queued writes)."""
         self.cache.close()
+
+    @functools.cached_property
+    def image_processor(self) -> Any:
+        """The model's ``ImageProcessor`` (transformers' processor of the checkpoint), built on
+        first use; None for a model that takes no images."""
+        if self.spec.vision is None:
+            return None
+        return self.architecture.image_processor(self.model_dir, self.spec.vision.hf_config)
 
     def _kv_fingerprint(self) -> str:
         """What K/V values depend on besides the tokens (``CacheSpec.fingerprint``): the

@@ -20,6 +20,7 @@ FEATURE_WORDS = {
     "per_layer_window": "sliding windows on some layers only",
     "softcap": "attention logit softcapping",
     "sinks": "attention sinks",
+    "bidirectional_images": "attention that is bidirectional within each image",
 }
 
 
@@ -137,7 +138,7 @@ class AttentionBackend(Plugin):
                 reasons.append(f"does not serve {FEATURE_WORDS[feature]} (layer feature {feature!r}), which "
                                f"{model.model_type!r} needs on layers {shown}; it serves "
                                f"{', '.join(sorted(cls.layer_features)) or 'no layer features'} "
-                               f"(sdpa, cascade and flash serve them all)")
+                               f"(sdpa serves them all)")
         return reasons
 
     def layer_attention(self, layer: int) -> LayerAttention:

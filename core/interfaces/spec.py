@@ -103,13 +103,16 @@ class KVShape:
         return self.tensors * self.num_heads * self.head_dim
 
 
-LAYER_FEATURES = ("sliding_window", "per_layer_window", "softcap", "sinks")
+LAYER_FEATURES = ("sliding_window", "per_layer_window", "softcap", "sinks", "bidirectional_images")
 """What a model's layers may ask of an attention backend beyond causal attention at the
 model's scale (``LayerAttention``; a backend's ``layer_features`` names those it serves):
 "sliding_window", a window on every layer alike (the model-wide ``sliding_window`` that
 backends before plugin API 1.8 read); "per_layer_window", windows on some layers only or of
 different sizes; "softcap", attention logits capped as ``cap * tanh(s / cap)`` before the
-softmax; "sinks", a learned logit per query head in every softmax's denominator."""
+softmax; "sinks", a learned logit per query head in every softmax's denominator;
+"bidirectional_images" (plugin API 1.23), a query inside an image's placeholder span sees
+every key of that span too, not only those before it (Gemma 3's images:
+``MultimodalBatch.spans``)."""
 
 
 @dataclass(frozen=True)
@@ -128,6 +131,22 @@ class LayerAttention:
     softcap: float | None = None
     sinks: bool = False
     rope: str | None = "default"
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """A model that takes images (plugin API 1.23): ``image_token_id``, the placeholder token
+    whose input embeddings the image's replace; ``whole_images``, whether an image's tokens
+    attend to each other in both directions (Gemma 3), so a prefill chunk never ends inside
+    one and the attention backend must serve "bidirectional_images"; ``mrope_section``, for
+    3-D rotary positions (Qwen2-VL's M-RoPE), how many of a head's rotary frequencies follow
+    the temporal, height and width position (None: 1-D RoPE); ``hf_config``, the whole
+    multimodal config (``ModelSpec.hf_config`` is the language model's)."""
+
+    image_token_id: int
+    whole_images: bool = False
+    mrope_section: tuple[int, ...] | None = None
+    hf_config: Any = None
 
 
 @dataclass(frozen=True)
@@ -167,6 +186,9 @@ class ModelSpec:
     Granite's attention_multiplier); None: the default."""
     mlp_activation: str = "silu"
     """The gated MLP's activation: "silu" (SwiGLU) or "gelu_pytorch_tanh" (GeGLU, Gemma)."""
+    vision: VisionSpec | None = None
+    """Set for a model that takes images (its module implements ``VisionModule``); None:
+    text only."""
 
     def attention_of(self, layer: int) -> LayerAttention:
         """What ``layer``'s attention computes (its window, softcap, sinks, RoPE table)."""
@@ -188,6 +210,8 @@ class ModelSpec:
         sinks = [i for i, a in enumerate(layers) if a.sinks]
         if sinks:
             needs["sinks"] = sinks
+        if self.vision is not None and self.vision.whole_images:
+            needs["bidirectional_images"] = list(range(self.num_layers))
         return needs
 
     @property

@@ -106,13 +106,15 @@ class ModelRunner:
             plan = LayerPlans([plan, *(self.backend.plan(view, self.cache) for view in batch.groups)],
                               self._group_of_layer())
         lora = self.lora
+        # only a step with image inputs passes them: a text model's forward takes no such argument
+        extra = {"images": batch.images} if batch.images is not None else {}
         if lora is None or batch.lora_slots_cpu is None:
             return self.model(batch.input_ids, batch.positions, batch.logits_indices,
-                              self.backend, self.cache, plan, layers, native_logits=native_logits)
+                              self.backend, self.cache, plan, layers, native_logits=native_logits, **extra)
         lora.plan = lora.plan_for(batch)
         try:
             return self.model(batch.input_ids, batch.positions, batch.logits_indices,
-                              self.backend, self.cache, plan, layers, native_logits=native_logits)
+                              self.backend, self.cache, plan, layers, native_logits=native_logits, **extra)
         finally:
             lora.plan = None
 

@@ -53,7 +53,7 @@ class TorchLora(LoraKernel):
     grouped by adapter for large ones."""
 
     name = "torch"
-    api_version = "1.14"
+    api_version = "1.23"
     auto_priority = 10
     supports_cuda_graphs = True
     stacked_row_slots = STACKED_ROW_SLOTS

@@ -56,7 +56,7 @@ class GraniteArchitecture(ModelArchitecture):
     """Granite 3.x dense models: Llama with embedding, attention, residual and logit scalars."""
 
     name = "granite"
-    api_version = "1.14"
+    api_version = "1.23"
     model_types = ("granite",)
 
     def spec(self, hf_config: Any) -> ModelSpec:

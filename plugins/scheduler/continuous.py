@@ -54,7 +54,7 @@ class ContinuousScheduler(QueueScheduler):
     """
 
     name = "continuous"
-    api_version = "1.14"
+    api_version = "1.23"
     description = "in-flight batching: token budget, chunked prefill, preemption, fcfs/priority"
     Options = ContinuousOptions
     auto_priority = 50

@@ -113,7 +113,7 @@ class FlashAttention(AttentionBackend):
     """
 
     name = "flash"
-    api_version = "1.14"
+    api_version = "1.23"
     description = "Triton FlashAttention over packed varlen batches, K/V read through block tables"
     Options = FlashOptions
     auto_priority = 30

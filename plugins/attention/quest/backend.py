@@ -189,7 +189,7 @@ class QuestAttention(SdpaAttention):
     """
 
     name = "quest"
-    api_version = "1.14"
+    api_version = "1.23"
     description = "QUEST query-aware sparse decode attention: top-K blocks by key-bound scores"
     Options = QuestOptions
     auto_priority = None  # approximate by design: only when named

@@ -149,7 +149,7 @@ class PagedCache(CacheManager):
     """
 
     name = "paged"
-    api_version = "1.14"
+    api_version = "1.23"
     description = "fixed-size blocks with reference counts, copy-on-write forks and prefix caching"
     Options = PagedOptions
     auto_priority = 50

@@ -59,7 +59,7 @@ class Int4WeightQuantizer(Quantizer):
     """int4 weight-only quantization of the decoder layers' linears (and optionally lm_head)."""
 
     name = "int4-weight"
-    api_version = "1.14"
+    api_version = "1.23"
     description = "group-wise asymmetric int4 weights, activations in the model dtype; dequantized inside the matmul"
     Options = Int4WeightOptions
     auto_priority = None  # quantization changes results: only when named

@@ -65,7 +65,7 @@ class Int8WeightQuantizer(Quantizer):
     """int8 weight-only quantization of the decoder layers' linears (and optionally lm_head)."""
 
     name = "int8-weight"
-    api_version = "1.14"
+    api_version = "1.23"
     description = "int8 weights (per channel or group), activations in the model dtype; dequantized inside the matmul"
     Options = Int8WeightOptions
     auto_priority = None  # quantization changes results: only when named
