@@ -373,3 +373,16 @@ class Pipeline:
         else:
             config = load_config(config, overrides)
         return cls(config, registry)
+
+
+def image_processor_for(config: Any, model_dir: Any) -> Any:
+    """The ``ImageProcessor`` of the model ``config`` names (in ``model_dir``), built without
+    the model: what a server's API process, apart from the engine core, processes a prompt's
+    images with; None for a model that takes no images."""
+    config = config if isinstance(config, PipelineConfig) else PipelineConfig.model_validate(config)
+    hf_config = load_hf_config(model_dir)
+    architecture = get_registry().architecture_for(hf_config, config.architecture.name, config.architecture.options)
+    spec = architecture.load_spec(hf_config)
+    if spec.vision is None:
+        return None
+    return architecture.image_processor(model_dir, spec.vision.hf_config)

@@ -122,3 +122,42 @@ def test_an_image_prompt_past_max_model_len_names_its_image_tokens(folder):
     llm = make_llm(folder, max_model_len=12)
     with pytest.raises(InvalidRequestError, match="of them for its 1 images"):
         llm.generate("t5 t6", SamplingParams(max_tokens=1), images=[[picture(112, 112, 0)]])
+
+
+def data_url(image: Image.Image) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(io_bytes(image)).decode()
+
+
+def test_the_openai_client_sends_image_url_parts_to_chat_completions(llm):
+    openai = pytest.importorskip("openai")
+    import httpx
+
+    from tessellm.serve.app import build_app
+    from tessellm.serve.tools import render_chat
+    from tessellm.testing.serving import serving
+
+    image = picture(70, 90, 9)
+    marker = llm.pipeline.image_processor.image_marker
+    text = render_chat([{"role": "user", "content": marker + "t40 t41"}], llm.tokenizer)
+    expected = llm.tokenizer.decode(reference(llm, text, [image]), skip_special_tokens=True)
+    with serving(build_app(llm, model_name="vl")) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        reply = client.chat.completions.create(model="vl", max_tokens=MAX_TOKENS, temperature=0.0, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                         {"type": "text", "text": "t40 t41"}]}])
+        assert reply.choices[0].message.content == expected
+        assert reply.usage.prompt_tokens == len(llm.pipeline.image_processor.process(text, [image]).token_ids)
+        for url_given, words in [("https://example.com/a.png", "fetching image URLs is off"),
+                                 ("data:image/png;base64,!!!", "not valid base64"),
+                                 ("data:image/png;base64,aGVsbG8=", "could not be read")]:
+            r = httpx.post(url + "/v1/chat/completions", json={"model": "vl", "messages": [
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url_given}}]}]})
+            assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "vl", "max_tokens": 1, "messages": [
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}}] * 9}]})
+        assert r.status_code == 400 and "at most 8" in r.json()["error"]["message"], r.text
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "vl", "max_tokens": 1, "messages": [
+            {"role": "user", "content": "t40"}]})
+        assert r.status_code == 200, r.text  # still serving
