@@ -131,6 +131,7 @@ def data_url(image: Image.Image) -> str:
     return "data:image/png;base64," + base64.b64encode(io_bytes(image)).decode()
 
 
+@pytest.mark.extended  # a server round trip: the default set keeps the cheaper cases
 def test_the_openai_client_sends_image_url_parts_to_chat_completions(llm):
     openai = pytest.importorskip("openai")
     import httpx
