@@ -109,6 +109,20 @@ class LoraConfig(PluginSection):
         return self.enabled if self.enabled is not None else bool(self.adapters) or self.runtime_updates
 
 
+class ImagesConfig(BaseModel):
+    """Images in prompts, for a model that takes them (a model plugin with a vision encoder:
+    qwen2_vl, gemma's multimodal Gemma 3, idefics3)."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    max_per_prompt: int = Field(8, ge=0, le=1024, strict=True)
+    """Most images one prompt may hold (``tessellm serve --limit-mm-per-prompt image=N``);
+    more is refused with a 400."""
+    encoder_cache_tokens: int = Field(16384, ge=0, strict=True)
+    """How many image embeddings (placeholder tokens) the encoder cache keeps, recent images
+    first: a repeated image is encoded once. 0 keeps none beyond the step that needs them."""
+
+
 class PipelineConfig(BaseModel):
     """Everything that defines a pipeline. Every field has a default."""
 
@@ -152,6 +166,8 @@ class PipelineConfig(BaseModel):
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """LoRA adapters and the kernel that applies them (off unless adapters are given)."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    images: ImagesConfig = Field(default_factory=ImagesConfig)
+    """Images in prompts (for a model that takes them): how many per prompt, the encoder cache."""
     cuda_graphs: bool = True
     """On CUDA, replay decode steps from captured CUDA graphs when the attention backend and
     cache support it (``flash`` with ``paged``); False runs every step eagerly."""
@@ -194,8 +210,9 @@ def _format_validation(exc: ValidationError, where: str) -> str:
         value = err.get("input")
         msg = err["msg"]
         if err["type"] == "extra_forbidden":
+            sections = {"lora": LoraConfig, "images": ImagesConfig, "parallel": ParallelConfig}
             allowed = ", ".join(PipelineConfig.model_fields) if len(err["loc"]) == 1 else \
-                ", ".join(LoraConfig.model_fields) if err["loc"][0] == "lora" else "name, options"
+                ", ".join(sections[err["loc"][0]].model_fields) if err["loc"][0] in sections else "name, options"
             msg = f"unknown field; allowed: {allowed}"
         parts.append(f"{field}: {msg} (got {value!r})" if err["type"] != "missing" else f"{field}: {msg}")
     return f"{where}: " + "; ".join(parts)

@@ -7,9 +7,9 @@ minor versions only add to the contract, a major version changes it.
 
 from __future__ import annotations
 
-__version__ = "0.1.18"
+__version__ = "0.1.19"
 
-PLUGIN_API_VERSION = "1.18"
+PLUGIN_API_VERSION = "1.19"
 
 
 def _parse(version: str) -> tuple[int, int]:

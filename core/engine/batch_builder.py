@@ -1,6 +1,6 @@
 """Packing a step's scheduled sequences into the batch every layer reads (``BatchMetadata``,
 core/interfaces/batch.py): token ids, positions, cache slots and block tables, uploaded to the
-device in two copies."""
+device in two copies; for sequences with images, the image rows (``image_inputs``)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import torch
 from tessellm.core.engine.contracts import check_slots
 from tessellm.core.interfaces.batch import PENDING_TOKEN, BatchMetadata, PromptRows, SampleSlot, ScheduledSeq
 from tessellm.core.interfaces.cache import CacheManager
+from tessellm.core.interfaces.multimodal import MultimodalBatch
 from tessellm.core.interfaces.sequence import Sequence
 
 
@@ -37,7 +38,8 @@ class _Rows:
 def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torch.device,
                 drafts: dict[int, list[int]] | None = None,
                 forks: dict[int, list[Sequence]] | None = None, all_logits: bool = False,
-                decodes_only: bool = False, prompt_logprobs: bool = True) -> BatchMetadata:
+                decodes_only: bool = False, prompt_logprobs: bool = True,
+                multimodal: bool | None = None) -> BatchMetadata:
     """Pack ``scheduled`` into a batch; the cache must already hold slots for every token.
 
     ``drafts`` (seq_id -> draft tokens) extends a decoding sequence's query with tokens to
@@ -49,6 +51,8 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
     ``decodes_only`` promises that every item is one query token that samples (the
     sequence's last token, or one still on the device), with no drafts or forks: the same
     batch, built by a shorter loop (async scheduling's steps, hundreds of sequences each).
+    ``multimodal`` says whether some sequence may have images (None: look); the engine
+    passes False while no live sequence has any, so a text batch costs no test per row.
     """
     block_table = cache.block_table
     if decodes_only:
@@ -59,7 +63,9 @@ def build_batch(scheduled: list[ScheduledSeq], cache: CacheManager, device: torc
             _add_prompt_rows(rows, scheduled)
     if all_logits:
         rows.logits = list(range(len(rows.ids)))
-    return _upload(rows, scheduled, cache, device)
+    if multimodal is None:
+        multimodal = any(getattr(item.seq, "multimodal", None) is not None for item in scheduled)
+    return _upload(rows, scheduled, cache, device, multimodal)
 
 
 def _decode_rows(scheduled: list[ScheduledSeq], block_table: Any) -> _Rows:
@@ -131,7 +137,8 @@ def _add_prompt_rows(rows: _Rows, scheduled: list[ScheduledSeq]) -> None:
         rows.logits.extend(range(packed, packed + count))
 
 
-def _upload(rows: _Rows, scheduled: list[ScheduledSeq], cache: CacheManager, device: torch.device) -> BatchMetadata:
+def _upload(rows: _Rows, scheduled: list[ScheduledSeq], cache: CacheManager, device: torch.device,
+            multimodal: bool = False) -> BatchMetadata:
     """Positions and cache slots computed (vectorized: a prefill step has thousands of tokens,
     a decode step hundreds of sequences) and everything uploaded in two copies."""
     bs = cache.layout.block_size
@@ -148,7 +155,8 @@ def _upload(rows: _Rows, scheduled: list[ScheduledSeq], cache: CacheManager, dev
     check_slots(cache, slots)
     seq_lens = starts + query_lens
     upload = functools.partial(_to_device, device=device)
-    longs = upload(np.concatenate([np.asarray(rows.ids, dtype=np.int64), pos, slots,
+    images, rope_pos = image_inputs(scheduled, rows, pos, device) if multimodal else (None, pos)
+    longs = upload(np.concatenate([np.asarray(rows.ids, dtype=np.int64), rope_pos, slots,
                                    np.asarray(rows.logits, dtype=np.int64)]))
     ints = upload(np.concatenate([qsl_np, seq_lens, padded.reshape(-1)]).astype(np.int32))
     t, r, b = num_tokens, len(rows.logits), num_seqs
@@ -157,7 +165,7 @@ def _upload(rows: _Rows, scheduled: list[ScheduledSeq], cache: CacheManager, dev
         query_start_loc=ints[:b + 1], seq_lens=ints[b + 1:2 * b + 1], block_tables=ints[2 * b + 1:].view(b, width),
         query_lens_cpu=query_lens.tolist(), seq_lens_cpu=seq_lens.tolist(),
         block_tables_cpu=tables, block_size=bs, seqs=[s.seq for s in scheduled], samples=rows.samples,
-        prompt_rows=rows.prompt_rows, lora_slots_cpu=_lora_slots(scheduled))
+        prompt_rows=rows.prompt_rows, lora_slots_cpu=_lora_slots(scheduled), images=images)
     for group in range(1, len(getattr(cache, "layer_groups", ()))):  # a cache that frees out-of-window blocks
         group_tables = [cache.group_block_table(item.seq, group) for item in scheduled]
         group_padded = _padded(group_tables)
@@ -167,6 +175,57 @@ def _upload(rows: _Rows, scheduled: list[ScheduledSeq], cache: CacheManager, dev
             batch, slot_mapping=upload(group_slots), block_tables=upload(group_padded.astype(np.int32)),
             block_tables_cpu=group_tables, groups=[]))
     return batch
+
+
+def image_inputs(scheduled: list[ScheduledSeq], rows: _Rows, pos: np.ndarray,
+                 device: torch.device) -> tuple[MultimodalBatch | None, np.ndarray]:
+    """The image rows of a batch (each row a placeholder of an image the query reaches, with
+    that image's embedding, which the engine attached to the sequence) and the rows' rotary
+    positions: M-RoPE sequences' rows after their prompt shifted by its delta, and every row's
+    3-D position where some row lies in a prompt with M-RoPE positions (``pos``: each row's
+    position in its sequence, which cache slots keep)."""
+    rope_pos = pos
+    emb_rows: list[np.ndarray] = []
+    embeds: list[torch.Tensor] = []
+    spans: list[tuple[int, int, int]] = []
+    in_prompts: list[tuple[int, np.ndarray]] = []  # (first row, 3-D positions of its rows in the prompt)
+    for i, item in enumerate(scheduled):
+        mm = item.seq.multimodal
+        if mm is None:
+            continue
+        first, last, start = rows.qsl[i], rows.qsl[i + 1], rows.starts[i]
+        end = start + last - first
+        for j, image in enumerate(mm.images):
+            if image.offset >= end or image.end <= start:
+                continue
+            spans.append((i, image.offset, image.end))
+            at = image.embed_positions()
+            lo, hi = np.searchsorted(at, start), np.searchsorted(at, end)
+            if hi > lo:
+                emb_rows.append(first + at[lo:hi] - start)
+                embeds.append(mm.embeds[j][lo:hi])
+        if mm.rope_positions is None:
+            continue
+        prompt = item.seq.num_prompt_tokens
+        if rope_pos is pos:
+            rope_pos = pos.copy()
+        rope_pos[first:last] += np.where(pos[first:last] >= prompt, mm.rope_delta, 0)
+        if start < prompt:
+            in_prompts.append((first, mm.rope_positions[:, start:min(end, prompt)]))
+    pos3 = None
+    if in_prompts:  # rows in a prompt take its table's 3-D positions; the others their 1-D one thrice
+        pos3 = np.repeat(rope_pos[None, :], 3, axis=0)
+        for first, table in in_prompts:
+            pos3[:, first:first + table.shape[1]] = table
+    if not (emb_rows or spans or pos3 is not None):
+        return None, rope_pos
+    if emb_rows:
+        flat = np.concatenate(emb_rows)
+        rows_t, embeds_t = _to_device(flat, device), torch.cat(embeds)
+    else:
+        rows_t, embeds_t = torch.zeros(0, dtype=torch.long, device=device), torch.zeros(0, device=device)
+    positions = _to_device(np.ascontiguousarray(pos3), device) if pos3 is not None else None
+    return MultimodalBatch(rows_t, embeds_t, positions, spans), rope_pos
 
 
 def _to_device(values: np.ndarray, device: torch.device) -> torch.Tensor:

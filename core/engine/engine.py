@@ -26,6 +26,7 @@ from tessellm.core.engine import contracts
 from tessellm.core.engine.batch_builder import build_batch
 from tessellm.core.engine.faults import find_culprits
 from tessellm.core.engine.grammar import GrammarMask, GrammarSession
+from tessellm.core.engine.images import EncoderCache, ImageEncoder, admit_images, images_salt
 from tessellm.core.engine.lora import LoraAdapters
 from tessellm.core.engine.outputs import StopRule, record_prompt_logprobs, token_logprobs
 from tessellm.core.engine.processors import LogitsProcessors
@@ -37,11 +38,13 @@ from tessellm.core.interfaces.batch import BatchMetadata, ScheduledSeq, Schedule
 from tessellm.core.interfaces.cache import CacheManager
 from tessellm.core.interfaces.decoder import Decoder
 from tessellm.core.interfaces.logits import LogitsProcessor
+from tessellm.core.interfaces.multimodal import ImageInput
 from tessellm.core.interfaces.scheduler import Scheduler
 from tessellm.core.interfaces.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from tessellm.core.model.kernel_builds import build_log
 from tessellm.core.model.lora import LoraAdapter
 from tessellm.core.model.runner import ModelRunner
+from tessellm.core.version import api_minor
 from tessellm.core.parallel.stages import split_for_microbatches
 from tessellm.core.parallel.sync import RankSync
 
@@ -94,7 +97,8 @@ class Engine:
     def __init__(self, runner: ModelRunner, cache: CacheManager, scheduler: Scheduler, decoder: Decoder,
                  *, stop: StopRule, vocab_size: int, seed: int = 0, sync: RankSync | None = None,
                  grammar: GrammarSession | None = None, processors: list[LogitsProcessor] = (),
-                 lora: LoraAdapters | None = None, async_scheduling: bool = False):
+                 lora: LoraAdapters | None = None, async_scheduling: bool = False,
+                 max_images_per_prompt: int = 8, encoder_cache_tokens: int = 16384):
         self.async_scheduling = async_scheduling
         """Whether a step whose every sequence samples on the device is launched before the
         step before's tokens reach the host (vLLM's and SGLang's overlap scheduling)."""
@@ -121,19 +125,32 @@ class Engine:
         self.lora = lora
         """The adapters this engine serves (None: LoRA is off)."""
         self._lora_waiting: list[Sequence] = []  # admitted, waiting for a device slot for their adapter
+        self.max_images_per_prompt = max_images_per_prompt
+        self.images: ImageEncoder | None = None
+        """The encoder step of a model that takes images (None: a text-only model)."""
+        if runner.spec.vision is not None:
+            self.images = ImageEncoder(runner.model.encode_images, runner.spec.hidden_size,
+                                       EncoderCache(encoder_cache_tokens), self.stats)
+        self._with_images: set[int] = set()  # live sequences whose prompt has images
 
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    *, priority: int = 0, cache_salt: str | None = None, lora: str | None = None) -> RequestState:
+                    *, priority: int = 0, cache_salt: str | None = None, lora: str | None = None,
+                    images: list[ImageInput] | None = None) -> RequestState:
         """Admit a request (``lora``: the registered adapter it runs under, None for the base
-        model); ``InvalidRequestError`` or ``RequestRejectedError`` (an unknown adapter:
-        ``LoraAdapterError``) if it cannot be served."""
+        model; ``images``: the prompt's images, processed by the model's ``ImageProcessor``,
+        whose placeholders the prompt holds); ``InvalidRequestError`` or
+        ``RequestRejectedError`` (an unknown adapter: ``LoraAdapterError``) if it cannot be
+        served."""
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        binding = self.admit(prompt_token_ids, params)
+        binding, multimodal = self.admit(prompt_token_ids, params, images)
         salt = self._lora_salt(lora, cache_salt)
+        if multimodal is not None and api_minor(getattr(self.cache, "api_version", "1.0")) < 19:
+            salt = images_salt(salt, multimodal.images)  # a cache that does not read Sequence.images
         seq = Sequence(request_id, prompt_token_ids, params, priority=priority, cache_salt=salt)
+        seq.multimodal = multimodal
         seq.generator = self._generator(params, 0)
         seq.lora = lora
         seq.joint = self.decoder.joint(params)
@@ -146,35 +163,52 @@ class Engine:
         state = RequestState(request_id, params, [seq])
         self.requests[request_id] = state
         self.stats.prompt_tokens += len(prompt_token_ids)
+        if multimodal is not None:
+            self._with_images.add(seq.seq_id)
+            self.stats.image_tokens += multimodal.num_image_tokens
         self.processors.add(seq, binding)
         if self.sync is not None:
             self.sync.record("add", request_id=request_id, prompt_token_ids=list(prompt_token_ids), params=params,
                              priority=priority, cache_salt=cache_salt, lora=lora)
         return state
 
-    def admit(self, prompt_token_ids: list[int], params: SamplingParams) -> Any:
+    def admit(self, prompt_token_ids: list[int], params: SamplingParams,
+              images: list[ImageInput] | None = None) -> tuple[Any, Any]:
         """The admission rules a request meets before it is queued (the conformance suites
         apply them too, to skip what the engine would refuse): the prompt (not empty, in the
-        vocabulary, room to generate), the decoder's (fields newer than its plugin API, its
-        ``extra_args``, its ``check``), structured output without ``min_tokens``, and the
-        logits processors' (names, arguments; a grammar compiles). InvalidRequestError naming
-        the rule; else the request's processor binding."""
+        vocabulary, its images (``_admit_images``), room to generate), the decoder's (fields
+        newer than its plugin API, its ``extra_args``, its ``check``), structured output
+        without ``min_tokens``, and the logits processors' (names, arguments; a grammar
+        compiles). InvalidRequestError naming the rule; else the request's processor binding
+        and its images as a ``MultimodalPrompt`` (None without images)."""
         if not prompt_token_ids:
             raise InvalidRequestError("prompt is empty; give at least one token", field="prompt")
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                       field="prompt")
+        multimodal = self._admit_images(prompt_token_ids, images) if images else None
         if len(prompt_token_ids) >= self.max_model_len:
-            raise InvalidRequestError(f"prompt has {len(prompt_token_ids)} tokens; the context window "
-                                      f"(max_model_len) is {self.max_model_len}, leaving no room to generate", field="prompt")
+            of = f" ({multimodal.num_image_tokens} of them for its {len(images)} images)" if multimodal else ""
+            raise InvalidRequestError(f"prompt has {len(prompt_token_ids)} tokens{of}; the context window "
+                                      f"(max_model_len) is {self.max_model_len}, leaving no room to generate",
+                                      field="images" if multimodal else "prompt")
         self.decoder.validate_request_fields(params)
         self.decoder.validate_request_args(params)
         self.decoder.check(params)
         if params.structured_output is not None and params.min_tokens:
             raise InvalidRequestError("min_tokens cannot be combined with structured output: the grammar decides "
                                       "where the output ends", field="min_tokens")
-        return self.processors.bind(params)  # compiles a grammar; refuses bad processor arguments
+        return self.processors.bind(params), multimodal  # bind compiles a grammar; refuses bad processor arguments
+
+    def _admit_images(self, prompt_token_ids: list[int], images: list[ImageInput]) -> Any:
+        """The prompt's images checked and, for an M-RoPE model, positioned (a
+        ``MultimodalPrompt``); InvalidRequestError naming the problem."""
+        if self.sync is not None:
+            raise InvalidRequestError("images are not served under tensor or pipeline parallelism; serve this model "
+                                      "with parallel.tensor=1 and parallel.pipeline=1 to send images", field="images")
+        return admit_images(self.runner.spec, self.runner.model, prompt_token_ids, list(images),
+                            limit=self.max_images_per_prompt, step_tokens=self.scheduler.max_step_tokens)
 
     # ------------------------------------------------------------------ LoRA adapters
 
@@ -308,6 +342,8 @@ class Engine:
             self._collect_in_flight()  # the next schedule needs its tokens
         out = self._schedule()
         start = self.stats.add_phase("schedule", start)
+        if self._with_images and not out.is_empty:
+            self._encode_images(out)
         if out.is_empty:
             if self._in_flight is not None:
                 self._collect_in_flight()
@@ -339,6 +375,16 @@ class Engine:
         if any(item.seq.joint for item in out.scheduled):
             self._hold_split_groups(out)
         return out
+
+    def _encode_images(self, out: SchedulerOutput) -> None:
+        """The encoder step: the images the step's queries reach get their embeddings; a
+        request whose image cannot be encoded fails alone and leaves the step."""
+        failed = self.images.prepare(out.scheduled, self.scheduler.name)
+        for request_id, exc in failed.items():
+            self.failures[request_id] = exc
+            self.abort(request_id)
+        if failed:
+            out.scheduled = [item for item in out.scheduled if not item.seq.is_finished]
 
     def _hold_split_groups(self, out: SchedulerOutput) -> None:
         """A joint request (beam search) samples only when every one of its live sequences
@@ -512,7 +558,8 @@ class Engine:
         decodes = all(i.num_query_tokens == 1 and
                       i.seq.num_computed_tokens + 1 == len(i.seq.token_ids) + i.seq.num_pending
                       for i in out.scheduled)
-        batch = build_batch(out.scheduled, self.cache, self.runner.device, decodes_only=decodes)
+        batch = build_batch(out.scheduled, self.cache, self.runner.device, decodes_only=decodes,
+                            multimodal=bool(self._with_images))
         if self._kv_check.always:
             contracts.check_slots_not_held(self.cache, contracts.query_slots(batch),
                                            list(self.scheduler.running_sequences()))
@@ -531,7 +578,8 @@ class Engine:
                         f"cache plugin {self.cache.name!r} gave a request that asks for prompt logprobs "
                         f"{seq.num_computed_tokens} cached prompt tokens; match_prefix must return 0 for such a "
                         f"sequence (its prompt positions must run through the model)")
-        batch = build_batch(out.scheduled, self.cache, self.runner.device, drafts, forks)
+        batch = build_batch(out.scheduled, self.cache, self.runner.device, drafts, forks,
+                            multimodal=bool(self._with_images))
         if self._kv_check.always:
             contracts.check_slots_not_held(self.cache, contracts.query_slots(batch),
                                            list(self.scheduler.running_sequences()))
@@ -588,7 +636,8 @@ class Engine:
             sid = item.seq.seq_id
             drafts = {sid: plan.drafts[sid]} if sid in plan.drafts else {}
             forks = {sid: plan.forks[sid]} if sid in plan.forks else {}
-            self._forward_and_decode(build_batch([item], self.cache, self.runner.device, drafts, forks))
+            self._forward_and_decode(build_batch([item], self.cache, self.runner.device, drafts, forks,
+                                                 multimodal=bool(self._with_images)))
 
         children = [c for cs in plan.forks.values() for c in cs]
         return find_culprits(plan.out.scheduled, children, run_alone)
@@ -766,6 +815,8 @@ class Engine:
                     children.append(child)
                 state.seqs.extend(children)
                 forks[seq.seq_id] = children
+                if seq.seq_id in self._with_images:
+                    self._with_images.update(child.seq_id for child in children)
                 binding = self.processors.binding(seq)
                 for child in children:
                     self.processors.add(child, binding)
@@ -779,6 +830,9 @@ class Engine:
         if seq.num_cached_tokens is not None and not seq.num_pending:  # it ran, and every computed token is known
             self.cache.commit(seq)
         self._device_ok.pop(seq.seq_id, None)
+        if seq.multimodal is not None:
+            self._with_images.discard(seq.seq_id)
+            seq.multimodal.embeds.clear()  # a fork recomputing after a preemption finds them again
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()

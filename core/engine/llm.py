@@ -21,6 +21,7 @@ from tessellm.core.engine.pipeline import Pipeline
 from tessellm.core.engine.request import RequestState
 from tessellm.core.errors import InvalidRequestError, validation_problems
 from tessellm.core.interfaces.sequence import SamplingParams
+from tessellm.core.model.vision import read_image
 
 logger = logging.getLogger(__name__)
 
@@ -125,8 +126,14 @@ class LLM(EmbedAndScore):
     def generate(self, prompts: str | Seq[str] | Seq[list[int]], params: Any = None, *, chat: bool = False,
                  progress: bool | None = None, priority: int | Seq[int] = 0,
                  cache_salt: str | None | Seq[str | None] = None,
-                 lora: str | None | Seq[str | None] = None) -> list[RequestOutput]:
+                 lora: str | None | Seq[str | None] = None,
+                 images: Seq[Seq[Any] | None] | None = None) -> list[RequestOutput]:
         """Run every prompt as one batch; outputs come back in prompt order.
+
+        ``images`` (a model that takes images): per prompt, its images (PIL images, paths or
+        the files' bytes) or None; a text prompt holds one ``image_marker`` per image where the
+        image goes (none: the images go before the text), a chat prompt (``chat``) gets them
+        as image parts before its text.
 
         ``params`` is one SamplingParams (or dict) for all prompts or a list of them;
         ``priority`` (lower runs first under the `priority` scheduling policy),
@@ -144,10 +151,11 @@ class LLM(EmbedAndScore):
         priorities = _per_prompt(priority, len(prompts), "priority", int)
         salts = _per_prompt(cache_salt, len(prompts), "cache_salt", (str, type(None)))
         adapters = _per_prompt(lora, len(prompts), "lora", (str, type(None)))
-        encoded = [list(p) if isinstance(p, (list, tuple)) else self.encode(p, chat=chat) for p in prompts]
-        requests = [lambda rid, t=tokens, p=p, prio=prio, salt=salt, adapter=adapter: self.engine.add_request(
-            rid, t, p, priority=prio, cache_salt=salt, lora=adapter)
-            for tokens, p, prio, salt, adapter in zip(encoded, per, priorities, salts, adapters)]
+        encoded, processed = self._encode_prompts(prompts, images, chat)
+        requests = [lambda rid, t=tokens, p=p, prio=prio, salt=salt, adapter=adapter, inputs=inputs:
+                    self.engine.add_request(rid, t, p, priority=prio, cache_salt=salt, lora=adapter, images=inputs)
+                    for tokens, p, prio, salt, adapter, inputs in zip(encoded, per, priorities, salts, adapters,
+                                                                      processed)]
         ids, done = self._run_requests(requests, per, progress)
         return [self._output(done[i], prompt, tokens) for i, prompt, tokens in zip(ids, prompts, encoded)]
 
@@ -167,6 +175,45 @@ class LLM(EmbedAndScore):
             for request_id in ids:
                 self.engine.abort(request_id)
             raise
+
+    def _encode_prompts(self, prompts: list[Any], images: Seq[Seq[Any] | None] | None,
+                        chat: bool) -> tuple[list[list[int]], list[Any]]:
+        """Each prompt's token ids and its processed images (None for a prompt without)."""
+        pictures = [None] * len(prompts) if images is None else list(images)
+        if len(pictures) != len(prompts):
+            raise InvalidRequestError(f"{len(pictures)} image lists for {len(prompts)} prompts; give one per prompt "
+                                      f"(None for a prompt without images)", field="images")
+        encoded, processed = [], []
+        for p, pics in zip(prompts, pictures):
+            tokens, inputs = self._encode_with_images(p, pics, chat) if pics else (None, None)
+            encoded.append(tokens if tokens is not None else
+                           list(p) if isinstance(p, (list, tuple)) else self.encode(p, chat=chat))
+            processed.append(inputs)
+        return encoded, processed
+
+    def _encode_with_images(self, prompt: Any, images: Seq[Any], chat: bool) -> tuple[list[int], list[Any]]:
+        """A text prompt and its images through the model's processor: (token ids with the
+        images' placeholders expanded, the processed images)."""
+        processor = self.pipeline.image_processor
+        if processor is None:
+            raise InvalidRequestError(f"model {self.pipeline.spec.model_type!r} is a text-only model: it takes no "
+                                      f"images; send the prompt without them", field="images")
+        if not isinstance(prompt, str):
+            raise InvalidRequestError("a prompt with images must be text (its image placeholders are expanded "
+                                      "as the model's processor does), not token ids", field="images")
+        if isinstance(images, (str, bytes)) or not isinstance(images, (list, tuple)):
+            images = [images]
+        pictures = [read_image(item, i) for i, item in enumerate(images)]
+        if chat:
+            content = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": prompt}]
+            text = self.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                      add_generation_prompt=True)
+            out = processor.process(text, pictures)
+        else:
+            if processor.image_marker not in prompt:
+                prompt = processor.image_marker * len(pictures) + prompt
+            out = processor.process(prompt, pictures, add_special_tokens=True)
+        return out.token_ids, out.images
 
     def close(self) -> None:
         """Finish what outlives this LLM (a disk KV tier's queued writes); it can still generate."""

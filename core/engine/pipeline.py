@@ -140,12 +140,16 @@ class Pipeline:
         build = (lambda: grammar.cls(grammar.options, self.tokenizer, spec.vocab_size)) if grammar else None
         self.pooler = self._build_pooler(pooling) if pooling else None
         """The pooling plugin of an embedding or scoring pipeline (None: the pipeline generates)."""
-        pooled = {"pooler": self.pooler, "max_input_len": r.max_model_len} if self.pooler else {}
+        if self.pooler:
+            extra = {"pooler": self.pooler, "max_input_len": r.max_model_len}
+        else:
+            extra = {"max_images_per_prompt": config.images.max_per_prompt,
+                     "encoder_cache_tokens": config.images.encoder_cache_tokens}
         self.engine = (PoolingEngine if self.pooler else Engine)(
             self.runner, self.cache, self.scheduler, self.decoder, stop=self.stop, vocab_size=self.spec.vocab_size,
             seed=config.seed, sync=RankSync(self.ranks.world) if self.ranks else None,
             grammar=GrammarSession(build, self.decoder.num_lookahead_tokens), processors=self._logits_processors(),
-            lora=self.lora, async_scheduling=self.async_scheduling, **pooled)
+            lora=self.lora, async_scheduling=self.async_scheduling, **extra)
         self._attach_decoder()
         if self.ranks and not self.ranks.world.is_leader:  # a follower serves rank 0 until it stops, then exits
             follow(self.engine, self.engine.sync)
@@ -219,6 +223,14 @@ class Pipeline:
                              classify=model.classify if getattr(model, "has_classifier", False) else None,
                              classify_rows=getattr(model, "classify_rows", "first"), token_id=token_id)
         return choice.cls(choice.options, ctx)
+
+    @functools.cached_property
+    def image_processor(self) -> Any:
+        """The model's ``ImageProcessor`` (transformers' processor of the checkpoint), built on
+        first use; None for a model that takes no images."""
+        if self.spec.vision is None:
+            return None
+        return self.architecture.image_processor(self.model_dir, self.spec.vision.hf_config)
 
     def _kv_fingerprint(self) -> str:
         """What K/V values depend on besides the tokens (``CacheSpec.fingerprint``): the
@@ -455,3 +467,16 @@ class Pipeline:
         else:
             config = load_config(config, overrides)
         return cls(config, registry)
+
+
+def image_processor_for(config: Any, model_dir: Any) -> Any:
+    """The ``ImageProcessor`` of the model ``config`` names (in ``model_dir``), built without
+    the model: what a server's API process, apart from the engine core, processes a prompt's
+    images with; None for a model that takes no images."""
+    config = config if isinstance(config, PipelineConfig) else PipelineConfig.model_validate(config)
+    hf_config = load_hf_config(model_dir)
+    architecture = get_registry().architecture_for(hf_config, config.architecture.name, config.architecture.options)
+    spec = architecture.load_spec(hf_config)
+    if spec.vision is None:
+        return None
+    return architecture.image_processor(model_dir, spec.vision.hf_config)

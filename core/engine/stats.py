@@ -48,6 +48,14 @@ class EngineStats:
     kernel_builds: int = 0
     """Triton kernel variants built during steps (each stalls its step for a compile; start-up
     warm-up should leave none: see core/engine/warm_up.py). Counted where Triton is in use."""
+    image_tokens: int = 0
+    """Prompt tokens that were images' placeholders (counted in ``prompt_tokens`` too)."""
+    images_encoded: int = 0
+    """Images the vision encoder ran on (an image the encoder cache held is not counted)."""
+    encoder_cache_hits: int = 0
+    """Images whose embeddings came from the encoder cache instead of the encoder."""
+    encoder_seconds: float = 0.0
+    """Wall time spent in the vision encoder (inside the steps' "prepare" phase)."""
     step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
     """Wall time of the most recent steps (bounded: an engine may run for days)."""
     phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))

@@ -22,11 +22,13 @@ FEATURE_WORDS = {
     "sinks": "attention sinks",
     "bidirectional": "bidirectional (encoder) attention",
     "bidirectional_window": "a symmetric window on bidirectional layers",
+    "bidirectional_images": "attention that is bidirectional within each image",
 }
 
 
 FEATURE_SERVERS = {"bidirectional": "sdpa, cascade and flash serve it",
-                   "bidirectional_window": "sdpa and cascade serve it"}
+                   "bidirectional_window": "sdpa and cascade serve it",
+                   "bidirectional_images": "sdpa serves it"}
 """Which built-in backends serve a feature, where not all of them do (for the reason's hint)."""
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tessellm.core.interfaces.multimodal import MultimodalBatch
 from tessellm.core.interfaces.sequence import Sequence
 
 
@@ -100,6 +101,10 @@ class BatchMetadata:
     lora_slots_cpu: list[int] | None = None
     """Each sequence's LoRA slot (-1: none), or None when no sequence of the batch has an
     adapter (``Sequence.lora_slot``)."""
+    images: MultimodalBatch | None = None
+    """The step's image inputs (plugin API 1.19): embedding rows, 3-D rotary positions and
+    image spans; None when no scheduled sequence has images in its query (the model then
+    embeds ``input_ids`` alone)."""
     groups: list["BatchMetadata"] = field(default_factory=list)
     """For a cache with several layer groups (``CacheManager.layer_groups``, plugin API 1.8):
     the batch as each further group's layers see it, its slot mapping and block tables that

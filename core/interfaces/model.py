@@ -18,6 +18,14 @@ A model plugin says three things and may override a fourth:
 And it may declare ``tiny_config``: the shapes of the tiny checkpoints its conformance suite
 builds per model_type (plugin API 1.15).
 
+A model that takes images (plugin API 1.19) says so in its spec (``ModelSpec.vision``), builds
+a module that also implements ``VisionModule`` (``encode_images``: the vision encoder and
+projector; ``rope_positions`` for M-RoPE), loads the encoder's weights by name like the rest,
+and returns its ``ImageProcessor`` (transformers' processor of the checkpoint, run where
+prompts are tokenized) from ``image_processor``. The engine writes the encoder's embeddings
+over the image placeholders' input embeddings before the decoder runs
+(``DecoderForCausalLM.merge_images``).
+
 Selection: a config's ``architecture`` section names a model plugin, or ``auto`` (the
 default) takes the plugin with the highest ``auto_priority`` among those whose
 ``model_types`` hold the checkpoint's ``model_type``. A plugin that sets ``any_model_type``
@@ -107,6 +115,12 @@ class ModelArchitecture(Plugin):
             if target is not None:
                 named[target] = tensor
         return named
+    def image_processor(self, model_dir: Any, hf_config: Any) -> Any:
+        """For a model whose spec has ``vision``: the ``ImageProcessor`` of the checkpoint in
+        ``model_dir`` (``hf_config``: ``VisionSpec.hf_config``), which turns a prompt's text
+        and images into token ids and processed images (plugin API 1.19). None: the model
+        takes no images."""
+        return None
 
     def shard_rule(self, name: str, spec: ModelSpec, shard: Any) -> Any:
         """How a tensor-parallel rank reads parameter ``name`` (after ``checkpoint_name``),

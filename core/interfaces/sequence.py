@@ -272,6 +272,12 @@ class Sequence:
         self.score: float | None = None
         """Read only. For a beam-search result: its score (the sum of its tokens' log-
         probabilities over its length to the power ``length_penalty``); None otherwise."""
+        self.multimodal: Any = None
+        """Read only. The prompt's images (a ``MultimodalPrompt``, plugin API 1.19; None for a
+        text prompt); the engine sets it at admission and attaches the images' embeddings to
+        it while a step needs them. A prefix cache folds ``images_key(seq.images, start,
+        end)`` into the key of each block the images overlap; a scheduler cuts prefill chunks
+        with ``cut_chunk``."""
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -282,6 +288,11 @@ class Sequence:
     def num_tokens(self) -> int:
         """The sequence's length, tokens still on the device included."""
         return len(self.token_ids) + self.num_pending
+
+    @property
+    def images(self) -> tuple:
+        """The prompt's images in prompt order (``ImageInput``s; empty for a text prompt)."""
+        return self.multimodal.images if self.multimodal is not None else ()
 
     @property
     def num_output_tokens(self) -> int:
@@ -300,6 +311,7 @@ class Sequence:
                          sample_index=sample_index, cache_salt=self.cache_salt)
         child.token_ids = list(self.token_ids)
         child.lora, child.lora_slot = self.lora, self.lora_slot
+        child.multimodal = self.multimodal
         child.num_computed_tokens = self.num_computed_tokens
         child.status = self.status
         return child
@@ -307,3 +319,20 @@ class Sequence:
     def __repr__(self) -> str:
         return (f"Sequence(id={self.seq_id}, request={self.request_id!r}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, status={self.status.value})")
+
+
+def cut_chunk(seq: Any, start: int, num_tokens: int) -> int:
+    """How many of ``num_tokens`` query tokens from position ``start`` a prefill chunk of
+    ``seq`` may take (plugin API 1.19): all of them, unless the chunk would end inside an
+    image whose tokens must be computed together (a model whose images attend within
+    themselves in both directions, Gemma 3's); then up to that image's start, or 0 when the
+    chunk starts at (or inside) such an image and cannot reach its end. A scheduler that
+    splits prompts asks this for every chunk shorter than what is left to compute."""
+    mm = getattr(seq, "multimodal", None)
+    if mm is None or not mm.whole_images:
+        return num_tokens
+    end = start + num_tokens
+    for image in mm.images:
+        if image.offset < end < image.end:  # the chunk would end inside this image
+            return image.offset - start if image.offset > start else 0
+    return num_tokens

@@ -103,7 +103,8 @@ class KVShape:
         return self.tensors * self.num_heads * self.head_dim
 
 
-LAYER_FEATURES = ("sliding_window", "per_layer_window", "softcap", "sinks", "bidirectional", "bidirectional_window")
+LAYER_FEATURES = ("sliding_window", "per_layer_window", "softcap", "sinks", "bidirectional", "bidirectional_window",
+                  "bidirectional_images")
 """What a model's layers may ask of an attention backend beyond causal attention at the
 model's scale (``LayerAttention``; a backend's ``layer_features`` names those it serves):
 "sliding_window", a window on every layer alike (the model-wide ``sliding_window`` that
@@ -112,7 +113,9 @@ different sizes; "softcap", attention logits capped as ``cap * tanh(s / cap)`` b
 softmax; "sinks", a learned logit per query head in every softmax's denominator;
 "bidirectional" (plugin API 1.18), layers whose queries see every key of their sequence, later
 ones too (encoders: BERT, ModernBERT); "bidirectional_window", such layers with a symmetric
-window (ModernBERT's local layers)."""
+window (ModernBERT's local layers); "bidirectional_images" (plugin API 1.19), a query inside an image's placeholder span sees
+every key of that span too, not only those before it (Gemma 3's images:
+``MultimodalBatch.spans``)."""
 
 
 @dataclass(frozen=True)
@@ -135,6 +138,22 @@ class LayerAttention:
     sinks: bool = False
     rope: str | None = "default"
     causal: bool = True
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """A model that takes images (plugin API 1.19): ``image_token_id``, the placeholder token
+    whose input embeddings the image's replace; ``whole_images``, whether an image's tokens
+    attend to each other in both directions (Gemma 3), so a prefill chunk never ends inside
+    one and the attention backend must serve "bidirectional_images"; ``mrope_section``, for
+    3-D rotary positions (Qwen2-VL's M-RoPE), how many of a head's rotary frequencies follow
+    the temporal, height and width position (None: 1-D RoPE); ``hf_config``, the whole
+    multimodal config (``ModelSpec.hf_config`` is the language model's)."""
+
+    image_token_id: int
+    whole_images: bool = False
+    mrope_section: tuple[int, ...] | None = None
+    hf_config: Any = None
 
 
 @dataclass(frozen=True)
@@ -187,6 +206,9 @@ class ModelSpec:
     """True: each layer adds attention and the MLP computed side by side,
     x + attn(norm1(x)) + mlp(norm2(x)) (GPT-NeoX's use_parallel_residual, GPT-J, Falcon);
     False: one after the other, Llama's pre-norm layer."""
+    vision: VisionSpec | None = None
+    """Set for a model that takes images (its module implements ``VisionModule``); None:
+    text only."""
 
     def attention_of(self, layer: int) -> LayerAttention:
         """What ``layer``'s attention computes (its window, softcap, sinks, RoPE table)."""
@@ -214,6 +236,8 @@ class ModelSpec:
             windowed_both_ways = [i for i in both_ways if layers[i].sliding_window is not None]
             if windowed_both_ways:
                 needs["bidirectional_window"] = windowed_both_ways
+        if self.vision is not None and self.vision.whole_images:
+            needs["bidirectional_images"] = list(range(self.num_layers))
         return needs
 
     @property

@@ -161,6 +161,8 @@ class DecodeGraphs:
         n = batch.num_seqs
         if n == 0 or n > self.sizes[-1] or batch.num_tokens != n or batch.logits_indices.shape[0] != n:
             return None
+        if batch.images is not None:  # image rows or 3-D rotary positions: not in the captured inputs
+            return None
         if batch.block_tables.shape[1] > self.max_blocks:
             return None
         return next(s for s in self.sizes if s >= n)

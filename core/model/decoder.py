@@ -319,6 +319,14 @@ class DecoderForCausalLM(nn.Module):
         override this)."""
         return self.model.embed_tokens(input_ids)
 
+    def merge_images(self, x: torch.Tensor, positions: torch.Tensor, images: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input embeddings with the step's image embeddings written over their placeholder
+        rows, and the positions to rotate by (an M-RoPE model's 3-D ones where the batch has
+        them): x [T, hidden], images a ``MultimodalBatch``."""
+        if images.rows.numel():
+            x = x.index_copy(0, images.rows, images.embeds.to(x.dtype))
+        return x, positions if images.positions is None else images.positions
+
     adjusts_logits = False
     """Whether ``adjust_logits`` changes the LM head's output (a family's softcap or scale)."""
 
@@ -408,7 +416,7 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
                 backend: AttentionBackend, cache: CacheManager, plan: Any,
                 layers: Sequence[int] | None = None, logits_out: torch.Tensor | None = None,
-                native_logits: bool = False, hidden_states: bool = False) -> torch.Tensor:
+                native_logits: bool = False, hidden_states: bool = False, images: Any = None) -> torch.Tensor:
         """input_ids, positions [T] -> logits [len(logits_indices), vocab], float32 (float64
         in a float64 model) or, with ``native_logits``, in the LM head's own dtype (bfloat16
         in a bfloat16 model: no float32 copy, for callers that only rank them). A pipeline
@@ -418,12 +426,16 @@ class DecoderForCausalLM(nn.Module):
 
         ``layers`` runs a subset of the decoder layers (self-drafting by layer skipping);
         ``logits_out`` receives the logits, which are then returned (a captured graph's
-        static output); in the LM head's dtype, the GEMM writes it directly."""
+        static output); in the LM head's dtype, the GEMM writes it directly. ``images``: a
+        step's image inputs (a ``MultimodalBatch``, for a model that takes images; None: none),
+        written over their rows' input embeddings (``merge_images``)."""
         stage = self.stage
         if stage is None or stage.first:
             x = self.embed(input_ids)  # [T, hidden]
         else:  # the stage before ran the layers up to ours
             x = stage.receive(input_ids.shape[0], self.spec.hidden_size)
+        if images is not None:
+            x, positions = self.merge_images(x, positions, images)
         rope = self._rope(positions, x.dtype)
         order = range(len(self.model.layers)) if layers is None else layers
         if stage is not None:

@@ -10,9 +10,9 @@ from typing import Any
 
 from tessellm.core.errors import ModelLoadError
 from tessellm.core.interfaces.spec import (LAYER_FEATURES, KVShape, LayerAttention, MLASpec, ModelSpec, MoESpec,
-                                           _rope_params)
+                                           VisionSpec, _rope_params)
 
-__all__ = ["LAYER_FEATURES", "KVShape", "LayerAttention", "MLASpec", "ModelSpec", "MoESpec", "decoder_spec",
+__all__ = ["LAYER_FEATURES", "KVShape", "LayerAttention", "MLASpec", "ModelSpec", "MoESpec", "VisionSpec", "decoder_spec",
            "quantization_config", "quantized_checkpoint_readers", "refuse_quantized", "spec_from_hf_config"]
 
 UNSUPPORTED_ROPE = ("dynamic", "longrope")  # their frequencies change with sequence length

@@ -80,7 +80,7 @@ class CascadeAttention(SdpaAttention):
     """
 
     name = "cascade"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "sdpa + shared-prefix (cascade) decode attention: a common prefix is read once per step"
     Options = CascadeOptions
     auto_priority = 20

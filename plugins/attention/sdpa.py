@@ -15,6 +15,9 @@ window where the layer has one). An encoder's steps are whole prompts: those of 
 lengths (power-of-two buckets, as decodes) share one padded call, fewer and larger calls
 than one per prompt, and one alone over plain storage reads its keys and values from the
 step's own rows (what the cache stored, bit for bit) rather than gathering them back.
+
+For a model whose images attend within themselves both ways (Gemma 3), the mask of a query
+that reaches an image also lets each of the image's queries see all of its keys.
 """
 
 from __future__ import annotations
@@ -94,14 +97,14 @@ class SdpaAttention(AttentionBackend):
     """
 
     name = "sdpa"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "torch scaled_dot_product_attention over the KV cache (reference, CPU and CUDA)"
     Options = SdpaOptions
     auto_priority = 10
     cache_formats = frozenset({"kv"})
     cache_dtypes = None  # reads through KVStorage.gather, which dequantizes: any storage dtype
     layer_features = frozenset({"sliding_window", "per_layer_window", "softcap", "sinks", "bidirectional",
-                                "bidirectional_window"})
+                                "bidirectional_window", "bidirectional_images"})
 
     # ---------------------------------------------------------------- per step
 
@@ -149,16 +152,21 @@ class SdpaAttention(AttentionBackend):
         q_idx = torch.arange(q_max)
         rows = torch.tensor([qsl[i] for i in seqs])[:, None] + torch.minimum(
             q_idx[None, :], torch.tensor(q_lens)[:, None] - 1)  # [B, Q]; padding repeats the last row
-        alone_causal = len(seqs) == 1 and q_lens[0] == kv_lens[0] and not self._windowed
+        spans = self._image_spans(batch, seqs)
+        alone_causal = len(seqs) == 1 and q_lens[0] == kv_lens[0] and not self._windowed and not spans
         # decodes of one context length see every key: no mask (a window would need one)
-        unmasked = q_max == 1 and min(kv_lens) == kv_max and not self._windowed
+        unmasked = q_max == 1 and min(kv_lens) == kv_max and not self._windowed and not spans
         mask = valid = q_pos = None
         if not (alone_causal or unmasked):
             q_len = torch.tensor(q_lens)[:, None, None]
             kv_len = torch.tensor(kv_lens)[:, None, None]
             q_pos = kv_len - q_len + q_idx[None, :, None]  # [B, Q, 1] absolute position of each query
             k_pos = pos[None, None, :]  # [1, 1, L]
-            mask = ((k_pos <= q_pos) & (k_pos < kv_len))[:, None].to(device)  # [B, 1, Q, L]
+            visible = k_pos <= q_pos
+            for member, first, end in spans:  # an image's queries see every key of the image
+                q_in = (q_pos[member] >= first) & (q_pos[member] < end)  # [Q, 1]
+                visible[member] |= q_in & (k_pos[0] >= first) & (k_pos[0] < end)
+            mask = (visible & (k_pos < kv_len))[:, None].to(device)  # [B, 1, Q, L]
             q_pos = q_pos[:, None].to(device)
             if q_max > min(q_lens):
                 valid = (q_idx[None, :] < torch.tensor(q_lens)[:, None]).to(device)
@@ -174,6 +182,16 @@ class SdpaAttention(AttentionBackend):
         if not hasattr(self, "_any_both_ways"):
             self._any_both_ways = any(not self.layer_attention(i).causal for i in range(self.model.num_layers))
         return self._any_both_ways
+
+    def _image_spans(self, batch: BatchMetadata, seqs: list[int]) -> list[tuple[int, int, int]]:
+        """(member index in ``seqs``, first position, end) of each image the members' queries
+        reach, for a model whose images attend within themselves both ways; else none."""
+        images = batch.images
+        vision = getattr(self.model, "vision", None)
+        if images is None or not images.spans or vision is None or not vision.whole_images:
+            return []
+        member = {seq: j for j, seq in enumerate(seqs)}
+        return [(member[i], first, end) for i, first, end in images.spans if i in member]
 
     @property
     def _windowed(self) -> bool:

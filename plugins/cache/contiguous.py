@@ -37,7 +37,7 @@ class ContiguousCache(CacheManager):
     """One ``max_model_len`` region per sequence; regions are never shared, so a fork copies."""
 
     name = "contiguous"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "one max_model_len region per sequence (reference; no sharing)"
     Options = ContiguousOptions
     auto_priority = 10

@@ -133,7 +133,7 @@ class BeamDecoder(SampleDecoder):
     """Beam search for requests with num_beams > 1; the `sample` decoder's rules for the rest."""
 
     name = "beam"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "beam search over copy-on-write forks (transformers' semantics), sampling for other requests"
     Options = BeamOptions
     RequestArgs = BeamArgs

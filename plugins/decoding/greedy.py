@@ -16,7 +16,7 @@ class GreedyDecoder(Decoder):
     (not silently decoded greedily): pick `sample` for those."""
 
     name = "greedy"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "argmax decoding; refuses requests that ask for sampling"
     auto_priority = 5
     # the argmax is what every setting of these keeps; other temperatures are refused (check)

@@ -69,7 +69,7 @@ class SampleDecoder(Decoder):
     (prompt, params, seed) gives the same tokens in any batch."""
 
     name = "sample"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "temperature / top-k / top-p / min-p sampling with per-request seeds (temperature 0: greedy)"
     auto_priority = 10
     request_fields = frozenset({"temperature", "top_k", "top_p", "min_p", "seed", "n"})

@@ -204,7 +204,7 @@ class LLGuidanceBackend(CachingGrammarBackend):
 
     name = "llguidance"
     package = "llguidance"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "structured outputs (JSON schema, regex, choice, EBNF) on llguidance's parser"
     auto_priority = None
     Options = LLGuidanceOptions

@@ -134,7 +134,7 @@ class XGrammarBackend(CachingGrammarBackend):
 
     name = "xgrammar"
     package = "xgrammar"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "structured outputs (JSON schema, regex, choice, EBNF) on xgrammar's token masks"
     auto_priority = 10
     Options = XGrammarOptions

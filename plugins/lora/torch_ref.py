@@ -56,7 +56,7 @@ class TorchLora(LoraKernel):
     grouped by adapter for large ones."""
 
     name = "torch"
-    api_version = "1.18"
+    api_version = "1.19"
     auto_priority = 10
     supports_cuda_graphs = True
     stacked_row_slots = STACKED_ROW_SLOTS

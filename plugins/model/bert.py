@@ -127,7 +127,7 @@ class BertArchitecture(ModelArchitecture):
     """BERT, RoBERTa and XLM-RoBERTa encoders (post-norm, learned positions, both ways)."""
 
     name = "bert"
-    api_version = "1.18"
+    api_version = "1.19"
     model_types = ("bert", "roberta", "xlm-roberta")
 
     def spec(self, hf_config: Any) -> ModelSpec:

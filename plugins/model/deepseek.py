@@ -40,7 +40,7 @@ class DeepseekArchitecture(ModelArchitecture):
     """DeepSeek-V2/V3 (MLA + MoE); block-FP8 checkpoints (DeepSeek-V3's own) load through quant fp8."""
 
     name = "deepseek"
-    api_version = "1.18"
+    api_version = "1.19"
     model_types = ("deepseek_v2", "deepseek_v3")
 
     def spec(self, hf_config: Any) -> ModelSpec:

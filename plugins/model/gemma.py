@@ -17,13 +17,16 @@ What differs from Llama, as transformers computes it (models/gemma*/modeling_gem
   the global one may be linearly scaled). Its final logits are softcapped when the config
   says so; transformers ignores a Gemma 3 ``attn_logit_softcapping``, and so does this plugin.
 
-A multimodal Gemma 3 checkpoint (``gemma3``, Gemma3ForConditionalGeneration) is served as
-its language model on text prompts: the spec is its ``text_config``'s, the vision tower and
-projector are not loaded (images are not supported).
+A multimodal Gemma 3 checkpoint (``gemma3``, Gemma3ForConditionalGeneration) takes images
+and text: the spec is its ``text_config``'s with the vision parts of plugins/model/
+gemma3_vision.py (SigLIP tower, projector, images attended bidirectionally within
+themselves); option ``vision: false`` serves its language model alone, on text prompts,
+without loading the tower.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -34,6 +37,8 @@ from tessellm.core.errors import ModelLoadError
 from tessellm.core.interfaces.model import ModelArchitecture
 from tessellm.core.model.decoder import Attention, DecoderForCausalLM, DecoderLayer
 from tessellm.core.model.spec import LayerAttention, ModelSpec, decoder_spec, refuse_quantized
+from tessellm.core.plugin import PluginOptions
+from tessellm.plugins.model import gemma3_vision
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 """The Gemma ``layer_types`` this plugin serves (and, for Gemma 3, its rotary table names)."""
@@ -117,18 +122,42 @@ class GemmaForCausalLM(DecoderForCausalLM):
         return torch.tanh(logits / self.final_softcap) * self.final_softcap
 
 
+class Gemma3VisionForCausalLM(gemma3_vision.Gemma3Vision, GemmaForCausalLM):
+    """A multimodal Gemma 3: the decoder, the vision tower and the projector."""
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__(spec)
+        self.add_vision(spec)
+
+    def reset_rotary(self, device: torch.device | None) -> None:
+        super().reset_rotary(device)
+        if device is not None and hasattr(self, "vision_tower"):  # the tower's own buffers
+            self.vision_tower.to(device)
+            self.multi_modal_projector.to(device)
+
+
+class GemmaOptions(PluginOptions):
+    """Options of the `gemma` model plugin."""
+
+    vision: bool = True
+    """For a multimodal Gemma 3 checkpoint: load its vision tower and take images; false
+    serves its language model alone (text prompts, less memory)."""
+
+
 class GemmaArchitecture(ModelArchitecture):
-    """Gemma 1, Gemma 2 and Gemma 3's text model (Gemma3ForCausalLM, or the language model of
-    Gemma3ForConditionalGeneration on text prompts)."""
+    """Gemma 1, Gemma 2 and Gemma 3 (Gemma3ForCausalLM, and Gemma3ForConditionalGeneration
+    with its images)."""
 
     name = "gemma"
-    api_version = "1.18"
+    api_version = "1.19"
     model_types = ("gemma", "gemma2", "gemma3_text", "gemma3")
+    Options = GemmaOptions
 
     def spec(self, hf_config: Any) -> ModelSpec:
         refuse_quantized(hf_config)
-        if hf_config.model_type == "gemma3":  # Gemma3ForConditionalGeneration: its language model
-            hf_config = _text_config(hf_config)
+        if hf_config.model_type == "gemma3":  # Gemma3ForConditionalGeneration
+            vision = gemma3_vision.vision_spec(hf_config) if self.options.vision else None
+            return dataclasses.replace(self.spec(_text_config(hf_config)), vision=vision)
         model_type = hf_config.model_type
         if getattr(hf_config, "use_bidirectional_attention", False):
             raise ModelLoadError(f"{model_type} with use_bidirectional_attention (an embedding model) is not "
@@ -155,15 +184,23 @@ class GemmaArchitecture(ModelArchitecture):
         return decoder_spec(hf_config, **fields)
 
     def build(self, spec: ModelSpec) -> nn.Module:
-        return GemmaForCausalLM(spec)
+        return Gemma3VisionForCausalLM(spec) if spec.vision is not None else GemmaForCausalLM(spec)
+
+    def image_processor(self, model_dir: Any, hf_config: Any) -> Any:
+        return gemma3_vision.image_processor(model_dir, hf_config)
 
     def checkpoint_name(self, name: str) -> str | None:
         """A multimodal Gemma 3's language-model tensors under the text model's names (both
         the hub's ``language_model.model.*`` and transformers 5's ``model.language_model.*``);
-        its vision tower and projector are not loaded."""
+        its vision tower and projector under theirs, or skipped with ``vision: false``."""
         for prefix in VISION_PREFIXES:
             if name.startswith(prefix):
-                return None
+                if not self.options.vision:
+                    return None
+                for old, new in gemma3_vision.CHECKPOINT_PREFIXES:
+                    if name.startswith(old):
+                        return new + name[len(old):]
+                return name
         for prefix, target in TEXT_PREFIXES:
             if name.startswith(prefix):
                 return target + name[len(prefix):]
@@ -189,6 +226,9 @@ def _text_config(config: Any) -> Any:
     refuse_quantized(text)
     text = copy.copy(text)
     text.final_logit_softcapping = None
+    root_tie = getattr(config, "tie_word_embeddings", None)
+    if root_tie is not None:  # transformers 5 ties the whole model's head as the root config says
+        text.tie_word_embeddings = root_tie
     return text
 
 

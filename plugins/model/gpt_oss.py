@@ -155,7 +155,7 @@ class GptOssArchitecture(ModelArchitecture):
     """GPT-OSS in bfloat16/float32 weights; MXFP4 checkpoints refused with the way out."""
 
     name = "gpt-oss"
-    api_version = "1.18"
+    api_version = "1.19"
     model_types = ("gpt_oss",)
     expert_layout = "interleaved_transposed"
 

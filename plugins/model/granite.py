@@ -56,7 +56,7 @@ class GraniteArchitecture(ModelArchitecture):
     """Granite 3.x dense models: Llama with embedding, attention, residual and logit scalars."""
 
     name = "granite"
-    api_version = "1.18"
+    api_version = "1.19"
     model_types = ("granite",)
 
     def spec(self, hf_config: Any) -> ModelSpec:

@@ -17,7 +17,7 @@ class LlamaArchitecture(ModelArchitecture):
     """Llama, Mistral and Qwen2: pre-norm attention (RoPE, GQA, optional window) and SwiGLU."""
 
     name = "llama"
-    api_version = "1.18"
+    api_version = "1.19"
     model_types = ("llama", "mistral", "qwen2")
 
     def spec(self, hf_config: Any) -> ModelSpec:

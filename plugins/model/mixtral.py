@@ -22,7 +22,7 @@ class MixtralArchitecture(ModelArchitecture):
     """Mixtral: experts in every layer, no shared expert."""
 
     name = "mixtral"
-    api_version = "1.18"
+    api_version = "1.19"
     model_types = ("mixtral",)
 
     def spec(self, hf_config: Any) -> ModelSpec:

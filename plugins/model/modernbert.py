@@ -129,7 +129,7 @@ class ModernBertArchitecture(ModelArchitecture):
     """ModernBERT: pre-norm, RoPE, GeGLU, alternating global and symmetric-window layers, both ways."""
 
     name = "modernbert"
-    api_version = "1.18"
+    api_version = "1.19"
     model_types = ("modernbert",)
 
     def spec(self, hf_config: Any) -> ModelSpec:

@@ -123,7 +123,7 @@ class Olmo2Architecture(ModelArchitecture):
     layers and RoPE per layer type)."""
 
     name = "olmo2"
-    api_version = "1.18"
+    api_version = "1.19"
     model_types = ("olmo2", "olmo3")
 
     def spec(self, hf_config: Any) -> ModelSpec:

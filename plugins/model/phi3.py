@@ -77,7 +77,7 @@ class Phi3Architecture(ModelArchitecture):
     LongRoPE within its original context."""
 
     name = "phi3"
-    api_version = "1.18"
+    api_version = "1.19"
     model_types = ("phi3",)
 
     def spec(self, hf_config: Any) -> ModelSpec:

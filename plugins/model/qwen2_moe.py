@@ -21,7 +21,7 @@ class Qwen2MoeArchitecture(ModelArchitecture):
     Dense layers where the config says (``mlp_only_layers``, ``decoder_sparse_step``)."""
 
     name = "qwen2-moe"
-    api_version = "1.18"
+    api_version = "1.19"
     model_types = ("qwen2_moe",)
 
     def spec(self, hf_config: Any) -> ModelSpec:

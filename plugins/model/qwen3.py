@@ -27,7 +27,7 @@ class Qwen3Architecture(ModelArchitecture):
     """Qwen3 (dense) and Qwen3-MoE: per-head q/k RMSNorm; experts on the sparse layers."""
 
     name = "qwen3"
-    api_version = "1.18"
+    api_version = "1.19"
     model_types = ("qwen3", "qwen3_moe")
 
     def spec(self, hf_config: Any) -> ModelSpec:

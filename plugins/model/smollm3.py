@@ -22,7 +22,7 @@ class SmolLM3Architecture(ModelArchitecture):
     """SmolLM3: per-layer RoPE on or off (``LayerAttention.rope``), optional per-layer windows."""
 
     name = "smollm3"
-    api_version = "1.18"
+    api_version = "1.19"
     model_types = ("smollm3",)
 
     def spec(self, hf_config: Any) -> ModelSpec:

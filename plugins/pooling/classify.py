@@ -35,7 +35,7 @@ class ClassifyPooler(Pooler):
     """The model's sequence-classification head over its [CLS] (or mean, or last) row."""
 
     name = "classify"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "scores: a sequence-classification head (cross-encoder rerankers)"
     Options = ClassifyOptions
     task = "score"

@@ -14,7 +14,7 @@ class ClsPooler(EmbeddingPooler):
     """The first token's final hidden state, then Dense modules, dimensions and normalisation."""
 
     name = "cls"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "embedding: the first ([CLS]) token's hidden state (sentence-transformers 'cls')"
     modes = frozenset({"cls"})
     auto_priority = 10

@@ -14,7 +14,7 @@ class LastTokenPooler(EmbeddingPooler):
     """The last token's final hidden state, then Dense modules, dimensions and normalisation."""
 
     name = "last"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "embedding: the last token's hidden state (sentence-transformers 'lasttoken')"
     modes = frozenset({"lasttoken"})
     auto_priority = 10

@@ -15,7 +15,7 @@ class MeanPooler(EmbeddingPooler):
     modules, dimensions and normalisation."""
 
     name = "mean"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "embedding: the mean of the tokens' hidden states (sentence-transformers 'mean')"
     modes = frozenset({"mean"})
     auto_priority = 10

@@ -44,7 +44,7 @@ class YesNoPooler(Pooler):
     """sigmoid(logit_yes - logit_no) at the last token: a decoder reranker's P(yes)."""
 
     name = "yes-no"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "scores: P(yes) over yes/no at the last token (decoder rerankers: Qwen3-Reranker)"
     Options = YesNoOptions
     task = "score"

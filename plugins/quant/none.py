@@ -10,7 +10,7 @@ class NoQuantizer(Quantizer):
     """Leaves the model as loaded (the compute dtype given by the config)."""
 
     name = "none"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "no quantization: weights in the compute dtype"
     auto_priority = 10
 

@@ -13,7 +13,7 @@ class LeastLoad(RoutingPolicy):
     lowest index), so a replica slowed by long requests gets fewer new ones."""
 
     name = "least-load"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "each request to the replica with the fewest requests in flight"
 
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaState]) -> int:

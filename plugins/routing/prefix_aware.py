@@ -96,7 +96,7 @@ class PrefixAware(RoutingPolicy):
     """The replica whose recorded prefixes match the prompt longest, while the load is balanced."""
 
     name = "prefix-aware"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "to the replica most likely to hold the prompt's prefix, while the load is balanced"
     Options = PrefixAwareOptions
 

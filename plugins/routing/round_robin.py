@@ -13,7 +13,7 @@ class RoundRobin(RoutingPolicy):
     """Replicas in turn, whatever their load or the prompt (the baseline to compare with)."""
 
     name = "round-robin"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "each request to the next healthy replica in turn"
 
     def __init__(self, options: PluginOptions, num_replicas: int):

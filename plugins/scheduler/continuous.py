@@ -54,7 +54,7 @@ class ContinuousScheduler(QueueScheduler):
     """
 
     name = "continuous"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "in-flight batching: token budget, chunked prefill, preemption, fcfs/priority"
     Options = ContinuousOptions
     auto_priority = 50

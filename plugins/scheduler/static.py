@@ -31,7 +31,7 @@ class StaticScheduler(QueueScheduler):
     admitted last is preempted (its cache freed, recomputed in a later batch)."""
 
     name = "static"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "FCFS static batches: a new batch starts when the last one has finished"
     Options = StaticOptions
     auto_priority = 10

@@ -114,7 +114,7 @@ class FlashAttention(AttentionBackend):
     """
 
     name = "flash"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "Triton FlashAttention over packed varlen batches, K/V read through block tables"
     Options = FlashOptions
     auto_priority = 30

@@ -71,7 +71,7 @@ class MlaAttention(SdpaAttention):
     form the options choose; both forms give the same result to rounding."""
 
     name = "mla"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "multi-head latent attention (DeepSeek-V2/V3): naive prefill, absorbed decode (Triton on CUDA)"
     Options = MlaOptions
     auto_priority = 40

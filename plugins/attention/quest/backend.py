@@ -275,7 +275,7 @@ class QuestAttention(SdpaAttention):
     """
 
     name = "quest"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "QUEST query-aware sparse decode attention: top-K pages by key-bound scores"
     Options = QuestOptions
     auto_priority = None  # approximate by design: only when named

@@ -160,7 +160,7 @@ class PagedCache(CacheManager):
     """
 
     name = "paged"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "fixed-size blocks with reference counts, copy-on-write forks and prefix caching"
     Options = PagedOptions
     auto_priority = 50

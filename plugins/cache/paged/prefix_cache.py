@@ -2,7 +2,9 @@
 starts like an earlier one reuses its blocks instead of recomputing them.
 
 A full block's key is a hash chained over every token before it and the request's
-``cache_salt``, so equal keys mean equal whole prefixes under the same tenant. Keys live in
+``cache_salt``, so equal keys mean equal whole prefixes under the same tenant. A block that
+an image of the prompt overlaps has the image's content key in its own (``images_key``): the
+placeholder ids of two images are the same, so only the same image there shares it. Keys live in
 the block pool (``BlockPool.register`` / ``lookup``); this class keeps, per sequence, the keys
 of its leading full blocks (so each block is hashed once) and the lookup statistics.
 """
@@ -14,15 +16,17 @@ from array import array
 from typing import Callable
 
 from tessellm.core.interfaces.cache import PrefixCacheStats
+from tessellm.core.interfaces.multimodal import images_key
 from tessellm.core.interfaces.sequence import Sequence
 from tessellm.plugins.cache.paged.block_pool import BlockPool
 
 _ROOT = b"tessellm-prefix-v1"
 
 
-def block_key(parent: bytes | None, tokens: list[int], salt: str | None) -> bytes:
+def block_key(parent: bytes | None, tokens: list[int], salt: str | None, images: bytes = b"") -> bytes:
     """Content key of a full block: a hash of the key before it (or of the salt, for the
-    first block) and its token ids, so equal keys mean equal whole prefixes."""
+    first block), its token ids and the images it overlaps (``images_key``; b"" for none),
+    so equal keys mean equal whole prefixes."""
     h = hashlib.blake2b(digest_size=16)
     if parent is None:
         h.update(_ROOT)
@@ -30,7 +34,15 @@ def block_key(parent: bytes | None, tokens: list[int], salt: str | None) -> byte
     else:
         h.update(parent)
     h.update(array("q", tokens).tobytes())
+    if images:
+        h.update(b"\x1fimages")
+        h.update(images)
     return h.digest()
+
+
+def _images_of(seq: Sequence, index: int, block_size: int) -> bytes:
+    """What the prompt's images add to block ``index``'s key (b"" for a text prompt)."""
+    return images_key(seq.images, index * block_size, (index + 1) * block_size) if seq.multimodal else b""
 
 
 class PrefixCache:
@@ -65,7 +77,7 @@ class PrefixCache:
         tokens = seq.token_ids
         parent = None
         for i in range((len(tokens) - 1) // bs):  # the last token is computed: its logits sample
-            parent = block_key(parent, tokens[i * bs:(i + 1) * bs], seq.cache_salt)
+            parent = block_key(parent, tokens[i * bs:(i + 1) * bs], seq.cache_salt, _images_of(seq, i, bs))
             yield parent
 
     def match(self, seq: Sequence) -> list[int]:
@@ -98,7 +110,8 @@ class PrefixCache:
             return
         bs = self.block_size
         for i in range(len(keys), min(full, len(table))):
-            key = block_key(keys[-1] if keys else None, seq.token_ids[i * bs:(i + 1) * bs], seq.cache_salt)
+            key = block_key(keys[-1] if keys else None, seq.token_ids[i * bs:(i + 1) * bs], seq.cache_salt,
+                            _images_of(seq, i, bs))
             if table[i] != self.null:
                 self.pool.register(table[i], key)
                 if self.on_full is not None and self.pool.lookup(key) == table[i]:

@@ -27,7 +27,7 @@ from tessellm.core.interfaces.kv import KVLayout, KVStorage
 from tessellm.core.interfaces.sequence import Sequence
 from tessellm.plugins.cache.paged.key_bounds import make_layer_storage
 from tessellm.plugins.cache.paged.manager import PagedCache, PagedOptions, _budget_blocks
-from tessellm.plugins.cache.paged.prefix_cache import PrefixCache, block_key
+from tessellm.plugins.cache.paged.prefix_cache import PrefixCache
 from tessellm.plugins.cache.paged.window_pool import FULL, SLIDING, SplitArena
 
 
@@ -323,10 +323,7 @@ class WindowedPagedCache(PagedCache):
         if not self.options.prefix_caching or self._tables.get(seq.seq_id) or seq.params.prompt_logprobs is not None:
             return 0
         bs, tokens = self.layout.block_size, seq.token_ids
-        keys, key = [], None
-        for i in range((len(tokens) - 1) // bs):  # the last token is computed: its logits sample
-            key = block_key(key, tokens[i * bs:(i + 1) * bs], seq.cache_salt)
-            keys.append(key)
+        keys = list(self.prefix.chain(seq))  # the same content keys (images included) the full table's index uses
         m, low = self._longest_hit(keys)
         tables = []
         for kind in self.kinds:

@@ -85,7 +85,7 @@ class SpeculativeDecoder(Decoder):
     """
 
     name = "speculative"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "speculative decoding (n-gram lookup, draft model or layer-skip) with exact rejection sampling"
     Options = SpeculativeOptions
     auto_priority = None  # trades work for latency: chosen by name only

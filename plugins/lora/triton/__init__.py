@@ -65,7 +65,7 @@ class TritonLora(LoraKernel):
     (tests/plugins/lora/test_triton_lora.py); timed against it by bench/lora_kernels.py."""
 
     name = "triton"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "Triton segmented shrink/expand (Punica SGMV) over each sequence's rows"
     Options = TritonLoraOptions
     auto_priority = 20

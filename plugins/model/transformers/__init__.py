@@ -68,7 +68,7 @@ class TransformersArchitecture(ModelArchitecture):
     model whose attention goes through transformers' AttentionInterface."""
 
     name = "transformers"
-    api_version = "1.18"
+    api_version = "1.19"
     model_types = ()
     any_model_type = True
     auto_priority = 0

@@ -56,7 +56,7 @@ class Fp8Quantizer(Quantizer):
     """float8 e4m3 weights for the decoder layers' linears (and optionally lm_head)."""
 
     name = "fp8"
-    api_version = "1.18"
+    api_version = "1.19"
     description = ("float8 e4m3 weights (tensor, channel or block scales); activations e4m3 per token through "
                    "torch._scaled_mm on FP8 tensor cores, else in the model dtype")
     Options = Fp8Options

@@ -69,7 +69,7 @@ class Int4WeightQuantizer(Quantizer):
     """int4 weight-only quantization of the decoder layers' linears (and optionally lm_head)."""
 
     name = "int4-weight"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "group-wise asymmetric int4 weights, activations in the model dtype; dequantized inside the matmul"
     Options = Int4WeightOptions
     auto_priority = None  # quantization changes results: only when named

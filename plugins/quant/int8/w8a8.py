@@ -217,7 +217,7 @@ class W8A8Quantizer(Quantizer):
     ``calibrate`` must run before ``apply`` (a Pipeline does that)."""
 
     name = "w8a8"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "int8 weights (per channel) x int8 activations (per token), int32 accumulation"
     Options = W8A8Options
     auto_priority = None  # quantization changes results: only when named

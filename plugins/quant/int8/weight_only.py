@@ -72,7 +72,7 @@ class Int8WeightQuantizer(Quantizer):
     """int8 weight-only quantization of the decoder layers' linears (and optionally lm_head)."""
 
     name = "int8-weight"
-    api_version = "1.18"
+    api_version = "1.19"
     description = "int8 weights (per channel or group), activations in the model dtype; dequantized inside the matmul"
     Options = Int8WeightOptions
     auto_priority = None  # quantization changes results: only when named

@@ -14,6 +14,7 @@ from tessellm.core.interfaces.grammar import GrammarSpec
 from tessellm.serve.context import ServerContext
 from tessellm.serve.engine_client import StepOutput
 from tessellm.serve.http_errors import RequestError
+from tessellm.serve.images import has_images, messages_with_markers
 from tessellm.serve.sampling import check_model, sampling_params
 from tessellm.serve.schema import ChatCompletionRequest
 from tessellm.serve.streaming import (Admitted, EngineStream, admit, choices_of, event_stream, logprobs_content,
@@ -42,9 +43,9 @@ async def chat(ctx: ServerContext, body: ChatCompletionRequest, request: Request
                              logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                              structured_output=constraint,
                              names={"logprobs": "top_logprobs", "max_tokens": max_name})
-    prompt = chat_prompt(ctx, body, calling)
+    prompt, images = chat_prompt(ctx, body, calling)
     admitted = await admit(ctx, request, new_request_id("chatcmpl"), [prompt], params, body, prompt_param="messages",
-                           lora=lora)
+                           lora=lora, images=[images])
     if body.stream:
         return chat_stream(request, admitted, calling, body.stream_options)
     return chat_body(admitted, await admitted.rest(request), calling)
@@ -69,16 +70,32 @@ def output_constraint(body: ChatCompletionRequest) -> tuple[ToolCalling | None, 
     return calling, constraint
 
 
-def chat_prompt(ctx: ServerContext, body: ChatCompletionRequest, calling: ToolCalling | None) -> list[int]:
-    """The messages rendered with the chat template (and the tools offered), as token ids."""
+def chat_prompt(ctx: ServerContext, body: ChatCompletionRequest,
+                calling: ToolCalling | None) -> tuple[list[int], list[Any] | None]:
+    """The messages rendered with the chat template (and the tools offered), as token ids,
+    and the prompt's processed images (None without image parts)."""
     tokenizer = ctx.tokenizer
+    processor = None
+    if has_images(body.messages):
+        processor = ctx.engine.image_processor
+        if processor is None:
+            raise RequestError(400, f"model {ctx.model_name!r} is a text-only model: it takes no images; send the "
+                                    f"messages without image_url parts", param="messages")
+    messages, images = (messages_with_markers(body.messages, processor.image_marker) if processor is not None
+                        else ([m.model_dump() for m in body.messages], []))
     try:
         with ctx.engine.tokenizer_lock:
-            text = render_chat([m.model_dump() for m in body.messages], tokenizer, calling, **body.template_ending())
-            return tokenizer(text, add_special_tokens=False)["input_ids"]
+            text = render_chat(messages, tokenizer, calling, **body.template_ending())
+            if processor is None:
+                return tokenizer(text, add_special_tokens=False)["input_ids"], None
     except Exception as exc:  # a template that rejects these messages (roles out of order, ...)
         raise RequestError(400, f"messages could not be rendered with the chat template: {exc}",
                            param="messages") from None
+    try:
+        processed = processor.process(text, images)
+    except InvalidRequestError as exc:
+        raise RequestError(400, str(exc), param="messages") from None
+    return processed.token_ids, processed.images
 
 
 def chat_body(admitted: Admitted, outputs: list[list[StepOutput]], calling: ToolCalling | None) -> dict:

@@ -158,6 +158,7 @@ def thread_engine(config: Any) -> Any:
 
 def process_engine(config: Any) -> Any:
     """The engine core started in its own process; the tokenizer loaded here."""
+    from tessellm.core.engine.pipeline import image_processor_for
     from tessellm.core.model.loader import load_tokenizer
     from tessellm.core.resolve import model_dir_for
     from tessellm.serve.engine_client import EngineClient
@@ -171,7 +172,9 @@ def process_engine(config: Any) -> Any:
     except BaseException:
         transport.stop()
         raise
-    return EngineClient(transport, tokenizer)
+    client = EngineClient(transport, tokenizer)
+    client.image_processor_factory = lambda: image_processor_for(config, folder)
+    return client
 
 
 def run_server(uvicorn: Any, engine: Any, args: argparse.Namespace) -> int:

@@ -35,7 +35,8 @@ from tessellm.core.errors import RequestRejectedError
 from tessellm.core.interfaces.sequence import SamplingParams, TokenLogprob
 from tessellm.serve.detokenize import RequestText
 from tessellm.serve.engine_protocol import (EngineDead, EngineInfo, RequestFailed, RequestKind, decode_error,
-                                            decode_logprobs, encode_params, pack, register_kind, unpack)
+                                            decode_logprobs, encode_images, encode_params, pack, register_kind,
+                                            unpack)
 
 logger = logging.getLogger("tessellm.server")
 
@@ -77,9 +78,13 @@ class ServerBusy(RequestRejectedError):
 
 
 def _generate_payload(prompt_ids: list[int], params: SamplingParams, *, priority: int = 0,
-                      cache_salt: str | None = None, lora: str | None = None) -> dict[str, Any]:
-    return {"prompt": list(prompt_ids), "params": encode_params(params), "priority": priority,
-            "cache_salt": cache_salt, "lora": lora}
+                      cache_salt: str | None = None, lora: str | None = None,
+                      images: list[Any] | None = None) -> dict[str, Any]:
+    payload = {"prompt": list(prompt_ids), "params": encode_params(params), "priority": priority,
+               "cache_salt": cache_salt, "lora": lora}
+    if images:
+        payload["images"] = encode_images(images)
+    return payload
 
 
 def _generate_output(record: list[Any]) -> StepOutput:
@@ -173,6 +178,9 @@ class EngineClient:
         self.gauges: dict[str, Any] = {}
         self.failed_requests = 0  # requests failed by the engine (their own run, a step, the core's exit)
         self.on_core_exit: Callable[[int | None], None] | None = None
+        self.image_processor_factory: Callable[[], Any] | None = None
+        """Builds the model's ``ImageProcessor`` on first use (None: the model takes no images)."""
+        self._image_processor: Any = None
         """Called on the event loop when the core process exits (its status), after every
         request in flight has failed."""
         self.on_core_ready: Callable[[dict[str, Any]], None] | None = None
@@ -426,6 +434,17 @@ class EngineClient:
             self.on_core_exit(status)
 
     # ------------------------------------------------------------------ tokenizer
+
+    @property
+    def image_processor(self) -> Any:
+        """The model's ``ImageProcessor`` (run here, where prompts are tokenized), built on
+        first use; None for a model that takes no images."""
+        if self._image_processor is None and self.image_processor_factory is not None:
+            with self.tokenizer_lock:
+                if self._image_processor is None:
+                    self._image_processor = self.image_processor_factory()
+                    self.image_processor_factory = None
+        return self._image_processor
 
     def with_tokenizer(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` holding the tokenizer lock (any thread)."""

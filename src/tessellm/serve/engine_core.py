@@ -36,7 +36,7 @@ from tessellm.core.errors import InvalidRequestError
 from tessellm.core.interfaces.decoder import Decoder
 from tessellm.core.interfaces.sequence import Sequence, SequenceStatus
 from tessellm.core.parallel.group import TensorParallelError
-from tessellm.serve.engine_protocol import (EngineInfo, decode_params, encode_error, encode_logprobs,
+from tessellm.serve.engine_protocol import (EngineInfo, decode_images, decode_params, encode_error, encode_logprobs,
                                             pack, unpack)
 from tessellm.serve.pooling_kind import PoolKind
 
@@ -72,7 +72,8 @@ class Progress:
 
 class GenerateKind:
     """``generate``: a prompt's token ids with its sampling. Payload: ``prompt``, ``params``
-    (``SamplingParams`` fields), ``priority``, ``cache_salt``, ``lora``. Record:
+    (``SamplingParams`` fields), ``priority``, ``cache_salt``, ``lora``, ``images`` (the
+    prompt's processed images, ``encode_images``; absent for a text prompt). Record:
     ``[request_id, finished, samples, prompt_tokens, completion_tokens, cached_tokens,
     prompt_logprobs]``, a sample ``[index, new_token_ids, finish_reason, logprobs,
     stop_text_len]``."""
@@ -91,7 +92,8 @@ class GenerateKind:
     def add(self, core: "EngineCore", request_id: str, payload: dict[str, Any], params: Any = None) -> None:
         params = params or decode_params(payload["params"])
         core.engine.add_request(request_id, payload["prompt"], params, priority=payload.get("priority", 0),
-                                cache_salt=payload.get("cache_salt"), lora=payload.get("lora"))
+                                cache_salt=payload.get("cache_salt"), lora=payload.get("lora"),
+                                images=decode_images(payload.get("images")))
         core.admitted.append([request_id, len(payload["prompt"])])
 
     def record(self, core: "EngineCore", request_id: str, progress: Progress) -> list[Any] | None:

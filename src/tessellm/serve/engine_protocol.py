@@ -176,3 +176,38 @@ REQUEST_KINDS: dict[str, RequestKind] = {}
 def register_kind(kind: RequestKind) -> RequestKind:
     REQUEST_KINDS[kind.name] = kind
     return kind
+
+
+# ---------------------------------------------------------------------------- images
+
+
+def encode_images(images: list[Any] | None) -> list[Any] | None:
+    """Processed images (``ImageInput``s) as wire values: offset, length, content key,
+    placeholders, and each tensor as [name, dtype, shape, bytes]."""
+    if not images:
+        return None
+    out = []
+    for image in images:
+        tensors = [[name, str(t.dtype).removeprefix("torch."), list(t.shape), t.contiguous().numpy().tobytes()]
+                   for name, t in image.data.items()]
+        out.append([image.offset, image.length, image.key,
+                    None if image.placeholders is None else list(image.placeholders), tensors])
+    return out
+
+
+def decode_images(values: list[Any] | None) -> list[Any] | None:
+    """``encode_images``' values as ``ImageInput``s again."""
+    if not values:
+        return None
+    import numpy as np
+    import torch
+
+    from tessellm.core.interfaces.multimodal import ImageInput
+
+    images = []
+    for offset, length, key, placeholders, tensors in values:
+        data = {name: torch.from_numpy(np.frombuffer(raw, dtype=np.dtype(dtype)).copy()).reshape(shape)
+                for name, dtype, shape, raw in tensors}
+        images.append(ImageInput(offset, length, bytes(key), data,
+                                 None if placeholders is None else tuple(placeholders)))
+    return images

@@ -22,6 +22,7 @@ class EngineThread(EngineClient):
         super().__init__(ThreadTransport(llm), llm.tokenizer, getattr(llm.pipeline, "tokenizer_lock", None),
                          max_waiting=max_waiting, metrics=metrics)
         self.llm = llm
+        self.image_processor_factory = lambda: llm.pipeline.image_processor
 
     @property
     def engine(self) -> Any:

@@ -93,7 +93,7 @@ def admission_param(exc: BaseException, body: Any, prompt_param: str) -> str | N
     if field is None:
         return None
     top = field.split(".", 1)[0]
-    if top == "prompt":
+    if top in ("prompt", "images"):
         return prompt_param
     spelled = BODY_NAMES.get(top)
     if spelled is None:

@@ -258,14 +258,30 @@ class TextPart(BaseModel):
     text: str
 
 
+class ImageUrl(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    url: str
+    detail: Optional[Literal["auto", "low", "high"]] = None
+
+
+class ImageUrlPart(BaseModel):
+    """An image in a message (OpenAI's ``image_url`` part): a ``data:image/...;base64,`` URL
+    (an http(s) URL is refused: this server fetches nothing)."""
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
 class ChatMessage(BaseModel):
     """One message; an assistant's earlier tool calls and a tool's result as OpenAI sends
-    them (content may be None beside tool_calls, or a list of text parts)."""
+    them (content may be None beside tool_calls, or a list of text and image parts; a list
+    of text parts only is joined into one text)."""
 
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Union[str, list[TextPart], None] = None
+    content: Union[str, list[Union[TextPart, ImageUrlPart]], None] = None
     tool_calls: Optional[list[ToolCallItem]] = None
     tool_call_id: Optional[str] = None
     name: Optional[str] = None
@@ -274,7 +290,7 @@ class ChatMessage(BaseModel):
     def _has_content(self):
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a {self.role} message needs content")
-        if isinstance(self.content, list):
+        if isinstance(self.content, list) and all(isinstance(part, TextPart) for part in self.content):
             self.content = "".join(part.text for part in self.content)
         return self
 

@@ -156,15 +156,19 @@ class Admitted:
 
 
 async def admit(ctx: ServerContext, request: Request, request_id: str, prompts: list[list[int]],
-                params: SamplingParams, body: Any, prompt_param: str, lora: str | None = None) -> Admitted:
+                params: SamplingParams, body: Any, prompt_param: str, lora: str | None = None,
+                images: list[list[Any] | None] | None = None) -> Admitted:
     """One engine request per prompt, all admitted at once (under the LoRA adapter ``lora``,
     None for the base model), and their first outputs. Refusals are RequestErrors naming the
     field (``prompt_param`` for the prompt): 400, 404 when the adapter was unloaded since the
     model was checked, 429 when the waiting queue is full, 500 when the engine fails;
-    ClientGone if the client leaves first. Nothing is left running after any of them."""
+    ClientGone if the client leaves first. Nothing is left running after any of them.
+    ``images``: per prompt, its processed images (None: none)."""
     ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{i}" for i in range(len(prompts))]
     salt = getattr(body, "cache_salt", None)
-    streams = [ctx.engine.generate(rid, p, params, cache_salt=salt, lora=lora) for rid, p in zip(ids, prompts)]
+    pictures = images or [None] * len(prompts)
+    streams = [ctx.engine.generate(rid, p, params, cache_salt=salt, lora=lora, **({"images": i} if i else {}))
+               for rid, p, i in zip(ids, prompts, pictures)]
     try:
         first = await until_disconnect(request, _first_outputs(streams), request_id)
     except ClientGone:

@@ -349,3 +349,62 @@ def noisy_copy(source: Path, target: Path, *, scale: float = 0.03, seed: int = 5
         save_file({k: v + scale * torch.randn(v.shape, generator=g, dtype=v.dtype) for k, v in state.items()}, f,
                   metadata={"format": "pt"})
     return target
+
+
+VISION_TOKENS = {"<|vision_start|>": 500, "<|vision_end|>": 501, "<|image_pad|>": 502, "<|video_pad|>": 503}
+"""The ids the tiny vision checkpoints give their image tokens (inside a 512-id vocabulary)."""
+
+
+def save_vision_tokenizer(target: Path, vocab_size: int, specials: dict[str, int], chat_template: str) -> None:
+    """``save_word_tokenizer``'s vocabulary with ``specials`` (token -> id) taking those ids,
+    and a chat template, so a processor expands image tokens as the checkpoint's own does."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {i: w for w, i in specials.items()}
+    vocab = {words.get(i, f"t{i}"): i for i in range(vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.add_special_tokens([AddedToken(w, special=True, normalized=False) for w in specials])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", bos_token="t1", eos_token="t2",
+                                   pad_token="t0")
+    fast.chat_template = chat_template
+    fast.save_pretrained(target)
+
+
+QWEN2_VL_TEMPLATE = (
+    "{% for m in messages %}t3 {% if m.content is string %}{{ m.content }} {% else %}{% for c in m.content %}"
+    "{% if c.type == 'image' or c.type == 'image_url' %}<|vision_start|><|image_pad|><|vision_end|> "
+    "{% elif c.type == 'text' %}{{ c.text }} {% endif %}{% endfor %}{% endif %}t4 {% endfor %}"
+    "{% if add_generation_prompt %}t5 {% endif %}")
+"""A word-level chat template that writes Qwen2-VL's image marker for an image part."""
+
+
+def build_tiny_qwen2_vl(target: Path, *, model_type: str = "qwen2_vl", seed: int = 0, vocab_size: int = 512,
+                        weight_std: float = 0.15) -> Path:
+    """A random Qwen2-VL (or Qwen2.5-VL) made with transformers' own classes: a 2-layer decoder
+    of width 64 with M-RoPE sections (2, 3, 3), a 2-block vision transformer over 14-pixel
+    patches merged 2x2, its image processor sized for small images (56x56 to 112x112 pixels:
+    4 to 16 image tokens), and a word tokenizer whose ``VISION_TOKENS`` are the image tokens."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    text = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]})
+    vision = dict(depth=2, embed_dim=32, hidden_size=64, num_heads=2, patch_size=14, spatial_merge_size=2,
+                  temporal_patch_size=2)
+    if model_type == "qwen2_5_vl":
+        vision = dict(depth=2, hidden_size=32, out_hidden_size=64, intermediate_size=64, num_heads=2, patch_size=14,
+                      spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+    config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision,
+                                  image_token_id=VISION_TOKENS["<|image_pad|>"],
+                                  video_token_id=VISION_TOKENS["<|video_pad|>"],
+                                  vision_start_token_id=VISION_TOKENS["<|vision_start|>"],
+                                  vision_end_token_id=VISION_TOKENS["<|vision_end|>"], tie_word_embeddings=False)
+    _save_random(lambda: AutoModelForImageTextToText.from_config(config), target, seed, weight_std, vocab_size)
+    save_vision_tokenizer(target, vocab_size, VISION_TOKENS, QWEN2_VL_TEMPLATE)
+    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, merge_size=2,
+                          temporal_patch_size=2).save_pretrained(target)
+    return target

@@ -325,8 +325,9 @@ def test_sinks_must_be_one_per_query_head():
 def test_flash_declares_every_layer_feature():
     from tessellm.core.model.spec import LAYER_FEATURES
 
-    # every feature but a window on a bidirectional (encoder) layer, which sdpa and cascade serve
-    assert FlashAttention.layer_features == frozenset(LAYER_FEATURES) - {"bidirectional_window"}
+    # every feature but a window on a bidirectional (encoder) layer (sdpa and cascade serve it)
+    # and attention bidirectional within each image (only sdpa)
+    assert FlashAttention.layer_features == frozenset(LAYER_FEATURES) - {"bidirectional_window", "bidirectional_images"}
     model = ref.model_stub(64, layers=GEMMA2_LIKE + GPT_OSS_LIKE)
     ctx = SelectionContext(device=DEVICE, dtype=torch.float32, model=model, options=FlashOptions(), max_model_len=64)
     assert FlashAttention.unsupported_reasons(ctx) == []
