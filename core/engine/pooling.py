@@ -73,13 +73,16 @@ class PoolingEngine(Engine):
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: Any, *, priority: int = 0,
                     cache_salt: str | None = None, lora: str | None = None,
-                    token_type_ids: list[int] | None = None, skip: int = 0) -> RequestState:
+                    token_type_ids: list[int] | None = None, skip: int = 0,
+                    images: Any = None) -> RequestState:
         """Admit a pooling request (``params``: ``PoolingParams``); ``token_type_ids``, one per
         prompt token, for an encoder that reads segments; ``skip``: leading tokens left out of
-        the pooled rows."""
+        the pooled rows. ``images`` are refused: a pooling pipeline embeds or scores text."""
         if not isinstance(params, PoolingParams):
             raise InvalidRequestError(f"{self.serves()}: send it embedding or scoring requests (LLM.embed, "
                                       f"LLM.score), not sampling parameters")
+        if images:
+            raise InvalidRequestError(f"{self.serves()}: it takes text only, not images", field="images")
         self._check_length(len(prompt_token_ids))
         if token_type_ids is not None and len(token_type_ids) != len(prompt_token_ids):
             raise InvalidRequestError(f"{len(token_type_ids)} token type ids for {len(prompt_token_ids)} tokens")

@@ -127,8 +127,8 @@ class ModelRunner:
             plan = LayerPlans([plan, *(self.backend.plan(view, self.cache) for view in batch.groups)],
                               self._group_of_layer())
         lora = self.lora
-        # only a step with image inputs passes them: a text model's forward takes no such argument
-        extra = {"images": batch.images} if batch.images is not None else {}
+        if batch.images is not None:  # only a step with images passes them: a text model's forward takes none
+            extra = {**extra, "images": batch.images}
         if lora is None or batch.lora_slots_cpu is None:
             if self.compiled is not None and CompiledDecode.applies(batch, layers):
                 return self.compiled.run(lambda forward: forward(

@@ -311,7 +311,8 @@ def model_stub(head_dim: int, window: int | None = None,
     per layer (windows, softcaps, sinks); empty: one layer with the model-wide ``window``.
     ``attention_of`` and ``attention_features`` are ModelSpec's own."""
     stub = SimpleNamespace(attention_scale=head_dim ** -0.5, sliding_window=window, head_dim=head_dim,
-                           model_type="stub", num_layers=max(len(layers), 1), layer_attention=tuple(layers))
+                           model_type="stub", num_layers=max(len(layers), 1), layer_attention=tuple(layers),
+                           vision=None)
     stub.attention_of = partial(ModelSpec.attention_of, stub)
     stub.attention_features = partial(ModelSpec.attention_features, stub)
     return stub
