@@ -136,24 +136,29 @@ class Pipeline:
             self._capture_graphs()  # decode graphs: a pooling pipeline only prefills
         self.async_scheduling = r.async_scheduling and self.ranks is None and not pooling
         self.stop = StopRule(self._eos_ids(hf_config), limit, decode_text=self._decode_text)
-        grammar = c.get("grammar")
-        build = (lambda: grammar.cls(grammar.options, self.tokenizer, spec.vocab_size)) if grammar else None
         self.pooler = self._build_pooler(pooling) if pooling else None
         """The pooling plugin of an embedding or scoring pipeline (None: the pipeline generates)."""
+        self.engine = self._build_engine(config, c.get("grammar"))
+        self._attach_decoder()
+        if self.ranks and not self.ranks.world.is_leader:  # a follower serves rank 0 until it stops, then exits
+            follow(self.engine, self.engine.sync)
+            raise SystemExit(0)
+
+    def _build_engine(self, config: PipelineConfig, grammar: Any) -> Engine:
+        """The engine over the built parts: a ``PoolingEngine`` where a pooler was chosen, else
+        an ``Engine`` (with the config's image limits)."""
+        spec, r = self.local_spec, self.resolved
+        build = (lambda: grammar.cls(grammar.options, self.tokenizer, spec.vocab_size)) if grammar else None
         if self.pooler:
             extra = {"pooler": self.pooler, "max_input_len": r.max_model_len}
         else:
             extra = {"max_images_per_prompt": config.images.max_per_prompt,
                      "encoder_cache_tokens": config.images.encoder_cache_tokens}
-        self.engine = (PoolingEngine if self.pooler else Engine)(
+        return (PoolingEngine if self.pooler else Engine)(
             self.runner, self.cache, self.scheduler, self.decoder, stop=self.stop, vocab_size=self.spec.vocab_size,
             seed=config.seed, sync=RankSync(self.ranks.world) if self.ranks else None,
             grammar=GrammarSession(build, self.decoder.num_lookahead_tokens), processors=self._logits_processors(),
             lora=self.lora, async_scheduling=self.async_scheduling, **extra)
-        self._attach_decoder()
-        if self.ranks and not self.ranks.world.is_leader:  # a follower serves rank 0 until it stops, then exits
-            follow(self.engine, self.engine.sync)
-            raise SystemExit(0)
 
     def close(self) -> None:
         """Finish what outlives the pipeline: the cache's (a disk tier's queued writes)."""
