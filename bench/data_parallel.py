@@ -31,69 +31,26 @@ import argparse
 import json
 import os
 import platform
-import signal
-import subprocess
 import sys
-import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
 
-from tessellm.bench.offline import summarize
+from tessellm.bench.offline import cpu_name, summarize
 from tessellm.bench.serving import run_serving
 from tessellm.bench.workloads import get_workload
 from tessellm.core.config import load_config
 from tessellm.core.model.loader import load_tokenizer
 from tessellm.core.resolve import model_dir_for
-from tessellm.serve.router.launcher import free_port
+from tessellm.testing.serving import ServeProcess
 
 MODEL = "smollm2-135m"
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown CPU"
-
-
-class Server:
-    """``tessellm serve`` with ``args`` on a free port, in its own process group (its replicas
-    with it), one torch thread per process unless it shares out the cores itself."""
-
-    def __init__(self, args: list[str]):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "tessellm", "serve", *args, "--port", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                                     start_new_session=True)
-
-    def __enter__(self) -> "Server":
-        deadline = time.monotonic() + 600
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tessellm serve exited with {self.proc.returncode}")
-            try:
-                health = httpx.get(self.url + "/health", timeout=2).json()
-                if health.get("status") == "ok" and all(r["healthy"] for r in health.get("replicas", [])):
-                    return self
-            except (httpx.TransportError, ValueError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("tessellm serve did not become healthy within 600 s")
-            time.sleep(0.5)
-
-    def __exit__(self, *exc: object) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+def replicas_healthy(health: dict) -> bool:
+    return health.get("status") == "ok" and all(r["healthy"] for r in health.get("replicas", []))
 
 
 def prefix_counters(url: str) -> tuple[float, float]:
@@ -112,7 +69,8 @@ def measure(server_args: list[str], requests: list, warmup: list, concurrency: i
     """One server's run of ``requests`` after ``warmup``: throughput, TTFT, prefix-cache hits
     (``overrides``: ``--set`` values for its pipeline)."""
     server_args = [*server_args, *(a for o in overrides for a in ("--set", o))]
-    with Server(server_args) as server:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # one torch thread a process
+    with ServeProcess(server_args, env=env, ready=replicas_healthy, start_timeout=600) as server:
         run_serving(server.url, warmup, model=MODEL, max_concurrency=concurrency)
         hit0, queried0 = prefix_counters(server.url)
         result = run_serving(server.url, requests, model=MODEL, max_concurrency=concurrency)
@@ -173,7 +131,7 @@ def main() -> int:
     config = load_config(None, [])
     tokenizer = load_tokenizer(model_dir_for(config))
     max_len = 2048
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": cpu_model(),
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "device": cpu_name() or platform.machine(),
               "cores": len(os.sched_getaffinity(0)), "threads_per_replica": 1, "model": MODEL,
               "command": "python bench/data_parallel.py " + " ".join(sys.argv[1:]), "python": platform.python_version()}
     if "a" in args.parts:

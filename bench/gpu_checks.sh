@@ -132,7 +132,7 @@ for stage in "$@"; do
     int8) limit python3 bench/int8_linear.py --device cuda --low-bit --batches 1,16,64,256,1024 --json > "$OUT/int8_linear.json" \
             2> "$OUT/int8_linear.log"; tail -c 3000 "$OUT/int8_linear.json"; tail -5 "$OUT/int8_linear.log" ;;
     quest) LIMIT=$(STAGE_LIMIT=${STAGE_LIMIT:-330} stage_limit quest); limit python3 bench/quest_gpu.py --out "$OUT" > "$OUT/quest_gpu.log" 2>&1
-           tail -80 "$OUT/quest_gpu.log" ;;  # issue 58's items 1-4: parts under their own limits, quest_summary.json
+           tail -80 "$OUT/quest_gpu.log" ;;  # QUEST's GPU checks: parts under their own limits, quest_summary.json
     mla) limit python3 bench/mla.py --part attention --json "$OUT/mla.json" > "$OUT/mla.log" 2>&1; tail -30 "$OUT/mla.log" ;;
     e2e-int8) for q in int8-weight w8a8 int4-weight fp8; do limit python3 bench/e2e_gpu.py --out "$OUT/e2e_$q.json" --skip-hf \
                 --set quant.name=$q > "$OUT/e2e_$q.log" 2>&1; tail -8 "$OUT/e2e_$q.log"; done ;;

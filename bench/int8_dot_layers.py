@@ -11,24 +11,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from datetime import datetime, timezone
 
 import torch
 
+from tessellm.core.model.compiled import median_seconds
+
 SHAPES = {"q/k/v fused (576 -> 960)": (960, 576), "gate/up fused (576 -> 3072)": (3072, 576),
           "down (1536 -> 576)": (576, 1536), "lm_head (576 -> 49152)": (49152, 576)}
 """out_features, in_features of SmolLM2-135M's products (hidden 576, 1536 intermediate)."""
-
-
-def median_call_s(fn, calls: int = 15) -> float:
-    fn()
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def variants(out_features: int, in_features: int, rows: int) -> dict:
@@ -70,7 +61,7 @@ def main() -> None:
             times = {name: [] for name in runs}
             for _ in range(args.rounds):
                 for name, fn in runs.items():
-                    times[name].append(median_call_s(fn))
+                    times[name].append(median_seconds(fn, calls=15))
             base = times["float32"]
             cells = [f"{name} {1e6 * statistics.median(ts):.0f} us ({statistics.median([b / t for b, t in zip(base, ts)]):.2f}x)"
                      for name, ts in times.items()]

@@ -51,12 +51,12 @@ import argparse
 import json
 import os
 import sys
-import time
 from datetime import datetime, timezone
 
 import torch
 import torch.nn.functional as F
 
+from tessellm.core.model.compiled import median_seconds
 from tessellm.plugins.attention.flash.common import KernelConfig
 from tessellm.plugins.attention.flash.decode import default_num_splits, paged_decode_attention
 from tessellm.plugins.attention.flash.prefill import paged_flash_attention
@@ -69,13 +69,7 @@ def timed(fn, device: torch.device, reps: int, warmup_ms: int = 25) -> float:
         from triton.testing import do_bench
 
         return do_bench(fn, warmup=warmup_ms, rep=reps * 10, return_mode="median") / 1e3
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return sorted(times)[len(times) // 2]
+    return median_seconds(fn, calls=reps)
 
 
 def timed_graph(fn, device: torch.device, reps: int) -> float:

@@ -34,9 +34,7 @@ import argparse
 import json
 import os
 import shlex
-import statistics
 import sys
-import time
 from datetime import datetime, timezone
 from typing import Any, Callable
 
@@ -47,6 +45,7 @@ if not torch.cuda.is_available() or "--smoke" in sys.argv[1:]:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tessellm.core.interfaces.lora import LoraKernel, LoraMapping, LoraWeights  # noqa: E402
+from tessellm.core.model.compiled import median_seconds  # noqa: E402
 from tessellm.core.plugin import PluginOptions  # noqa: E402
 from tessellm.plugins.lora.torch_ref import TorchLora  # noqa: E402
 from tessellm.plugins.lora.triton import TritonLora, TritonLoraOptions  # noqa: E402
@@ -85,13 +84,7 @@ def timed_us(fn: Callable[[], object], device: torch.device, reps: int, graph: b
         if graph:
             return do_bench_cudagraph(fn, rep=reps * 5, return_mode="median") * 1e3
         return do_bench(fn, warmup=25, rep=reps * 5, return_mode="median") * 1e3
-    fn()
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples) * 1e6
+    return median_seconds(fn, calls=reps) * 1e6
 
 
 def mapping_of(lengths: list[int], num_adapters: int, device: torch.device, static: bool = False) -> LoraMapping:

@@ -170,7 +170,8 @@ def summarize(arms: list[dict]) -> None:
                                  "cuda_graphs": all(r["cuda_graphs"] for r in runs)})
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with ``--smoke``'s tiny sizes put in."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--contexts", "--context", dest="contexts", type=int, nargs="*", default=[32768])
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -190,13 +191,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="a tiny model (CPU), short contexts")
     ap.add_argument("--json", help="write the report here too")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.contexts, args.budgets, args.new_tokens, args.rounds = [200], [32], min(args.new_tokens, 4), 1
+        args.concurrent, args.concurrent_context, args.rate_steps = [2], [200], 2
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     cuda = torch.cuda.is_available() and not args.smoke
     dtype = torch.bfloat16 if cuda else torch.float32
     shape = args.shape or ("llama-3.2-1b" if cuda else "cpu")
     shapes = dict(TINY) if args.smoke else dict(SHAPES[shape])
-    if args.smoke:
-        args.contexts, args.budgets, args.new_tokens, args.rounds = [200], [32], min(args.new_tokens, 4), 1
-        args.concurrent, args.concurrent_context, args.rate_steps = [2], [200], 2
     rate_len = max(args.concurrent_context) + args.rate_steps + 2 if args.concurrent else 0
     max_len = max(max(args.contexts, default=0) + args.new_tokens, rate_len) + 16
     shapes["max_position_embeddings"] = max(shapes["max_position_embeddings"], max_len)
@@ -206,48 +212,54 @@ def main(argv: list[str] | None = None) -> int:
               "device": describe_device("cuda" if cuda else "cpu"), "shape": "tiny" if args.smoke else shape,
               "threads": torch.get_num_threads(), "contexts": args.contexts, "new_tokens": args.new_tokens,
               "rounds": args.rounds, "arms": arms}
-    for arm in arms:
-        arm["runs"] = {str(c): [] for c in args.contexts}
-        arm["rate_runs"] = {f"{n}x{c}": [] for n in args.concurrent for c in args.concurrent_context}
-    # on CUDA arm after arm (each engine takes most of the memory); on a CPU rounds of every
-    # arm in turn, the order rotating
-    n = len(arms)
-    order = [(i, r) for i in range(n) for r in range(args.rounds)] if cuda else \
-        [(i, r) for r in range(args.rounds) for i in (list(range(n))[r % n:] + list(range(n))[:r % n])]
-    keep = not cuda and not args.reload
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(args.model_dir or tmp)
         if not (folder / "config.json").exists():
             build_model(folder, shapes, dtype)
-        llms: dict[int, LLM] = {}
-        for i, r in order:
-            arm = arms[i]
-            if i not in llms:
-                if not keep:
-                    llms.clear()
-                    gc.collect()
-                    if cuda:
-                        torch.cuda.empty_cache()
-                llms[i] = make_llm(folder, cuda, dtype, max_len, arm["attention"], arm["page"], 0.85,
-                                   max([1, *args.concurrent]))
-            for context in args.contexts:
-                arm["runs"][str(context)].append(one_request(llms[i], context, args.new_tokens, seed=r))
-                print(json.dumps({"round": r, **arm["attention"], "page": arm["page"], "context": context,
-                                  **arm["runs"][str(context)][-1]}), flush=True)
-            for key in arm["rate_runs"]:
-                batch, context = (int(x) for x in key.split("x"))
-                arm["rate_runs"][key].append(decode_rate(llms[i], batch, context, args.rate_steps))
-                print(json.dumps({"round": r, **arm["attention"], "page": arm["page"], **arm["rate_runs"][key][-1]}),
-                      flush=True)
-            if args.reload:
-                llms.clear()
-                gc.collect()
+        run_rounds(args, arms, folder, cuda, dtype, max_len)
         summarize(arms)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     print(json.dumps(report, indent=1))
     return 0
+
+
+def run_rounds(args: argparse.Namespace, arms: list[dict], folder: Path, cuda: bool, dtype: torch.dtype,
+               max_len: int) -> None:
+    """Every round of every arm, its figures appended to the arm's ``runs`` and ``rate_runs``
+    (and printed as they come): on CUDA arm after arm (each engine takes most of the memory),
+    on a CPU rounds of every arm in turn, the order rotating."""
+    for arm in arms:
+        arm["runs"] = {str(c): [] for c in args.contexts}
+        arm["rate_runs"] = {f"{n}x{c}": [] for n in args.concurrent for c in args.concurrent_context}
+    n = len(arms)
+    order = [(i, r) for i in range(n) for r in range(args.rounds)] if cuda else \
+        [(i, r) for r in range(args.rounds) for i in (list(range(n))[r % n:] + list(range(n))[:r % n])]
+    keep = not cuda and not args.reload
+    llms: dict[int, LLM] = {}
+    for i, r in order:
+        arm = arms[i]
+        if i not in llms:
+            if not keep:
+                llms.clear()
+                gc.collect()
+                if cuda:
+                    torch.cuda.empty_cache()
+            llms[i] = make_llm(folder, cuda, dtype, max_len, arm["attention"], arm["page"], 0.85,
+                               max([1, *args.concurrent]))
+        for context in args.contexts:
+            arm["runs"][str(context)].append(one_request(llms[i], context, args.new_tokens, seed=r))
+            print(json.dumps({"round": r, **arm["attention"], "page": arm["page"], "context": context,
+                              **arm["runs"][str(context)][-1]}), flush=True)
+        for key in arm["rate_runs"]:
+            batch, context = (int(x) for x in key.split("x"))
+            arm["rate_runs"][key].append(decode_rate(llms[i], batch, context, args.rate_steps))
+            print(json.dumps({"round": r, **arm["attention"], "page": arm["page"], **arm["rate_runs"][key][-1]}),
+                  flush=True)
+        if args.reload:
+            llms.clear()
+            gc.collect()
 
 
 if __name__ == "__main__":

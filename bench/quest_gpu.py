@@ -1,19 +1,18 @@
-"""Issue 58's GPU checks of `quest` in one run (about three minutes on an H200): every part
-a child process under its own time limit, so a part that hangs or fails loses only itself,
-and a summary of each target met or missed.
+"""The GPU checks of `quest` in one run: every part a child process under its own time limit,
+so a part that hangs or fails loses only itself, and a summary of each target met or missed.
 
 Parts (each writes its JSON into ``--out``):
 
-- ``layer`` (item 2): one layer's decode attention, Llama-3.2-1B's attention shape, budget
+- ``layer``: one layer's decode attention, Llama-3.2-1B's attention shape, budget
   2048, pages of 4, at 32k and 128k tokens, graph-replayed and timed with CUDA events
   (bench/quest.py): `flash`'s split-K decode against `quest`, and `quest`'s page scores,
   top-K and page tables alone (their share of its time);
-- ``layer-pages`` (items 2, 4): the same at 128k for pages of 2, 8 and 16;
-- ``e2e`` (items 1, 3): Llama-3.2-1B shapes, bf16 (bench/quest_e2e.py): time to first token
+- ``layer-pages``: the same at 128k for pages of 2, 8 and 16;
+- ``e2e``: Llama-3.2-1B shapes, bf16 (bench/quest_e2e.py): time to first token
   at 8k, 32k and 128k and time per output token at each, `flash` against `quest` (pages of
   4); then decode rates of 16 and 64 sequences at 32k tokens (their K/V written straight into
   the cache), and whether `quest`'s decode steps replayed CUDA graphs;
-- ``e2e-page-N`` (item 4): a 128k prompt and 16 tokens through `quest` with pages of N (16, 8,
+- ``e2e-page-N``: a 128k prompt and 16 tokens through `quest` with pages of N (16, 8,
   2), each under ``--page-limit`` seconds: every page size the cache offers works at 128k.
 
 How to run

@@ -30,9 +30,7 @@ import json
 import os
 import platform
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +47,8 @@ os.environ.update(STUB_ENV)  # this process's offline engine loads the stub too
 
 from tessellm import LLM  # noqa: E402
 from tessellm.core.model.loader import model_folder, resolve_model  # noqa: E402
-from tessellm.serve.router.launcher import free_port  # noqa: E402
+from tessellm.bench.offline import cpu_name  # noqa: E402
+from tessellm.testing.serving import ServeProcess  # noqa: E402
 from tessellm.testing.stub_model import make_stub_model, stub_config  # noqa: E402
 
 VOCAB = 512
@@ -134,39 +133,6 @@ def per_step(before: dict[str, float], after: dict[str, float]) -> dict[str, flo
         {"steps": steps}
 
 
-class Server:
-    """``tessellm serve`` over the stub config, in its own process group."""
-
-    def __init__(self, config_path: Path, extra: list[str]):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, **STUB_ENV}
-        self.proc = subprocess.Popen([sys.executable, "-m", "tessellm", "serve", "--config", str(config_path),
-                                      "--served-model-name", MODEL, "--port", str(self.port), *extra],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                                     start_new_session=True)
-        deadline = time.monotonic() + 300
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tessellm serve exited with {self.proc.returncode}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("tessellm serve did not become healthy")
-            time.sleep(0.3)
-
-    def stop(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
-
-
 def percentile(values: list[float], q: float) -> float:
     return round(values[min(len(values) - 1, int(q * len(values)))], 2)
 
@@ -176,14 +142,6 @@ def summary(rounds: list[dict]) -> dict:
             "tok_s_rounds": [round(r["tok_s"], 1) for r in rounds],
             "ttft_ms_p50": round(statistics.median(percentile(r["ttft_ms"], 0.5) for r in rounds), 2),
             "ttft_ms_p99": round(statistics.median(percentile(r["ttft_ms"], 0.99) for r in rounds), 2)}
-
-
-def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown CPU"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -204,12 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         config_path = Path(tmp) / "stub.json"
         config_path.write_text(json.dumps(config))
         llm = LLM(config)
-        server = Server(config_path, args.serve_args)
-        try:
+        with ServeProcess(["--config", str(config_path), "--served-model-name", MODEL, *args.serve_args],
+                          env={**os.environ, **STUB_ENV}, ready=lambda health: True) as server:
             results = run(args, llm, server)
-        finally:
-            server.stop()
-    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_name(),
+    report = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": cpu_name() or platform.machine(),
               "cores": os.cpu_count(), "command": "bench/serve_stub.py " + " ".join(argv or sys.argv[1:]),
               "step_ms": args.step_ms, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
               "serve_args": args.serve_args, "results": results}
@@ -219,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def run(args: argparse.Namespace, llm: LLM, server: Server) -> list[dict]:
+def run(args: argparse.Namespace, llm: LLM, server: ServeProcess) -> list[dict]:
     offline_round(llm, 4, args.prompt_len, 4)  # warm-up, not timed
     asyncio.run(server_round_async(server.port, 4, args.prompt_len, 4))
     results = []

@@ -69,7 +69,7 @@ class CompiledDecode:
         except Exception as error:
             self._give_up(f"compiling the decode step failed ({type(error).__name__}: {error})")
             return call(self.model)
-        self.timings = {name: _median_seconds(lambda fn=fn: call(fn))
+        self.timings = {name: median_seconds(lambda fn=fn: call(fn))
                         for name, fn in (("eager", self.model), ("compiled", self._compiled))}
         self.state = "compiled" if self.timings["compiled"] < self.timings["eager"] else "eager"
         logger.info("CPU decode step: compiled in %.1f s; a step takes %.2f ms compiled, %.2f ms eager: running %s",
@@ -82,10 +82,14 @@ class CompiledDecode:
         self._compiled = None
 
 
-def _median_seconds(fn: Callable[[], object]) -> float:
-    fn()
+def median_seconds(fn: Callable[[], object], calls: int = TIMED_CALLS, warmup: int = 1) -> float:
+    """The median wall time of ``calls`` calls of ``fn()`` after ``warmup`` untimed ones (a
+    compiled function builds, and caches and allocators fill, in the first): what a runtime
+    choice between variants on this machine compares."""
+    for _ in range(warmup):
+        fn()
     times = []
-    for _ in range(TIMED_CALLS):
+    for _ in range(calls):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)

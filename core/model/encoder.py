@@ -55,7 +55,9 @@ class EncoderModel(nn.Module):
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor,
               token_type_ids: torch.Tensor | None) -> torch.Tensor:
-        """[T] ids and positions (and type ids) -> [T, hidden]."""
+        """[T] ids and positions (and type ids) -> [T, hidden]: each architecture's embeddings
+        (word, position, token type, and the norm after them where it has one); every encoder
+        module overrides it."""
         raise NotImplementedError
 
     def layer_inputs(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[Any, Any]]:

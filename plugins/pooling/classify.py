@@ -14,18 +14,19 @@ from pydantic import Field
 
 import tessellm
 from tessellm.core.errors import ConfigError
-from tessellm.core.interfaces.pooling import Pooler, PoolingContext, PoolingParams
+from tessellm.core.interfaces.pooling import DENSE_ACTIVATIONS, Pooler, PoolingContext, PoolingParams
 from tessellm.core.plugin import PluginOptions
 from tessellm.plugins.pooling.common import accumulation_dtype
 
-ACTIVATIONS = {"sigmoid": torch.sigmoid, "identity": lambda x: x, "softmax": lambda x: torch.softmax(x, dim=-1),
-               "tanh": torch.tanh}
+ACTIVATIONS = {**DENSE_ACTIVATIONS, "softmax": lambda x: torch.softmax(x, dim=-1)}
+"""The activations a checkpoint's ``activation_fn`` may name for its scores: a Dense module's
+(torch.nn's Identity, Tanh, ReLU, GELU, Sigmoid, SiLU) and Softmax over the labels."""
 
 
 class ClassifyOptions(PluginOptions):
     """Options of the `classify` pooler."""
 
-    activation: Literal["auto", "sigmoid", "identity", "softmax"] = Field("auto")
+    activation: Literal["auto", "sigmoid", "identity", "softmax", "tanh", "relu", "gelu", "silu"] = Field("auto")
     """What the head's logits go through: ``auto`` is the checkpoint's (config.json's
     ``sentence_transformers.activation_fn``), else a sigmoid for one label and none for more,
     as sentence-transformers' CrossEncoder does. A request's ``use_activation`` false skips it."""

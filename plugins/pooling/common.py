@@ -27,7 +27,8 @@ class EmbeddingPooler(Pooler):
     Options = EmbeddingOptions
 
     def reduce(self, rows: torch.Tensor) -> torch.Tensor:
-        """The sequence's rows ([1, H] or [L, H]) -> one vector [H]."""
+        """The sequence's rows ([1, H] or [L, H], as the pooler's ``rows`` asks) -> one vector
+        [H]; each embedding pooler overrides it with its reduction (first row, last row, mean)."""
         raise NotImplementedError
 
     def pool(self, hidden: list[torch.Tensor], params: list[PoolingParams]) -> list[torch.Tensor]:

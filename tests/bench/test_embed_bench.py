@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from tessellm.bench.embed import EmbedParams, embed_texts
 from tessellm.cli import main
+from tessellm.core.errors import ConfigError
 from tessellm.testing.embedding import build_sentence_transformer, build_tiny_encoder
 
 SCRIPT = Path(__file__).parents[2] / "bench" / "embed_vs_st.py"
@@ -35,10 +37,17 @@ def test_the_report_compares_with_sentence_transformers(tmp_path, capsys, head):
 
 @pytest.mark.parametrize("extra,words", [(["--serve", "http://x"], "--serve does not apply"),
                                          (["--workload-set", "nope=1"], "has no parameter 'nope'"),
-                                         (["--workload-set", "rounds=0"], "rounds")])
+                                         (["--workload-set", "rounds=0"], "rounds"),
+                                         (["--workload-set", "length_min=50", "--workload-set", "length_max=10"],
+                                          "length_min (50) is above length_max (10)")])
 def test_arguments_it_does_not_take_are_refused(capsys, extra, words):
     assert main(["bench", "--workload", "embed", *extra]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_texts_that_cannot_fit_the_model_say_which_parameter_to_lower():
+    with pytest.raises(ConfigError, match=r"length_min \(20\) does not fit under the model's 24 tokens"):
+        embed_texts(EmbedParams(length_min=20), tokenizer=None, seed=0, num_texts=3, max_len=24)
 
 
 @pytest.mark.extended

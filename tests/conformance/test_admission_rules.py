@@ -60,7 +60,7 @@ def test_the_engines_refusal_is_the_suites_skip_reason():
     assert "the engine refuses {'max_tokens': 2, 'temperature': 1.0, 'min_p': 0.3} at admission" in message
     assert "written for plugin API 1.0" in message and "SamplingParams.min_p, added in plugin API 1.1" in message
     skip_unless_admitted(OldSamplerSuite, llm, SamplingParams(max_tokens=2, temperature=1.0, top_k=4))
-    skip_unless_admitted(DecodingConformance, bare_llm(SampleDecoder), min_p)  # today's sampler: admitted
+    skip_unless_admitted(DecodingConformance, bare_llm(SampleDecoder), min_p)  # the built-in sampler knows min_p: admitted
     assert "outside the vocabulary" in admission_refusal(llm, SamplingParams(), [64])
     assert "leaving no room to generate" in admission_refusal(llm, SamplingParams(), [1] * 32)
 

@@ -8,9 +8,11 @@ without restarts the server gives up. One core process serves the whole module."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import time
+from collections.abc import Iterator
 
 import httpx
 import pytest
@@ -171,15 +173,24 @@ def test_lora_adapters_load_and_unload_in_the_core(server, folders, caplog):
     assert any("'sql' loaded" in line for line in lines) and any("'sql' unloaded" in line for line in lines)
 
 
-def test_a_client_that_leaves_is_aborted_before_the_next_step(server):
-    url, client, _ = server
-    since = len(client.aborts)
+@contextlib.contextmanager
+def streamed_past_first_event(url: str, prompt: list[int], max_tokens: int) -> Iterator[Iterator[str]]:
+    """A streamed completion of ``prompt`` (``ignore_eos``); yields its lines after the first
+    event, and closes the stream on exit."""
     with httpx.stream("POST", url + "/v1/completions", timeout=120,
-                      json={"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 200, "ignore_eos": True,
+                      json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
                             "stream": True}) as r:
         lines = r.iter_lines()
         while not next(lines).startswith("data: {"):
-            pass
+            continue
+        yield lines
+
+
+def test_a_client_that_leaves_is_aborted_before_the_next_step(server):
+    url, client, _ = server
+    since = len(client.aborts)
+    with streamed_past_first_event(url, PROMPTS[2], max_tokens=200):
+        pass  # the client leaves after the first event
     deadline = time.time() + 30
     while len(client.aborts) == since:
         assert time.time() < deadline, "no abort reached the core"
@@ -200,12 +211,7 @@ def test_a_killed_core_fails_in_flight_requests_then_is_restarted(server):
 
     url, client, supervisor = server
     old = client.info.pid
-    with httpx.stream("POST", url + "/v1/completions", timeout=120,
-                      json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 240, "ignore_eos": True,
-                            "stream": True}) as r:
-        lines = r.iter_lines()
-        while not next(lines).startswith("data: {"):
-            pass
+    with streamed_past_first_event(url, PROMPTS[0], max_tokens=240) as lines:
         os.kill(old, signal.SIGKILL)
         rest = list(lines)
     errors = [json.loads(line[6:])["error"] for line in rest if line.startswith("data: {") and '"error"' in line]
@@ -258,32 +264,13 @@ def test_serve_without_restarts_exits_1_when_its_core_dies(folders, tmp_path):
     import os
     import signal
     import subprocess
-    import sys
 
-    from tessellm.serve.router.launcher import free_port
+    from tessellm.testing.serving import ServeProcess
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config(folders[0])))
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tessellm", "serve", "--config", str(path), "--port", str(port),
-                             "--no-restart"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        deadline = time.time() + 300
-        while True:
-            assert proc.poll() is None and time.time() < deadline, "the server did not start"
-            try:
-                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).json()
-                if health.get("status") == "ok":
-                    break
-            except (httpx.TransportError, ValueError):
-                pass
-            time.sleep(0.3)
-        os.kill(health["engine_core"]["pid"], signal.SIGKILL)
-        assert proc.wait(timeout=120) == 1
-        err = proc.stderr.read()
+    with ServeProcess(["--config", str(path), "--no-restart"], stderr=subprocess.PIPE) as server:
+        os.kill(httpx.get(server.url + "/health").json()["engine_core"]["pid"], signal.SIGKILL)
+        assert server.proc.wait(timeout=120) == 1
+        err = server.proc.stderr.read().decode()
         assert "exited with status -9" in err and "tessellm: stopped:" in err and "restarts are off" in err, err
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()

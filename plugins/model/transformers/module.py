@@ -38,7 +38,8 @@ def build_causal_lm(config: Any, experts: str | None = None) -> nn.Module:
 
     config = copy.deepcopy(config)
     kwargs: dict[str, Any] = dict(attn_implementation=ATTN_IMPLEMENTATION, trust_remote_code=uses_own_code(config))
-    try:
+    with failures_as_load_error("transformers cannot build a causal-LM model of it with an attention implementation "
+                                "of its own ({})"):
         if experts is not None:
             try:
                 model = AutoModelForCausalLM.from_config(config, experts_implementation=experts, **kwargs)
@@ -46,12 +47,19 @@ def build_causal_lm(config: Any, experts: str | None = None) -> nn.Module:
             except (ValueError, TypeError):
                 pass  # a model whose experts do not switch implementation
         return quiet_padding_check(AutoModelForCausalLM.from_config(config, **kwargs).eval())
+
+
+@contextlib.contextmanager
+def failures_as_load_error(what: str) -> Iterator[None]:
+    """Any exception inside (a ModelLoadError passes as it is) raised as a ModelLoadError whose
+    message is ``what`` with ``{}`` replaced by the exception's type and first line."""
+    try:
+        yield
     except ModelLoadError:
         raise
     except Exception as exc:
         message = str(exc).split("\n")[0][:300]
-        raise ModelLoadError(f"transformers cannot build a causal-LM model of it with an attention implementation "
-                             f"of its own ({type(exc).__name__}: {message})") from exc
+        raise ModelLoadError(what.format(f"{type(exc).__name__}: {message}")) from exc
 
 
 def quiet_padding_check(model: nn.Module) -> nn.Module:

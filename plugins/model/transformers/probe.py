@@ -27,6 +27,7 @@ from torch import nn
 from tessellm.core.errors import ModelLoadError
 
 from .attention import STEP_KWARG
+from .module import failures_as_load_error
 
 KNOWN_KWARGS = frozenset({"dropout", "scaling", "sliding_window", "softcap", "s_aux", "sinks", "position_ids",
                           "use_cache", "output_attentions", "output_router_logits", "output_hidden_states",
@@ -176,15 +177,10 @@ def _probe_once(model: nn.Module, num_layers: int, tokens: int) -> Probe:
     step = ProbeStep()
     ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
     positions = torch.arange(tokens, device="meta")[None]
-    with _probe_lock, _recording_masks() as masks, torch.no_grad():
-        try:
-            model(input_ids=ids, position_ids=positions, use_cache=False, **{STEP_KWARG: step})
-        except ModelLoadError:
-            raise
-        except Exception as exc:
-            message = str(exc).split("\n")[0][:300]
-            raise ModelLoadError(f"a forward of its transformers model on the meta device failed ({type(exc).__name__}: "
-                                 f"{message}), so what its layers ask of attention cannot be read") from exc
+    with _probe_lock, _recording_masks() as masks, torch.no_grad(), failures_as_load_error(
+            "a forward of its transformers model on the meta device failed ({}), so what its layers ask of "
+            "attention cannot be read"):
+        model(input_ids=ids, position_ids=positions, use_cache=False, **{STEP_KWARG: step})
     return Probe(_one_call_per_layer(step.calls, num_layers), masks)
 
 

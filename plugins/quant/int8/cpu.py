@@ -14,11 +14,11 @@
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 from typing import Callable
 
 import torch
+
+from tessellm.core.model.compiled import median_seconds
 
 
 def _per_channel(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -78,13 +78,4 @@ def int8pack_matmul(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> to
 def fastest(candidates: dict[str, Callable[[], torch.Tensor]], reps: int = 9) -> str:
     """The name of the candidate with the lowest median time over ``reps`` calls, after two
     untimed calls (a compiled kernel builds in the first)."""
-    def median_s(fn: Callable[[], torch.Tensor]) -> float:
-        fn(), fn()
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    return min(candidates, key=lambda name: median_s(candidates[name]))
+    return min(candidates, key=lambda name: median_seconds(candidates[name], calls=reps, warmup=2))

@@ -171,25 +171,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _bench_embed(args: argparse.Namespace) -> int:
     """``tessellm bench --workload embed``: against sentence-transformers, interleaved."""
-    from pydantic import ValidationError
-
     from tessellm.bench.embed import EmbedParams, embed_texts, format_embed_report, run_embed_bench
     from tessellm.bench.offline import describe_device, progress_enabled
-    from tessellm.bench.workloads import _parse_overrides
+    from tessellm.bench.workloads import workload_params
     from tessellm.core.engine.llm import LLM
 
     for flag in ("serve", "plot", "baseline"):
         if getattr(args, flag):
             raise ConfigError(f"--{flag} does not apply to --workload embed (it always compares with "
                               f"sentence-transformers, in this process)")
-    values = _parse_overrides(args.workload_overrides)
-    unknown = sorted(set(values) - set(EmbedParams.model_fields))
-    if unknown:
-        raise ConfigError(f"workload 'embed' has no parameter {unknown[0]!r}; allowed: {', '.join(EmbedParams.model_fields)}")
-    try:
-        params = EmbedParams.model_validate(values)
-    except ValidationError as exc:
-        raise ConfigError(f"workload 'embed': {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from None
+    params = workload_params("embed", EmbedParams, args.workload_overrides)
     llm = LLM(args.config, overrides=args.overrides)
     if llm.pipeline.task == "generate":
         raise ConfigError("--workload embed needs an embedding or reranking pipeline; this one generates (its "

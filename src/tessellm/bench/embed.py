@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from tessellm.bench.workloads import WorkloadParams, plain_token_ids
+from tessellm.bench.workloads import WorkloadParams, lognormal_lengths, plain_token_ids
 from tessellm.core.errors import ConfigError
 
 
@@ -38,17 +38,18 @@ class EmbedParams(WorkloadParams):
     rounds: int = Field(3, ge=1, le=50)
     """Runs of each side, interleaved (A B, B A, ...)."""
 
+    ranges = ("length",)
+
 
 def embed_texts(params: EmbedParams, tokenizer: Any, seed: int, num_texts: int, max_len: int) -> list[str]:
     """``num_texts`` random texts of log-normal token lengths, decoded from ordinary tokens."""
-    rng = np.random.default_rng(seed)
-    ids = plain_token_ids(tokenizer)
     hi = min(params.length_max, max_len - 8)  # room for special tokens and re-tokenization drift
     if hi < params.length_min:
-        raise ConfigError(f"workload embed: length_max {params.length_max} leaves no room under the model's "
-                          f"{max_len} tokens")
-    lengths = np.clip(np.rint(params.length_median * np.exp(params.length_sigma * rng.standard_normal(num_texts))),
-                      params.length_min, hi).astype(int)
+        raise ConfigError(f"workload embed: length_min ({params.length_min}) does not fit under the model's "
+                          f"{max_len} tokens less 8 kept for special tokens; lower length_min")
+    rng = np.random.default_rng(seed)
+    ids = plain_token_ids(tokenizer)
+    lengths = lognormal_lengths(rng, params.length_median, params.length_sigma, num_texts, params.length_min, hi)
     return [tokenizer.decode(rng.choice(ids, size=int(n)).tolist(), skip_special_tokens=True).strip() or "a"
             for n in lengths]
 

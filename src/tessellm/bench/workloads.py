@@ -15,7 +15,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -46,6 +46,17 @@ class BenchRequest:
 class WorkloadParams(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 
+    ranges: ClassVar[tuple[str, ...]] = ()
+    """Prefixes of the ``<prefix>_min`` / ``<prefix>_max`` pairs that bound a drawn length."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "WorkloadParams":
+        for what in self.ranges:
+            lo, hi = getattr(self, f"{what}_min"), getattr(self, f"{what}_max")
+            if lo > hi:
+                raise ValueError(f"{what}_min ({lo}) is above {what}_max ({hi})")
+        return self
+
 
 class MixedParams(WorkloadParams):
     """ShareGPT-like: log-normal prompt and output lengths, a few requests far above the median."""
@@ -62,13 +73,7 @@ class MixedParams(WorkloadParams):
     output_min: int = Field(8, ge=1)
     output_max: int = Field(512, ge=1)
 
-    @model_validator(mode="after")
-    def _bounds(self) -> "MixedParams":
-        for what in ("prompt", "output"):
-            lo, hi = getattr(self, f"{what}_min"), getattr(self, f"{what}_max")
-            if lo > hi:
-                raise ValueError(f"{what}_min ({lo}) is above {what}_max ({hi})")
-        return self
+    ranges = ("prompt", "output")
 
 
 class SharedPrefixParams(WorkloadParams):
@@ -213,18 +218,24 @@ def get_workload(name_or_path: str | Path, overrides: list[str] | dict[str, Any]
             raise ConfigError(f"workload file {name!r} does not exist")
     else:
         raise ConfigError(f"unknown workload {name!r}; allowed: {', '.join(SYNTHETIC)} or a PATH.jsonl file")
+    return Workload(Path(name).name if path else name, workload_params(name, params_cls, overrides), path)
+
+
+def workload_params(name: str, params_cls: type[WorkloadParams],
+                    overrides: list[str] | dict[str, Any] = ()) -> WorkloadParams:
+    """``params_cls`` with ``overrides`` (``KEY=VALUE`` strings or a dict) applied; raises
+    ConfigError naming workload ``name``'s unknown or invalid parameter."""
     values = _parse_overrides(list(overrides) if not isinstance(overrides, dict) else overrides)
     unknown = sorted(set(values) - set(params_cls.model_fields))
     if unknown:
         raise ConfigError(f"workload {name!r} has no parameter {unknown[0]!r}; allowed: "
                           f"{', '.join(params_cls.model_fields)}")
     try:
-        params = params_cls.model_validate(values)
+        return params_cls.model_validate(values)
     except ValidationError as exc:
         problems = [f"{'.'.join(str(p) for p in e['loc']) or 'workload'}: {e['msg']}"
                     + (f" (got {e['input']!r})" if e["loc"] else "") for e in exc.errors()]
         raise ConfigError(f"workload {name!r}: " + "; ".join(problems)) from None
-    return Workload(Path(name).name if path else name, params, path)
 
 
 def make_workload(name_or_path: str | Path, *, seed: int = 0, num_requests: int | None = None, tokenizer: Any,
@@ -239,7 +250,9 @@ def make_workload(name_or_path: str | Path, *, seed: int = 0, num_requests: int 
 # ----------------------------------------------------------------------------- the generators
 
 
-def _lognormal(rng: np.random.Generator, median: int, sigma: float, n: int, lo: int, hi: int) -> np.ndarray:
+def lognormal_lengths(rng: np.random.Generator, median: int, sigma: float, n: int, lo: int, hi: int) -> np.ndarray:
+    """``n`` integer lengths, log-normal about ``median`` (``sigma``: the spread of their log),
+    clipped to [lo, hi]."""
     return np.clip(np.rint(rng.lognormal(np.log(median), sigma, n)), lo, hi).astype(np.int64)
 
 
@@ -247,9 +260,9 @@ def _mixed(p: MixedParams, rng: np.random.Generator, ids: np.ndarray, n: int, ma
     if p.prompt_min + p.output_min > max_model_len:
         raise ConfigError(f"mixed: prompt_min ({p.prompt_min}) + output_min ({p.output_min}) exceed "
                           f"max_model_len ({max_model_len}); lower them with --workload-set")
-    prompt_lens = _lognormal(rng, p.prompt_median, p.prompt_sigma, n, p.prompt_min,
-                             min(p.prompt_max, max_model_len - p.output_min))
-    output_lens = _lognormal(rng, p.output_median, p.output_sigma, n, p.output_min, p.output_max)
+    prompt_lens = lognormal_lengths(rng, p.prompt_median, p.prompt_sigma, n, p.prompt_min,
+                                    min(p.prompt_max, max_model_len - p.output_min))
+    output_lens = lognormal_lengths(rng, p.output_median, p.output_sigma, n, p.output_min, p.output_max)
     output_lens = np.minimum(output_lens, max_model_len - prompt_lens)  # the context window bounds both
     return [BenchRequest(f"mixed-{i}", ids[rng.integers(0, ids.size, int(plen))].tolist(), int(olen))
             for i, (plen, olen) in enumerate(zip(prompt_lens, output_lens))]

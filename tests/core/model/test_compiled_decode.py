@@ -35,7 +35,7 @@ def traced_only(monkeypatch):
     monkeypatch.setattr(compiled_module.torch, "compile", lambda model, **kw: real(model, backend="eager", **kw))
 
 
-@pytest.mark.extended  # dynamo traces the tiny model: about a minute and a half at load 18
+@pytest.mark.extended  # dynamo traces the tiny model: the slowest of the module
 def test_one_stream_decode_runs_compiled_with_the_same_tokens(cpu_config, tiny_model, traced_only):
     eager, compiled = _pipelines(cpu_config, tiny_model)
     choice = compiled.pipeline.runner.compiled
@@ -46,7 +46,7 @@ def test_one_stream_decode_runs_compiled_with_the_same_tokens(cpu_config, tiny_m
     assert _tokens(compiled, PROMPTS) == _tokens(eager, PROMPTS)
 
 
-@pytest.mark.extended  # a second traced pipeline pair: tens of seconds on a loaded CPU
+@pytest.mark.extended  # a second traced pipeline pair
 def test_with_a_scratch_block_the_choice_is_made_at_start_up(cpu_config, tiny_model, traced_only):
     paged = {"cache": {"name": "paged", "options": {"num_blocks": 64}}}
     eager, compiled = _pipelines(cpu_config, tiny_model, **paged)
@@ -81,7 +81,7 @@ def test_a_compiled_step_that_fails_later_falls_back_to_eager(cpu_config, tiny_m
 
     times = iter([1.0, 0.0])  # eager, then compiled: compiled is kept
     monkeypatch.setattr(compiled_module.torch, "compile", flaky)
-    monkeypatch.setattr(compiled_module, "_median_seconds", lambda fn: (fn(), next(times))[1])
+    monkeypatch.setattr(compiled_module, "median_seconds", lambda fn: (fn(), next(times))[1])
     eager, compiled = _pipelines(cpu_config, tiny_model)
     with caplog.at_level(logging.WARNING, logger=compiled_module.__name__):
         assert _tokens(compiled, PROMPTS[:1]) == _tokens(eager, PROMPTS[:1])

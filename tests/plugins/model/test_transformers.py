@@ -122,6 +122,21 @@ def test_a_model_that_drops_the_step_is_named():
         tessellm_attention(torch.nn.Linear(1, 1), q, q, q)
 
 
+def test_a_failure_while_building_or_probing_is_a_one_line_load_error():
+    from tessellm.plugins.model.transformers.module import failures_as_load_error
+
+    with pytest.raises(ModelLoadError, match=r"^cannot build \(KeyError: 'rope'\), so no model$") as failed:
+        with failures_as_load_error("cannot build ({}), so no model"):
+            raise KeyError("rope")
+    assert isinstance(failed.value.__cause__, KeyError)
+    with pytest.raises(ModelLoadError, match="^no layer_idx$"):  # tessellm's own refusal passes unwrapped
+        with failures_as_load_error("cannot build ({})"):
+            raise ModelLoadError("no layer_idx")
+    with pytest.raises(ModelLoadError, match=r"\(ValueError: first line\)$"):
+        with failures_as_load_error("cannot build ({})"):
+            raise ValueError("first line\nsecond line")
+
+
 # ----------------------------------------------------------------------------- against transformers
 
 
