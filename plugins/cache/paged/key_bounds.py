@@ -80,8 +80,8 @@ class KeyBoundsMixin:
             # only the token that ends a run of its page needs to recompute: its prefix
             # covers the run's earlier tokens (the page's largest offset always ends a run);
             # picking them reads a count back, free on a CPU. A page is written by one run a
-            # step, so each is written once (a plain copy: a scatter-reduce enters a parallel
-            # region, which stalls on a busy machine)
+            # step, so each is written once (a plain copy: a scatter-reduce enters an OpenMP
+            # parallel region, whose threads wait on one another when the cores are shared)
             ends = torch.ones_like(pages, dtype=torch.bool)
             ends[:-1] = (pages[1:] != pages[:-1]) | (offsets[1:] <= offsets[:-1])
             pages, offsets = pages[ends], offsets[ends]
