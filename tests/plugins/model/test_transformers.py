@@ -306,10 +306,11 @@ def table_rows() -> dict[str, str]:
 REPRESENTATIVE = ("cohere2", pytest.param("gpt2", marks=pytest.mark.extended),
                   pytest.param("starcoder2", marks=pytest.mark.extended),
                   pytest.param("falcon_h1", marks=pytest.mark.extended),
-                  pytest.param("jetmoe", marks=pytest.mark.extended))
+                  pytest.param("jetmoe", marks=pytest.mark.extended), pytest.param("moshi", marks=pytest.mark.extended))
 """A family no native plugin declares, with windows on some layers (Cohere 2), in the default
-set; plain GPT-2, Starcoder 2, a hybrid declined by name (Falcon-H1), MoE attention (JetMoE)
-in the extended set."""
+set; plain GPT-2, Starcoder 2, a hybrid declined by name (Falcon-H1), MoE attention (JetMoE),
+and Moshi, whose cached generate in transformers departs from its own forward (checked
+against the uncached one), in the extended set."""
 
 
 @pytest.mark.parametrize("model_type", REPRESENTATIVE)
