@@ -62,7 +62,9 @@ class ClassifyPooler(Pooler):
         return self.ctx.checkpoint.num_labels
 
     def pool(self, hidden: list[torch.Tensor], params: list[PoolingParams]) -> list[torch.Tensor]:
-        pooled = torch.stack([rows.sum(dim=0, dtype=accumulation_dtype(rows.dtype)).to(rows.dtype) / rows.shape[0]
+        # a mean is summed and divided in the accumulation dtype, as the mean pooler's, then
+        # handed to the head in the model's dtype
+        pooled = torch.stack([(rows.sum(dim=0, dtype=accumulation_dtype(rows.dtype)) / rows.shape[0]).to(rows.dtype)
                               if self.rows == "all" else rows[0 if self.rows == "first" else -1] for rows in hidden])
         logits = self.ctx.classify(pooled).float()  # [B, labels]
         act = ACTIVATIONS[self.activation]
