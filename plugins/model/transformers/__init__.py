@@ -158,6 +158,9 @@ class TransformersArchitecture(ModelArchitecture):
             experts = "grouped_mm" if fast else "eager"
         if model._can_set_experts_implementation():
             model.set_experts_implementation(experts)
+        elif self.options.experts_implementation != "auto":
+            log.info("architecture.options.experts_implementation=%s: this model has no experts, nothing to set",
+                     self.options.experts_implementation)
 
 
 def _spec_from_probe(config: Any, text: Any, model: nn.Module, calls: tuple) -> ModelSpec:
