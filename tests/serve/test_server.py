@@ -124,8 +124,9 @@ def test_logprobs_completions_and_chat(client, offline):
     assert all(c.logprob <= 0 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
     streamed = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=2,
                                          stream=True)
-    values = [v for c in streamed if c.choices and c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
-    assert values == pytest.approx(lp.token_logprobs, abs=1e-6)
+    chunks = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [v for c in chunks for v in c.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-6)
+    assert [o for c in chunks for o in c.text_offset] == lp.text_offset  # offsets run on across chunks
 
 
 def test_vllm_style_top_k_and_min_p_reach_the_sampler(client):

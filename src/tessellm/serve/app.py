@@ -34,6 +34,7 @@ from tessellm.serve import chat, completions, embeddings, models, rerank  # noqa
 from tessellm.serve.context import ServerContext  # noqa: E402
 from tessellm.serve.engine_client import EngineClient  # noqa: E402
 from tessellm.serve.engine_thread import EngineThread  # noqa: E402
+from tessellm.core.engine.gc_freeze import frozen_heap  # noqa: E402
 from tessellm.core.version import __version__  # noqa: E402
 from tessellm.serve.errors import error  # noqa: E402
 from tessellm.serve.http_errors import RequestError, add_error_handlers  # noqa: E402
@@ -63,7 +64,11 @@ def build_app(engine: Any, *, model_name: str | None = None, api_key: str | None
         await client.attach()
         if isinstance(client, EngineThread):
             client.start()
-        yield
+        # the start-up heap (torch, transformers, the tokenizer) out of the collector's full
+        # passes: the objects each stream's outputs create would otherwise trigger passes over
+        # all of it, tens of milliseconds each, many times a second at GPU step rates
+        with frozen_heap():
+            yield
         client.shutdown()
 
     app = FastAPI(title="tessellm", lifespan=lifespan)

@@ -91,7 +91,8 @@ def completion_stream(request: Request, admitted: Admitted, echo: "Echo | None",
 
 class CompletionChunks:
     """Each streamed output's choices: a choice's first chunk carries its echoed prompt; a
-    token's ``text_offset`` counts the text its choice has shown before it."""
+    token's ``text_offset`` counts the text its choice has shown before it (kept only for a
+    request that asks for logprobs: no token is decoded on its own otherwise)."""
 
     def __init__(self, admitted: Admitted, echo: "Echo | None"):
         self.admitted, self.echo = admitted, echo
@@ -109,12 +110,11 @@ class CompletionChunks:
                 if i not in self.started:
                     head, echoed = echo.texts[p], echo.echoed(p, self.admitted.first[p])
             self.started.add(i)
-            offset = self.offsets.get(i, 0)
-            choices.append({"index": i, "text": head + d.text,
-                            "logprobs": completion_logprobs(ctx, [d], offset, echoed),
+            logprobs = completion_logprobs(ctx, [d], self.offsets.get(i, 0), echoed)
+            choices.append({"index": i, "text": head + d.text, "logprobs": logprobs,
                             "finish_reason": d.finish_reason})
-            shown = [*(t for t, _ in echoed or ()), *d.token_ids]
-            self.offsets[i] = offset + sum(len(token_piece(ctx, t)) for t in shown)
+            if logprobs is not None and logprobs["tokens"]:  # offsets count only where logprobs show them
+                self.offsets[i] = logprobs["text_offset"][-1] + len(logprobs["tokens"][-1])
         return choices
 
 
