@@ -1,4 +1,4 @@
-"""Qwen2-VL / Qwen2.5-VL (the qwen2_vl model plugin): images in prompts equal transformers'
+"""Qwen2-VL / Qwen2.5-VL (the qwen2-vl model plugin): images in prompts equal transformers'
 generate on tiny random checkpoints built with transformers' own classes, through chunked
 prefill, prefix caching and the encoder cache; bad image input is refused by name."""
 

@@ -1,0 +1,113 @@
+"""Gemma 3 (the gemma model plugin's multimodal checkpoints) and Idefics3 / SmolVLM (the
+idefics3 plugin): images in prompts equal transformers' generate with the checkpoint's own
+processor, on tiny random checkpoints built with transformers' classes, in float32 on the
+CPU: several images of different sizes, one image and a text-only prompt in one batch,
+through prefill chunks smaller than the prompts (Gemma 3's images, attended both ways, are
+never split), with prefix caching keyed by image content."""
+
+from __future__ import annotations
+
+import pytest
+
+from tessellm import LLM
+from tessellm.core.errors import RequestRejectedError
+from tessellm.core.interfaces.sequence import SamplingParams
+from tessellm.testing.models import build_tiny_gemma3_vision, build_tiny_idefics3
+from tessellm.testing.vision import assert_same_greedy, picture
+
+pytest.importorskip("PIL")
+
+MAX_TOKENS = 5
+BUILDERS = {"gemma3": build_tiny_gemma3_vision,
+            "idefics3": lambda target: build_tiny_idefics3(target),
+            "smolvlm": lambda target: build_tiny_idefics3(target, model_type="smolvlm")}
+
+
+@pytest.fixture(scope="module", params=["gemma3", "idefics3", pytest.param("smolvlm", marks=pytest.mark.extended)])
+def family(request):
+    if request.param == "smolvlm":
+        pytest.importorskip("num2words")  # transformers' SmolVLM processor imports it
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def folder(family, tmp_path_factory):
+    return BUILDERS[family](tmp_path_factory.mktemp(family))
+
+
+def make_llm(folder, step_tokens: int = 16, **extra) -> LLM:
+    """float32 on the CPU, paged cache with prefix caching, steps of ``step_tokens`` tokens:
+    every prompt with an image below is computed in several chunks."""
+    config = {"model": str(folder), "device": "cpu", "dtype": "float32", "decoding": {"name": "greedy"},
+              "cache": {"name": "paged", "options": {"block_size": 4, "num_blocks": 256}},
+              "scheduler": {"name": "continuous", "options": {"max_num_batched_tokens": step_tokens}}}
+    config.update(extra)
+    return LLM(config)
+
+
+@pytest.fixture(scope="module")
+def llm(folder):
+    return make_llm(folder)
+
+
+def test_greedy_equals_transformers_for_several_one_and_no_images(llm):
+    marker = llm.pipeline.image_processor.image_marker
+    cases = [  # two images of different sizes and aspects, one image, text only, in one batch
+        (f"t7 t8 {marker} t9 t10 {marker} t11", [picture(64, 80, 0), picture(100, 60, 1)]),
+        (f"t12 {marker} t13 t14", [picture(40, 30, 2)]),
+        ("t15 t16 t17 t18 t19", None),
+    ]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3)
+    outs = llm.generate([text for text, _ in cases], params, images=[imgs for _, imgs in cases])
+    for (text, imgs), out in zip(cases, outs):
+        assert out.prompt_token_ids == llm.pipeline.image_processor.process(text, imgs or [],
+                                                                            add_special_tokens=True).token_ids
+        assert_same_greedy(llm, text, imgs or [], out.outputs[0].token_ids, out.outputs[0].logprobs[0].top)
+    assert llm.engine.stats.images_encoded == 3
+
+
+@pytest.mark.extended  # the default set keeps one case per family
+def test_a_repeated_image_shares_blocks_and_is_encoded_once_a_different_one_does_not(llm):
+    marker = llm.pipeline.image_processor.image_marker
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    prompt = f"t20 t21 {marker} t22 t23 t24 t25 t26 t27 t28 t29"
+    first, second = picture(48, 48, 5), picture(48, 48, 6)  # the same size: the same prompt ids
+    stats = llm.engine.stats
+    encoded = stats.images_encoded
+    [a] = llm.generate(prompt, params, images=[[first]])
+    [b] = llm.generate(prompt, params, images=[[first.copy()]])
+    assert b.num_cached_tokens > len(b.prompt_token_ids) // 2  # its blocks, image included, are shared
+    assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    assert_same_greedy(llm, prompt, [first], a.outputs[0].token_ids)
+    [c] = llm.generate(prompt, params, images=[[second]])
+    assert c.prompt_token_ids == a.prompt_token_ids  # equal ids, a different image
+    assert c.num_cached_tokens <= 4  # only the block before the image is shared
+    assert_same_greedy(llm, prompt, [second], c.outputs[0].token_ids)
+    assert stats.images_encoded == encoded + 2  # b needed no encoding: its image's blocks were cached
+
+
+@pytest.mark.extended
+def test_one_prompt_at_a_time_through_chunks_as_small_as_an_image(folder, family):
+    """Each prompt alone (no batch neighbours); for Gemma 3, steps of exactly one image's
+    placeholders, so each image must start a chunk."""
+    llm = make_llm(folder, step_tokens=16 if family == "gemma3" else 8)
+    marker = llm.pipeline.image_processor.image_marker
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    for text, imgs in [(f"t30 {marker} {marker} t31", [picture(90, 50, 7), picture(33, 70, 8)]),
+                       (f"{marker} t32", [picture(200, 200, 9)])]:
+        [out] = llm.generate(text, params, images=[imgs])
+        assert_same_greedy(llm, text, imgs, out.outputs[0].token_ids)
+
+
+def test_an_image_that_must_run_whole_and_is_longer_than_a_step_is_refused_by_name(folder, family):
+    """A Gemma 3 image (16 placeholders here) attends within itself both ways, so it must run in
+    one step: a budget of 8 tokens cannot hold it, which the request is told. (Idefics3's
+    images are causal: chunks may split them, as the other tests do.)"""
+    if family != "gemma3":
+        pytest.skip("images attend within themselves both ways in Gemma 3 only")
+    llm = make_llm(folder, step_tokens=8)
+    marker = llm.pipeline.image_processor.image_marker
+    with pytest.raises(RequestRejectedError, match="must run in one step"):
+        llm.generate(f"t5 {marker}", SamplingParams(max_tokens=1), images=[[picture(64, 64, 0)]])
+    [ok] = llm.generate("t5 t6", SamplingParams(max_tokens=1))  # text still runs
+    assert len(ok.outputs[0].token_ids) == 1
