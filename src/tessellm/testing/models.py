@@ -475,7 +475,7 @@ def build_tiny_idefics3(target: Path, *, model_type: str = "idefics3", seed: int
     """A random Idefics3 (or SmolVLM) made with transformers' own classes: a 2-layer Llama
     decoder of width 64, a 1-layer SigLIP-style tower over 32x32 tiles in 8-pixel patches whose
     4x4 grid the connector pixel-shuffles by 2 into 4 tokens a tile; its image processor
-    resizes an image's longer side to 64 pixels and cuts it into up to 2x2 tiles of 32 plus a
+    resizes an image's longer side to 96 pixels and cuts it into up to 3x3 tiles of 32 plus a
     global view, as the real processor does at 4x364 and 364; processor and word tokenizer
     (``IDEFICS3_VISION_TOKENS``) saved so that transformers' AutoProcessor loads them."""
     from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
@@ -499,7 +499,7 @@ def build_tiny_idefics3(target: Path, *, model_type: str = "idefics3", seed: int
     save_vision_tokenizer(target, vocab_size, tokens, IDEFICS3_TEMPLATE,
                           extra={"fake_image_token": "<fake_token_around_image>", "image_token": "<image>",
                                  "end_of_utterance_token": "<end_of_utterance>", "global_image_token": "<global-img>"})
-    images = Images(size={"longest_edge": 64}, max_image_size={"longest_edge": 32}, do_image_splitting=True)
+    images = Images(size={"longest_edge": 96}, max_image_size={"longest_edge": 32}, do_image_splitting=True)
     if model_type == "smolvlm":  # its processor needs a video processor (torchvision): its files by hand
         import json
 
