@@ -29,7 +29,9 @@ def reference_model(folder: Path) -> Any:
     from transformers import AutoModelForImageTextToText
 
     if folder not in _MODELS:
-        _MODELS[folder] = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+        model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+        model.generation_config.eos_token_id = None  # tessellm's side ignores EOS: run to max_tokens
+        _MODELS[folder] = model
     return _MODELS[folder]
 
 

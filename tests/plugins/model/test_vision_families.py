@@ -111,3 +111,22 @@ def test_an_image_that_must_run_whole_and_is_longer_than_a_step_is_refused_by_na
         llm.generate(f"t5 {marker}", SamplingParams(max_tokens=1), images=[[picture(64, 64, 0)]])
     [ok] = llm.generate("t5 t6", SamplingParams(max_tokens=1))  # text still runs
     assert len(ok.outputs[0].token_ids) == 1
+
+
+@pytest.mark.extended
+def test_preempted_prompts_with_images_are_recomputed_to_the_same_tokens(folder, llm):
+    """A cache with room for the longest sequence but not for all three: sequences are
+    preempted and their prompts, images and all, computed again; every output still equals
+    transformers'."""
+    marker = llm.pipeline.image_processor.image_marker
+    cases = [(f"t40 {marker} t41 t42", [picture(50, 90, 10)]), (f"{marker} t43", [picture(70, 40, 11)]),
+             (f"t44 t45 {marker} t46", [picture(64, 64, 12)])]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    longest = max(len(llm.pipeline.image_processor.process(text, imgs).token_ids) for text, imgs in cases)
+    blocks = -(-(longest + params.max_tokens) // 4)
+    tight = make_llm(folder, cache={"name": "paged", "options": {"block_size": 4, "num_blocks": blocks,
+                                                                 "free_out_of_window": False}})
+    outs = tight.generate([text for text, _ in cases], params, images=[imgs for _, imgs in cases])
+    assert tight.engine.stats.preemptions > 0, "the cache was meant to be too small"
+    for (text, imgs), out in zip(cases, outs):
+        assert_same_greedy(tight, text, imgs, out.outputs[0].token_ids)
