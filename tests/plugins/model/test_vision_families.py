@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from tessellm import LLM
-from tessellm.core.errors import RequestRejectedError
+from tessellm.core.errors import InvalidRequestError, RequestRejectedError
 from tessellm.core.interfaces.sequence import SamplingParams
 from tessellm.testing.models import build_tiny_gemma3_vision, build_tiny_idefics3
 from tessellm.testing.vision import assert_same_greedy, picture
@@ -130,3 +130,17 @@ def test_preempted_prompts_with_images_are_recomputed_to_the_same_tokens(folder,
     assert tight.engine.stats.preemptions > 0, "the cache was meant to be too small"
     for (text, imgs), out in zip(cases, outs):
         assert_same_greedy(tight, text, imgs, out.outputs[0].token_ids)
+
+
+@pytest.mark.extended
+def test_gemma3_with_vision_off_serves_text_and_refuses_images_by_name(folder, family, llm):
+    """Option ``vision: false``: the language model alone, text equal to the multimodal
+    model's; an image is refused naming the text-only model."""
+    if family != "gemma3":
+        pytest.skip("the gemma plugin's option")
+    text_only = make_llm(folder, architecture={"name": "gemma", "options": {"vision": False}})
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    [out] = text_only.generate("t15 t16 t17 t18 t19", params)
+    assert_same_greedy(llm, "t15 t16 t17 t18 t19", [], out.outputs[0].token_ids)
+    with pytest.raises(InvalidRequestError, match="text-only"):
+        text_only.generate("t5", params, images=[[picture(64, 64, 0)]])
