@@ -144,3 +144,19 @@ def test_gemma3_with_vision_off_serves_text_and_refuses_images_by_name(folder, f
     assert_same_greedy(llm, "t15 t16 t17 t18 t19", [], out.outputs[0].token_ids)
     with pytest.raises(InvalidRequestError, match="text-only"):
         text_only.generate("t5", params, images=[[picture(64, 64, 0)]])
+
+
+@pytest.mark.extended
+def test_idefics3_images_without_splitting_are_one_global_view_each(folder, family):
+    """A processor with ``do_image_splitting`` off (as some SmolVLM checkpoints ship): each image
+    is one ``<global-img>`` run, padded to the tile size, still equal to transformers'."""
+    if family == "gemma3":
+        pytest.skip("Idefics3 / SmolVLM tiling")
+    llm = make_llm(folder, step_tokens=8)
+    llm.pipeline.image_processor.processor.image_processor.do_image_splitting = False
+    marker = llm.pipeline.image_processor.image_marker
+    text, imgs = f"t3 {marker} t4 {marker}", [picture(40, 70, 1), picture(90, 20, 2)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3)
+    [out] = llm.generate(text, params, images=[imgs])
+    assert len(out.prompt_token_ids) == 2 * (4 + 4)  # per image: fake, global, 4 placeholders, fake; t3, t4
+    assert_same_greedy(llm, text, imgs, out.outputs[0].token_ids, out.outputs[0].logprobs[0].top)
