@@ -160,3 +160,31 @@ def test_idefics3_images_without_splitting_are_one_global_view_each(folder, fami
     [out] = llm.generate(text, params, images=[imgs])
     assert len(out.prompt_token_ids) == 2 * (4 + 4)  # per image: fake, global, 4 placeholders, fake; t3, t4
     assert_same_greedy(llm, text, imgs, out.outputs[0].token_ids, out.outputs[0].logprobs[0].top)
+
+
+@pytest.mark.extended  # a server round trip
+def test_the_openai_client_sends_an_image_url_part_to_chat_completions(llm):
+    """The chat template writes the family's image marker for the part; the reply is
+    transformers' greedy text for the rendered prompt and the image."""
+    openai = pytest.importorskip("openai")
+    import base64
+    import io
+
+    from tessellm.serve.app import build_app
+    from tessellm.serve.tools import render_chat
+    from tessellm.testing.serving import serving
+    from tessellm.testing.vision import transformers_greedy
+
+    image = picture(70, 90, 9)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    marker = llm.pipeline.image_processor.image_marker
+    text = render_chat([{"role": "user", "content": marker + " t40 t41"}], llm.tokenizer)
+    expected = llm.tokenizer.decode(transformers_greedy(llm, text, [image], MAX_TOKENS), skip_special_tokens=True)
+    with serving(build_app(llm, model_name="vl")) as base:
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+        reply = client.chat.completions.create(model="vl", max_tokens=MAX_TOKENS, temperature=0.0, messages=[
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": "t40 t41"}]}])
+    assert reply.choices[0].message.content == expected
