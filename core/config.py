@@ -111,7 +111,7 @@ class LoraConfig(PluginSection):
 
 class ImagesConfig(BaseModel):
     """Images in prompts, for a model that takes them (a model plugin with a vision encoder:
-    qwen2_vl, gemma's multimodal Gemma 3, idefics3)."""
+    qwen2-vl, gemma's multimodal Gemma 3, idefics3)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
 

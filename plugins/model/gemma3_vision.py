@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from tessellm.core.errors import InvalidRequestError
 from tessellm.core.interfaces.multimodal import ImageInput
 from tessellm.core.model.spec import ModelSpec, VisionSpec
 from tessellm.core.model.vision import HFImageProcessor, hf_module, load_hf_processor, placeholder_runs
@@ -65,8 +66,10 @@ CHECKPOINT_PREFIXES = (("model.vision_tower.", "vision_tower."), ("model.multi_m
 
 
 def image_processor(model_dir: Any, config: Any) -> HFImageProcessor:
-    """Gemma3Processor of the checkpoint: one pixel tensor and one placeholder run per image
-    (pan-and-scan crops, which add runs, are refused by the count check)."""
+    """Gemma3Processor of the checkpoint: one pixel tensor and one placeholder run per image.
+    Pan-and-scan crops (each its own run, attended both ways alone) are off, as in
+    transformers' processor unless its call asks for them; should crops appear, the prompt
+    is refused naming them, never served as one image."""
     from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
 
     processor = load_hf_processor(Path(model_dir), Gemma3Processor)
@@ -75,8 +78,10 @@ def image_processor(model_dir: Any, config: Any) -> HFImageProcessor:
     def split(outputs: dict[str, torch.Tensor], ids: list[int]) -> list[tuple[dict, int, int, Any]]:
         pixels = outputs["pixel_values"]
         runs = placeholder_runs(ids, token)
-        if len(runs) != pixels.shape[0]:
-            return []  # crops: more pixel tensors than images (refused by the caller's count)
+        if len(runs) != pixels.shape[0] or "num_crops" in outputs and int(outputs["num_crops"].sum()) > 0:
+            raise InvalidRequestError("the checkpoint's image processor cut an image into pan-and-scan crops "
+                                      "(do_pan_and_scan), which the gemma plugin does not serve; turn "
+                                      "do_pan_and_scan off", field="images")
         return [({"pixel_values": pixels[i:i + 1]}, a, b - a, None) for i, (a, b) in enumerate(runs)]
 
     return HFImageProcessor(processor, processor.boi_token, split)

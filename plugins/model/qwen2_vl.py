@@ -93,7 +93,7 @@ class Qwen2VLForCausalLM(DecoderForCausalLM):
 class Qwen2VLArchitecture(ModelArchitecture):
     """Qwen2-VL and Qwen2.5-VL (…ForConditionalGeneration): images and text."""
 
-    name = "qwen2_vl"
+    name = "qwen2-vl"
     api_version = "1.19"
     model_types = ("qwen2_vl", "qwen2_5_vl")
 
@@ -101,7 +101,7 @@ class Qwen2VLArchitecture(ModelArchitecture):
         refuse_quantized(hf_config)
         text = getattr(hf_config, "text_config", None)
         if text is None:
-            raise ModelLoadError(f"{hf_config.model_type} config without a text_config; the qwen2_vl plugin reads "
+            raise ModelLoadError(f"{hf_config.model_type} config without a text_config; the qwen2-vl plugin reads "
                                  f"transformers 5's layout (any {hf_config.model_type} checkpoint loads into it)")
         section = (getattr(text, "rope_parameters", None) or {}).get("mrope_section")
         if not section or 2 * sum(section) != (getattr(text, "head_dim", None) or

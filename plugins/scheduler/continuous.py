@@ -29,7 +29,7 @@ from tessellm.core.interfaces.batch import ScheduledSeq, SchedulerOutput
 from tessellm.core.errors import RequestRejectedError
 from tessellm.core.plugin import PluginOptions
 from tessellm.core.interfaces.scheduler import QueueScheduler
-from tessellm.core.interfaces.sequence import Sequence, SequenceStatus
+from tessellm.core.interfaces.sequence import Sequence, SequenceStatus, cut_chunk
 
 
 class ContinuousOptions(PluginOptions):
@@ -122,7 +122,9 @@ class ContinuousScheduler(QueueScheduler):
             remaining = len(seq.token_ids) + seq.num_pending - computed
             if remaining == 0:
                 continue
-            n = remaining if remaining <= budget else budget
+            n = remaining if remaining <= budget else cut_chunk(seq, computed, budget)
+            if n == 0:  # the chunk would end inside an image computed whole: it waits for room
+                continue
             need = computed + n + (lookahead if n == remaining else 0)
             if not try_reserve(seq, need):
                 while not self.cache.can_reserve(seq, need):
@@ -189,10 +191,10 @@ class ContinuousScheduler(QueueScheduler):
             if seq.num_computed_tokens == 0:
                 seq.num_computed_tokens = self.cache.match_prefix(seq)
             remaining = seq.num_tokens - seq.num_computed_tokens
-            n = min(remaining, budget)
+            n = remaining if remaining <= budget else cut_chunk(seq, seq.num_computed_tokens, budget)
             # without chunked prefill a prompt waits for a step with room for all of it; a
             # preempted sequence, which may have outgrown any step, is recomputed in chunks
-            if n < remaining and not self.options.chunked_prefill and seq.num_output_tokens == 0:
+            if n == 0 or (n < remaining and not self.options.chunked_prefill and seq.num_output_tokens == 0):
                 self._release(seq)
                 break
             need = seq.num_computed_tokens + n + (lookahead if n == remaining else 0)

@@ -355,9 +355,11 @@ VISION_TOKENS = {"<|vision_start|>": 500, "<|vision_end|>": 501, "<|image_pad|>"
 """The ids the tiny vision checkpoints give their image tokens (inside a 512-id vocabulary)."""
 
 
-def save_vision_tokenizer(target: Path, vocab_size: int, specials: dict[str, int], chat_template: str) -> None:
+def save_vision_tokenizer(target: Path, vocab_size: int, specials: dict[str, int], chat_template: str,
+                          extra: dict[str, str] | None = None) -> None:
     """``save_word_tokenizer``'s vocabulary with ``specials`` (token -> id) taking those ids,
-    and a chat template, so a processor expands image tokens as the checkpoint's own does."""
+    and a chat template, so a processor expands image tokens as the checkpoint's own does;
+    ``extra``: named special tokens (e.g. Gemma 3's ``boi_token``) the processor reads."""
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -366,8 +368,11 @@ def save_vision_tokenizer(target: Path, vocab_size: int, specials: dict[str, int
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.add_special_tokens([AddedToken(w, special=True, normalized=False) for w in specials])
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", bos_token="t1", eos_token="t2",
-                                   pad_token="t0")
+    def word(w: str) -> AddedToken:  # whole words only: "t17" is t17, not t1 and an unknown "7"
+        return AddedToken(w, single_word=True, special=True)
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=word("t0"), bos_token=word("t1"),
+                                   eos_token=word("t2"), pad_token=word("t0"), **({"extra_special_tokens": extra} if extra else {}))
     fast.chat_template = chat_template
     fast.save_pretrained(target)
 
@@ -407,4 +412,101 @@ def build_tiny_qwen2_vl(target: Path, *, model_type: str = "qwen2_vl", seed: int
     save_vision_tokenizer(target, vocab_size, VISION_TOKENS, QWEN2_VL_TEMPLATE)
     Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=112 * 112, patch_size=14, merge_size=2,
                           temporal_patch_size=2).save_pretrained(target)
+    return target
+
+
+GEMMA3_VISION_TOKENS = {"<start_of_image>": 504, "<end_of_image>": 505, "<image_soft_token>": 506}
+"""The ids the tiny Gemma 3 checkpoint gives its image tokens (boi, eoi, placeholder)."""
+
+GEMMA3_TEMPLATE = (
+    "{% for m in messages %}t3 {% if m.content is string %}{{ m.content }} {% else %}{% for c in m.content %}"
+    "{% if c.type == 'image' or c.type == 'image_url' %}<start_of_image> "
+    "{% elif c.type == 'text' %}{{ c.text }} {% endif %}{% endfor %}{% endif %}t4 {% endfor %}"
+    "{% if add_generation_prompt %}t5 {% endif %}")
+"""A word-level chat template that writes Gemma 3's image marker for an image part."""
+
+
+def build_tiny_gemma3_vision(target: Path, *, seed: int = 0, vocab_size: int = 512, weight_std: float = 0.15) -> Path:
+    """A random Gemma3ForConditionalGeneration made with transformers' own classes: a 3-layer
+    decoder of width 64 (two sliding layers with a window of 8 tokens, shorter than an image,
+    then a global one), a 1-layer SigLIP tower over 64x64 images in 8-pixel patches whose 8x8
+    grid the projector pools to 16 tokens an image, Gemma's norm offsets random; its
+    Gemma3Processor (image processor, word tokenizer whose ``GEMMA3_VISION_TOKENS`` are the
+    image tokens, ``image_seq_length``) saved so that transformers' AutoProcessor loads it."""
+    from transformers import AutoModelForImageTextToText, Gemma3Config
+    from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+    from transformers.models.gemma3.processing_gemma3 import Gemma3Processor
+
+    text = dict(_TINY_64, head_dim=32, num_hidden_layers=3, sliding_window=8, query_pre_attn_scalar=32,
+                rms_norm_eps=1e-6, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                 "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0}},
+                vocab_size=vocab_size, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=64,
+                  patch_size=8)
+    tokens = GEMMA3_VISION_TOKENS
+    config = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=16,
+                          boi_token_index=tokens["<start_of_image>"], eoi_token_index=tokens["<end_of_image>"],
+                          image_token_index=tokens["<image_soft_token>"], tie_word_embeddings=True)
+    _save_random(lambda: AutoModelForImageTextToText.from_config(config), target, seed, weight_std, vocab_size,
+                 {"": 0.5})
+    save_vision_tokenizer(target, vocab_size, tokens, GEMMA3_TEMPLATE,
+                          extra={"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>",
+                                 "image_token": "<image_soft_token>"})
+    from transformers import AutoTokenizer
+
+    image_processor = Gemma3ImageProcessorPil(size={"height": 64, "width": 64})
+    Gemma3Processor(image_processor, AutoTokenizer.from_pretrained(target), chat_template=GEMMA3_TEMPLATE,
+                    image_seq_length=16).save_pretrained(target)
+    return target
+
+
+IDEFICS3_VISION_TOKENS = {"<fake_token_around_image>": 470, "<image>": 471, "<end_of_utterance>": 472,
+                          "<global-img>": 473,
+                          **{f"<row_{i + 1}_col_{j + 1}>": 474 + 6 * i + j for i in range(6) for j in range(6)}}
+"""The ids the tiny Idefics3 / SmolVLM checkpoints give their image tokens (470..509)."""
+
+IDEFICS3_TEMPLATE = QWEN2_VL_TEMPLATE.replace("<|vision_start|><|image_pad|><|vision_end|>", "<image>")
+"""A word-level chat template that writes Idefics3's image marker for an image part."""
+
+
+def build_tiny_idefics3(target: Path, *, model_type: str = "idefics3", seed: int = 0, vocab_size: int = 512,
+                        weight_std: float = 0.15) -> Path:
+    """A random Idefics3 (or SmolVLM) made with transformers' own classes: a 2-layer Llama
+    decoder of width 64, a 1-layer SigLIP-style tower over 32x32 tiles in 8-pixel patches whose
+    4x4 grid the connector pixel-shuffles by 2 into 4 tokens a tile; its image processor
+    resizes an image's longer side to 96 pixels and cuts it into up to 3x3 tiles of 32 plus a
+    global view, as the real processor does at 4x364 and 364; processor and word tokenizer
+    (``IDEFICS3_VISION_TOKENS``) saved so that transformers' AutoProcessor loads them."""
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoTokenizer
+
+    if model_type == "smolvlm":
+        from transformers.models.smolvlm.image_processing_pil_smolvlm import SmolVLMImageProcessorPil as Images
+    else:
+        from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil as Images
+        from transformers.models.idefics3.processing_idefics3 import Idefics3Processor as Processor
+    tokens = IDEFICS3_VISION_TOKENS
+    text = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-5,
+                bos_token_id=1, eos_token_id=2, pad_token_id=0, model_type="llama")
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
+    config = AutoConfig.for_model(model_type, text_config=text, vision_config=vision, scale_factor=2,
+                                  image_token_id=tokens["<image>"], tie_word_embeddings=False,
+                                  pad_token_id=0)
+    _save_random(lambda: AutoModelForImageTextToText.from_config(config), target, seed, weight_std, vocab_size,
+                 {"": 0.1})
+    save_vision_tokenizer(target, vocab_size, tokens, IDEFICS3_TEMPLATE,
+                          extra={"fake_image_token": "<fake_token_around_image>", "image_token": "<image>",
+                                 "end_of_utterance_token": "<end_of_utterance>", "global_image_token": "<global-img>"})
+    images = Images(size={"longest_edge": 96}, max_image_size={"longest_edge": 32}, do_image_splitting=True)
+    if model_type == "smolvlm":  # its processor needs a video processor (torchvision): its files by hand
+        import json
+
+        images.save_pretrained(target)
+        (target / "processor_config.json").write_text(json.dumps({"image_seq_len": 4,
+                                                                  "processor_class": "SmolVLMProcessor"}))
+        return target
+    Processor(images, AutoTokenizer.from_pretrained(target), image_seq_len=4,
+              chat_template=IDEFICS3_TEMPLATE).save_pretrained(target)
     return target

@@ -1,4 +1,4 @@
-"""Qwen2-VL / Qwen2.5-VL (the qwen2_vl model plugin): images in prompts equal transformers'
+"""Qwen2-VL / Qwen2.5-VL (the qwen2-vl model plugin): images in prompts equal transformers'
 generate on tiny random checkpoints built with transformers' own classes, through chunked
 prefill, prefix caching and the encoder cache; bad image input is refused by name."""
 
@@ -6,24 +6,18 @@ from __future__ import annotations
 
 import io
 
-import numpy as np
 import pytest
-import torch
 
 from tessellm import LLM
 from tessellm.core.errors import InvalidRequestError
 from tessellm.core.interfaces.sequence import SamplingParams
 from tessellm.testing.models import build_tiny_qwen2_vl
+from tessellm.testing.vision import assert_same_greedy, picture, transformers_greedy
 
 pytest.importorskip("PIL")
 from PIL import Image  # noqa: E402
 
 MAX_TOKENS = 6
-
-
-def picture(height: int, width: int, seed: int) -> Image.Image:
-    rng = np.random.default_rng(seed)
-    return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", pytest.param("qwen2_5_vl", marks=pytest.mark.extended)])
@@ -46,22 +40,9 @@ def llm(folder):
     return make_llm(folder)
 
 
-_MODELS: dict = {}
-
-
 def reference(llm: LLM, text: str, images: list) -> list[int]:
-    """transformers' greedy tokens for ``text`` and ``images`` through the checkpoint's processor
-    (transformers' own class, as the plugin loads it)."""
-    from transformers import AutoModelForImageTextToText
-
-    folder = llm.pipeline.model_dir
-    if folder not in _MODELS:
-        _MODELS[folder] = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
-    model = _MODELS[folder]
-    hf = llm.pipeline.image_processor.processor
-    inputs = hf(text=[text], images=[images] if images else None, return_tensors="pt", add_special_tokens=True)
-    out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-    return out[0, inputs["input_ids"].shape[1]:].tolist()
+    """transformers' greedy tokens for ``text`` and ``images`` through the checkpoint's processor."""
+    return transformers_greedy(llm, text, images, MAX_TOKENS)
 
 
 def test_greedy_equals_transformers_for_several_one_and_no_images(llm):
@@ -71,10 +52,10 @@ def test_greedy_equals_transformers_for_several_one_and_no_images(llm):
         (f"t12 {marker} t13 t14", [picture(120, 120, 2)]),
         ("t15 t16 t17 t18 t19", None),
     ]
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3)
     outs = llm.generate([text for text, _ in cases], params, images=[imgs for _, imgs in cases])
     for (text, imgs), out in zip(cases, outs):
-        assert out.outputs[0].token_ids == reference(llm, text, imgs or []), text
+        assert_same_greedy(llm, text, imgs or [], out.outputs[0].token_ids, out.outputs[0].logprobs[0].top)
     assert llm.engine.stats.images_encoded == 3
 
 
