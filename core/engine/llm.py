@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from tqdm.auto import tqdm
 
 from tessellm.core.config import PipelineConfig
+from tessellm.core.engine.chat import split_images
 from tessellm.core.engine.embed import EmbedAndScore, EmbeddingOutput, PooledInput, ScoreOutput  # noqa: F401 (re-exported)
 from tessellm.core.engine.gc_freeze import frozen_heap
 from tessellm.core.engine.pipeline import Pipeline
@@ -158,6 +159,50 @@ class LLM(EmbedAndScore):
                                                                       processed)]
         ids, done = self._run_requests(requests, per, progress)
         return [self._output(done[i], prompt, tokens) for i, prompt, tokens in zip(ids, prompts, encoded)]
+
+    def chat(self, messages: Seq[dict] | Seq[Seq[dict]], params: Any = None, *, progress: bool | None = None,
+             lora: str | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Answer one conversation (a list of OpenAI-style messages) or several (a list of
+        them), as one batch; outputs in order. A message's content is a string or a list of
+        parts: text, and for a model that takes images, image parts (``image_url`` with a
+        ``data:`` URL, ``input_image``, or ``{"type": "image", "image": ...}`` with a PIL
+        image, a path or the file's bytes; core/engine/chat.py). Each conversation is rendered
+        by the tokenizer's chat template (``chat_template_kwargs`` passed to it), its images
+        processed as the checkpoint's processor does; ``params`` as for ``generate``."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError("this model's tokenizer has no chat template; use generate with a prompt",
+                                      field="messages")
+        many = isinstance(messages, (list, tuple)) and bool(messages) and isinstance(messages[0], (list, tuple))
+        conversations = list(messages) if many else [messages]
+        per = [to_sampling_params(p) for p in params] if isinstance(params, list) else \
+            [to_sampling_params(params)] * len(conversations)
+        if len(per) != len(conversations):
+            raise InvalidRequestError(f"{len(per)} sampling params for {len(conversations)} conversations")
+        encoded = [self._encode_chat(c, add_generation_prompt, chat_template_kwargs or {}) for c in conversations]
+        requests = [lambda rid, e=e, p=p: self.engine.add_request(rid, e[1], p, lora=lora, images=e[2])
+                    for e, p in zip(encoded, per)]
+        ids, done = self._run_requests(requests, per, progress)
+        return [self._output(done[i], text, tokens) for i, (text, tokens, _) in zip(ids, encoded)]
+
+    def _encode_chat(self, conversation: Any, add_generation_prompt: bool,
+                     template_kwargs: dict[str, Any]) -> tuple[str, list[int], list[Any] | None]:
+        """A conversation's rendered text, its token ids and its processed images (None without)."""
+        rendered, images = split_images(conversation)
+        processor = self.pipeline.image_processor if images else None
+        if images and processor is None:
+            raise InvalidRequestError(f"model {self.pipeline.spec.model_type!r} is a text-only model: it takes no "
+                                      f"images; send the messages without image parts", field="images")
+        try:
+            text = self.tokenizer.apply_chat_template(rendered, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, **template_kwargs)
+        except Exception as exc:  # the template's own error (a role it refuses, a missing variable)
+            raise InvalidRequestError(f"the chat template could not render the messages: {exc}",
+                                      field="messages") from None
+        if not images:
+            return text, self.tokenizer(text, add_special_tokens=False)["input_ids"], None
+        out = processor.process(text, [read_image(item, i) for i, item in enumerate(images)])
+        return text, out.token_ids, out.images
 
     def _run_requests(self, requests: list[Any], params: list[Any] | None,
                       progress: bool | None) -> tuple[list[str], dict[str, RequestState]]:
