@@ -197,10 +197,12 @@ def test_bad_images_on_chat_are_a_400_naming_the_problem(vl, parts, words, param
     pytest.param(input_image(data_url(TIFF, "image/tiff")), ["format TIFF"], "input[0].content[0].image_url",
                  marks=pytest.mark.extended),
     (input_image(data_url(b"GIF89a broken")), ["could not be read"], "input[0].content[0].image_url"),
+    ({"type": "input_file", "file_id": "file-abc"}, ["'input_file' is not supported"], "input[0].content[1].type"),
 ])
 def test_bad_input_images_on_responses_are_a_400_naming_the_problem(vl, part, words, param):
     url, _, expected = vl
-    assert refused(respond(url, [part]), *words)["param"] == param
+    parts = [input_image(data_url(PNG)), part] if part["type"] == "input_file" else [part]
+    assert refused(respond(url, parts), *words)["param"] == param
     error = refused(respond(url, [input_image(data_url(PNG))] * (LIMIT + 1)), f"at most {LIMIT}")
     assert error["param"] == "input"
     still_serves(url, expected)

@@ -214,10 +214,10 @@ def _content(parts: Any, where: str) -> str | list[Any]:
         return _text_of(parts, where)
     out: list[Any] = []
     for j, part in enumerate(parts):
-        if part.get("type") == "input_image":
+        if isinstance(part, dict) and part.get("type") == "input_image":
             out.append(_image_ref(part, f"{where}[{j}]"))
         else:
-            out.append({"type": "text", "text": _text_of([part], where)})
+            out.append({"type": "text", "text": _text_of([part], where, first=j)})
     return out
 
 
@@ -238,13 +238,14 @@ def _image_ref(part: dict[str, Any], where: str) -> ImageRef:
     return ImageRef(url, f"{where}.image_url")
 
 
-def _text_of(parts: Any, where: str) -> str:
-    """The text of a list of content parts (input_text, output_text, refusal)."""
+def _text_of(parts: Any, where: str, first: int = 0) -> str:
+    """The text of a list of content parts (input_text, output_text, refusal); ``first``: the
+    index of the first part in its message, for errors."""
     if not isinstance(parts, list):
         raise RequestError(400, f"{where} must be a text or a list of content parts (got {type(parts).__name__})",
                            param=where)
     texts = []
-    for j, part in enumerate(parts):
+    for j, part in enumerate(parts, start=first):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text") and isinstance(part.get("text"), str):
             texts.append(part["text"])
