@@ -86,10 +86,14 @@ def files():
 
 
 @pytest.fixture(scope="module")
-def vl(tmp_path_factory):
+def folder(tmp_path_factory):
+    return build_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2_vl"))
+
+
+@pytest.fixture(scope="module")
+def vl(folder):
     """The server (its URL), its engine client, and the offline answer to one image and
     "t40 t41" as a chat message (taken before the engine is served)."""
-    folder = build_tiny_qwen2_vl(tmp_path_factory.mktemp("qwen2_vl"))
     llm = LLM({"model": str(folder), "device": "cpu", "dtype": "float32", "decoding": {"name": "greedy"},
                "cache": {"name": "paged", "options": {"block_size": 4, "num_blocks": 128}},
                "images": {"max_per_prompt": LIMIT, "fetch_urls": True, "fetch_max_bytes": FETCH_MAX_BYTES,
@@ -230,3 +234,38 @@ def test_limit_mm_per_prompt_and_image_flags_set_the_images_section(capsys):
         with pytest.raises(SystemExit):
             parse("--limit-mm-per-prompt", bad)
         assert words in capsys.readouterr().err
+
+
+@pytest.mark.extended  # a tessellm serve process and its engine core process
+def test_tessellm_serve_takes_the_image_flags_to_its_engine_core_process(folder, files, tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tessellm.serve.router.launcher import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "tessellm", "serve", "--set", f"model={folder}", "--set",
+                             "device=cpu", "--set", "dtype=float32", "--port", str(port), "--served-model-name", MODEL,
+                             "--no-restart", "--limit-mm-per-prompt", "image=1", "--image-fetch-max-bytes", "100"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None and time.time() < deadline, "the server did not start"
+            try:
+                if httpx.get(url + "/health", timeout=2).json().get("status") == "ok":
+                    break
+            except (httpx.TransportError, ValueError):
+                pass
+            time.sleep(0.3)
+        refused(chat(url, [image_part(data_url(PNG))] * 2), "2 images in one prompt", "at most 1")
+        refused(respond(url, [input_image(files + "/ok.png")]), "fetching image URLs is off", "--allow-image-urls")
+        r = chat(url, [image_part(data_url(PNG)), {"type": "text", "text": "t40 t41"}])
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"], r.text
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
