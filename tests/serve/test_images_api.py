@@ -1,5 +1,6 @@
 """Images over HTTP on a tiny random Qwen2-VL: ``image_url`` parts on /v1/chat/completions and
-``input_image`` items on /v1/responses give the offline answer; http(s) image URLs are
+``input_image`` items on /v1/responses give the offline answer (streamed too, and /tokenize
+counts the image's tokens); http(s) image URLs are
 fetched from a local server only where the config allows, within its size and time limits;
 ``--limit-mm-per-prompt`` sets the images a prompt may hold; and every bad image is a 400
 naming the problem, the server answering the next request."""
@@ -146,6 +147,12 @@ def test_openai_clients_image_parts_on_chat_and_responses_give_the_offline_answe
     reply = client.chat.completions.create(model=MODEL, max_tokens=MAX_TOKENS, temperature=0.0, messages=[
         {"role": "user", "content": [image_part(data_url(PNG)), {"type": "text", "text": "t40 t41"}]}])
     assert reply.choices[0].message.content == expected
+    stream = client.chat.completions.create(model=MODEL, max_tokens=MAX_TOKENS, temperature=0.0, stream=True, messages=[
+        {"role": "user", "content": [image_part(data_url(PNG)), {"type": "text", "text": "t40 t41"}]}])
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+    counted = httpx.post(url + "/tokenize", json={"model": MODEL, "messages": [
+        {"role": "user", "content": [image_part(data_url(PNG)), {"type": "text", "text": "t40 t41"}]}]}).json()
+    assert counted["count"] == reply.usage.prompt_tokens, counted  # the image's placeholders expanded
     response = client.responses.create(model=MODEL, max_output_tokens=MAX_TOKENS, temperature=0.0, input=[
         {"role": "user", "content": [{"type": "input_image", "image_url": data_url(PNG), "detail": "auto"},
                                      {"type": "input_text", "text": "t40 t41"}]}])
