@@ -121,6 +121,15 @@ class ImagesConfig(BaseModel):
     encoder_cache_tokens: int = Field(16384, ge=0, strict=True)
     """How many image embeddings (placeholder tokens) the encoder cache keeps, recent images
     first: a repeated image is encoded once. 0 keeps none beyond the step that needs them."""
+    fetch_urls: bool = Field(False, strict=True)
+    """Whether the server fetches http(s) image URLs in requests (``tessellm serve
+    --allow-image-urls``); off, such a URL is a 400 and only ``data:`` URLs are read."""
+    fetch_max_bytes: int = Field(20 << 20, ge=1, strict=True)
+    """Largest image a fetched URL may return, in bytes (``--image-fetch-max-bytes``); a larger
+    one is a 400."""
+    fetch_timeout_s: float = Field(10.0, gt=0)
+    """Longest a fetch may take, connecting and reading, in seconds (``--image-fetch-timeout``);
+    a slower one is a 400."""
 
 
 class PipelineConfig(BaseModel):

@@ -243,6 +243,8 @@ def test_store_false_is_neither_kept_nor_continued(client):
     ("truncation", "auto", "truncation"),
     ("include", ["message.output_text.logprobs"], "include"),
     ("input", [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x/y.png"}]}],
+     "input"),  # a text-only model
+    ("input", [{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}],
      "input[0].content[0].type"),
     ("input", [{"type": "item_reference", "id": "msg_1"}], "input[0].type"),
     ("tool_choice", {"type": "web_search_preview"}, "tool_choice"),

@@ -159,6 +159,19 @@ def test_bad_input_is_a_400_with_an_openai_error_body(server, body, words):
     wait_idle(server[1])
 
 
+def test_an_image_for_a_text_only_model_is_a_400_and_the_server_serves_on(server):
+    headers = {"Authorization": f"Bearer {KEY}"}
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    r = httpx.post(server[0] + "/v1/chat/completions", headers=headers, json={
+        "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [part, {"type": "text", "text": "hi"}]}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert "text-only model" in err["message"] and err["param"] == "messages", err
+    r = httpx.post(server[0] + "/v1/chat/completions", headers=headers, json={
+        "model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]})
+    assert r.status_code == 200, r.text
+
+
 def test_malformed_json_auth_and_size_limit(server):
     url, headers = server[0] + "/v1/completions", {"Authorization": f"Bearer {KEY}",
                                                     "Content-Type": "application/json"}

@@ -21,7 +21,8 @@ def add_parsers(sub: Any, add_config_args: Callable[[argparse.ArgumentParser], N
     add_config_args(b)
     b.add_argument("--workload", default="mixed", metavar="NAME|PATH.jsonl",
                    help="mixed (default), shared-prefix, scoring, multi-turn, embed (an embedding or reranking "
-                        "pipeline against sentence-transformers on the same texts), or a .jsonl file of {prompt | "
+                        "pipeline against sentence-transformers on the same texts), vision (prompts with images against "
+                        "transformers' generate on the same requests), or a .jsonl file of {prompt | "
                         "prompt_token_ids, max_tokens, chat} objects")
     b.add_argument("--workload-set", dest="workload_overrides", metavar="KEY=VALUE", action="append", default=[],
                    help="override a workload parameter, e.g. prefix_len=512 (repeatable)")
@@ -108,6 +109,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.workload == "embed":
         return _bench_embed(args)
+    if args.workload == "vision":
+        return _bench_vision(args)
     # every argument is checked before a model is loaded
     workload = get_workload(args.workload, args.workload_overrides)
     if args.num_requests is not None and args.num_requests < 1:
@@ -192,6 +195,40 @@ def _bench_embed(args: argparse.Namespace) -> int:
                   device=describe_device(llm.pipeline.resolved.device),
                   command=shlex.join(["tessellm", *(sys.argv[1:] if args.argv is None else args.argv)]))
     print(json.dumps(report, indent=2) if args.json else format_embed_report(report), flush=True)
+    return 0
+
+
+def _bench_vision(args: argparse.Namespace) -> int:
+    """``tessellm bench --workload vision``: prompts with images against transformers'
+    generate on the same requests, interleaved."""
+    from pydantic import ValidationError
+
+    from tessellm.bench.offline import describe_device, progress_enabled
+    from tessellm.bench.vision import VisionParams, format_vision_report, run_vision_bench, vision_requests
+    from tessellm.bench.workloads import _parse_overrides
+    from tessellm.core.engine.llm import LLM
+
+    for flag in ("serve", "plot", "baseline"):
+        if getattr(args, flag):
+            raise ConfigError(f"--{flag} does not apply to --workload vision (it always compares with "
+                              f"transformers' generate, in this process)")
+    values = _parse_overrides(args.workload_overrides)
+    unknown = sorted(set(values) - set(VisionParams.model_fields))
+    if unknown:
+        raise ConfigError(f"workload 'vision' has no parameter {unknown[0]!r}; allowed: "
+                          f"{', '.join(VisionParams.model_fields)}")
+    try:
+        params = VisionParams.model_validate(values)
+    except ValidationError as exc:
+        raise ConfigError(f"workload 'vision': {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from None
+    llm = LLM(args.config, overrides=args.overrides)
+    requests = vision_requests(params, llm, args.seed, args.num_requests or 16)
+    report = run_vision_bench(llm, requests, params, progress_enabled(args.no_progress, args.json))
+    report.update(seed=args.seed, workload={"name": "vision", "params": params.model_dump()},
+                  pipeline=json.loads(json.dumps(llm.pipeline.resolved.summary(), default=str)),
+                  device=describe_device(llm.pipeline.resolved.device),
+                  command=shlex.join(["tessellm", *(sys.argv[1:] if args.argv is None else args.argv)]))
+    print(json.dumps(report, indent=2) if args.json else format_vision_report(report), flush=True)
     return 0
 
 

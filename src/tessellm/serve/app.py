@@ -27,6 +27,7 @@ from tessellm.extras import require
 require("fastapi", "serve")
 from fastapi import FastAPI  # noqa: E402
 from fastapi.responses import PlainTextResponse  # noqa: E402
+from starlette.concurrency import run_in_threadpool  # noqa: E402
 from starlette.datastructures import Headers  # noqa: E402
 
 import tessellm.serve.responses  # noqa: E402
@@ -37,6 +38,7 @@ from tessellm.serve.engine_thread import EngineThread  # noqa: E402
 from tessellm.core.engine.gc_freeze import frozen_heap  # noqa: E402
 from tessellm.core.version import __version__  # noqa: E402
 from tessellm.serve.errors import error  # noqa: E402
+from tessellm.serve.images import has_images  # noqa: E402
 from tessellm.serve.http_errors import RequestError, add_error_handlers  # noqa: E402
 from tessellm.serve.metrics import ServerMetrics  # noqa: E402
 from tessellm.serve.sampling import check_model  # noqa: E402
@@ -159,7 +161,10 @@ def add_tokenizer_routes(app: FastAPI, ctx: ServerContext) -> None:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         check_model(ctx, body.model)
-        ids = tokenize_ids(ctx, body)
+        if body.messages is not None and has_images(body.messages):  # images read off the event loop
+            ids = await run_in_threadpool(tokenize_ids, ctx, body)
+        else:
+            ids = tokenize_ids(ctx, body)
         strs = ctx.engine.with_tokenizer(tokenizer.convert_ids_to_tokens, ids) if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": ctx.engine.info.max_model_len, "tokens": ids,
                 "token_strs": strs}
@@ -185,6 +190,8 @@ def tokenize_ids(ctx: ServerContext, body: TokenizeRequest) -> list[int]:
         raise RequestError(400, f"model {ctx.model_name!r} has no chat template; send prompt instead of messages",
                            param="messages")
     calling = ToolCalling(body.tools, None, None) if body.tools else None
+    if has_images(body.messages):  # the images' placeholders expanded, as the chat route sends them
+        return chat.chat_prompt(ctx, body, calling)[0]
     try:
         with ctx.engine.tokenizer_lock:
             text = render_chat([m.model_dump() for m in body.messages], tokenizer, calling, **body.template_ending())

@@ -8,13 +8,14 @@ import time
 from typing import Any
 
 from fastapi import FastAPI, Request
+from starlette.concurrency import run_in_threadpool
 
 from tessellm.core.errors import InvalidRequestError
 from tessellm.core.interfaces.grammar import GrammarSpec
 from tessellm.serve.context import ServerContext
 from tessellm.serve.engine_client import StepOutput
 from tessellm.serve.http_errors import RequestError
-from tessellm.serve.images import has_images, messages_with_markers
+from tessellm.serve.images import chat_messages, has_images, image_processor_of, process_prompt, with_markers
 from tessellm.serve.sampling import check_model, sampling_params
 from tessellm.serve.schema import ChatCompletionRequest
 from tessellm.serve.streaming import (Admitted, EngineStream, admit, choices_of, event_stream, logprobs_content,
@@ -43,7 +44,10 @@ async def chat(ctx: ServerContext, body: ChatCompletionRequest, request: Request
                              logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                              structured_output=constraint,
                              names={"logprobs": "top_logprobs", "max_tokens": max_name})
-    prompt, images = chat_prompt(ctx, body, calling)
+    if has_images(body.messages):  # reading (perhaps fetching) and resizing images: off the event loop
+        prompt, images = await run_in_threadpool(chat_prompt, ctx, body, calling)
+    else:
+        prompt, images = chat_prompt(ctx, body, calling)
     admitted = await admit(ctx, request, new_request_id("chatcmpl"), [prompt], params, body, prompt_param="messages",
                            lora=lora, images=[images])
     if body.stream:
@@ -75,14 +79,10 @@ def chat_prompt(ctx: ServerContext, body: ChatCompletionRequest,
     """The messages rendered with the chat template (and the tools offered), as token ids,
     and the prompt's processed images (None without image parts)."""
     tokenizer = ctx.tokenizer
-    processor = None
-    if has_images(body.messages):
-        processor = ctx.engine.image_processor
-        if processor is None:
-            raise RequestError(400, f"model {ctx.model_name!r} is a text-only model: it takes no images; send the "
-                                    f"messages without image_url parts", param="messages")
-    messages, images = (messages_with_markers(body.messages, processor.image_marker) if processor is not None
-                        else ([m.model_dump() for m in body.messages], []))
+    messages: list[dict[str, Any]] = chat_messages(body.messages)
+    processor = image_processor_of(ctx, "messages") if has_images(body.messages) else None
+    messages, images = with_markers(messages, processor.image_marker if processor else "", ctx.engine.images,
+                                    "messages")
     try:
         with ctx.engine.tokenizer_lock:
             text = render_chat(messages, tokenizer, calling, **body.template_ending())
@@ -91,11 +91,7 @@ def chat_prompt(ctx: ServerContext, body: ChatCompletionRequest,
     except Exception as exc:  # a template that rejects these messages (roles out of order, ...)
         raise RequestError(400, f"messages could not be rendered with the chat template: {exc}",
                            param="messages") from None
-    try:
-        processed = processor.process(text, images)
-    except InvalidRequestError as exc:
-        raise RequestError(400, str(exc), param="messages") from None
-    return processed.token_ids, processed.images
+    return process_prompt(ctx, text, images, "messages")
 
 
 def chat_body(admitted: Admitted, outputs: list[list[StepOutput]], calling: ToolCalling | None) -> dict:

@@ -27,6 +27,7 @@ def add_parser(sub: Any, add_config_args: Callable[[argparse.ArgumentParser], No
                     help="N replicas of the pipeline, each its own process on this machine, behind one endpoint "
                          "(a router on --host/--port; see tessellm router for its flags; default 1)")
     add_lora_args(sv)
+    add_image_args(sv)
     add_engine_core_args(sv)
     from tessellm.serve.router.cli import add_router_args
 
@@ -62,6 +63,70 @@ def add_lora_args(sv: argparse.ArgumentParser) -> None:
                     help="largest adapter rank served (lora.max_rank, default 16)")
     sv.add_argument("--allow-runtime-lora-updating", action="store_true",
                     help="allow POST /v1/load_lora_adapter and /v1/unload_lora_adapter (lora.runtime_updates)")
+
+
+def add_image_args(sv: argparse.ArgumentParser) -> None:
+    """Images in requests: each flag sets a field of the config's ``images`` section."""
+    group = sv.add_argument_group("images in requests (a model that takes them)")
+    group.add_argument("--limit-mm-per-prompt", type=mm_limit, default=None, metavar="image=N",
+                       help="most images one prompt may hold (images.max_per_prompt, default 8); vLLM's JSON form "
+                            "{\"image\": N} too")
+    group.add_argument("--allow-image-urls", action="store_true",
+                       help="fetch http(s) image URLs in requests (images.fetch_urls; off by default: only data: "
+                            "URLs are read)")
+    group.add_argument("--image-fetch-timeout", type=float, default=None, metavar="S",
+                       help="longest a fetched image may take, in seconds (images.fetch_timeout_s, default 10)")
+    group.add_argument("--image-fetch-max-bytes", type=int, default=None, metavar="N",
+                       help="largest fetched image, in bytes (images.fetch_max_bytes, default 20 MiB)")
+
+
+MM_FORM = "image=N (or JSON {\"image\": N})"
+
+
+def mm_limit(text: str) -> int:
+    """``--limit-mm-per-prompt``'s ``image=N`` (or ``{"image": N}``) as N; other modalities
+    are refused by name, as this server takes images only."""
+    if text.lstrip().startswith("{"):
+        try:
+            given = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON ({exc.msg}); expected {MM_FORM}") from None
+        if not isinstance(given, dict):
+            raise argparse.ArgumentTypeError(f"expected {MM_FORM}, got {text!r}")
+        pairs = list(given.items())
+    else:
+        pairs = [item.partition("=")[::2] for item in text.split(",")]
+    limit = None
+    for name, value in pairs:
+        name = str(name).strip()
+        if name != "image":
+            raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt: modality {name!r} is not served; this server "
+                                             f"takes images only ({MM_FORM})")
+        try:
+            limit = int(value)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt: {value!r} is not a whole number; expected "
+                                             f"{MM_FORM}") from None
+        if limit < 0:
+            raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt: image={limit} must be 0 or more")
+    if limit is None:
+        raise argparse.ArgumentTypeError(f"expected {MM_FORM}, got {text!r}")
+    return limit
+
+
+def images_section(args: argparse.Namespace, current: dict[str, Any]) -> dict[str, Any] | None:
+    """The config's ``images`` section (``current``) with the image flags applied; None if no
+    flag was given."""
+    flags: dict[str, Any] = {}
+    if getattr(args, "limit_mm_per_prompt", None) is not None:
+        flags["max_per_prompt"] = args.limit_mm_per_prompt
+    if getattr(args, "allow_image_urls", False):
+        flags["fetch_urls"] = True
+    if getattr(args, "image_fetch_timeout", None) is not None:
+        flags["fetch_timeout_s"] = args.image_fetch_timeout
+    if getattr(args, "image_fetch_max_bytes", None) is not None:
+        flags["fetch_max_bytes"] = args.image_fetch_max_bytes
+    return {**current, **flags} if flags else None
 
 
 def lora_module(text: str) -> tuple[str, str]:
@@ -102,14 +167,16 @@ def lora_section(args: argparse.Namespace, current: dict[str, Any]) -> dict[str,
 
 
 def serve_config(args: argparse.Namespace) -> Any:
-    """The pipeline config: ``--config`` and ``--set``, then the LoRA flags."""
+    """The pipeline config: ``--config`` and ``--set``, then the LoRA and image flags."""
     from tessellm.core.config import config_from_dict, load_config
 
     config = load_config(args.config, args.overrides)
-    lora = lora_section(args, config.lora.model_dump())
-    if lora is None:
+    sections = {"lora": lora_section(args, config.lora.model_dump()),
+                "images": images_section(args, config.images.model_dump())}
+    sections = {name: value for name, value in sections.items() if value is not None}
+    if not sections:
         return config
-    return config_from_dict({**config.model_dump(), "lora": lora}, "tessellm serve's LoRA flags")
+    return config_from_dict({**config.model_dump(), **sections}, "tessellm serve's flags")
 
 
 
@@ -174,6 +241,7 @@ def process_engine(config: Any) -> Any:
         raise
     client = EngineClient(transport, tokenizer)
     client.image_processor_factory = lambda: image_processor_for(config, folder)
+    client.images = config.images
     return client
 
 

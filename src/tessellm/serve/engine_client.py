@@ -30,6 +30,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+from tessellm.core.config import ImagesConfig
 from tessellm.core.engine.llm import encode_prompt
 from tessellm.core.errors import RequestRejectedError
 from tessellm.core.interfaces.sequence import SamplingParams, TokenLogprob
@@ -181,6 +182,9 @@ class EngineClient:
         self.image_processor_factory: Callable[[], Any] | None = None
         """Builds the model's ``ImageProcessor`` on first use (None: the model takes no images)."""
         self._image_processor: Any = None
+        self.images: Any = ImagesConfig()
+        """The config's ``images`` section: what a request's images may be (how many, whether
+        http(s) URLs are fetched, within what size and time)."""
         """Called on the event loop when the core process exits (its status), after every
         request in flight has failed."""
         self.on_core_ready: Callable[[dict[str, Any]], None] | None = None

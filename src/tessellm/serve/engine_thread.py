@@ -23,6 +23,7 @@ class EngineThread(EngineClient):
                          max_waiting=max_waiting, metrics=metrics)
         self.llm = llm
         self.image_processor_factory = lambda: llm.pipeline.image_processor
+        self.images = llm.pipeline.config.images
 
     @property
     def engine(self) -> Any:

@@ -10,8 +10,10 @@ under ``tool_choice`` ``required`` or a named function are enforced by a grammar
 chat route (serve/structured.py, serve/tools.py). ``stream`` answers with the API's typed
 events. A response is kept in memory (the last ``capacity``) unless ``store`` is false:
 GET /v1/responses/{id} returns it and ``previous_response_id`` continues its conversation.
-What this server cannot do (built-in tools, ``background``, reasoning effort, images and
-files, ``truncation: auto``, ...) is a 400 naming the field, never silently ignored.
+A message's ``input_image`` parts (``image_url``: a data: URL, or an http(s) URL where the
+server fetches them) go to a model that takes images as chat image parts do (serve/images.py).
+What this server cannot do (built-in tools, ``background``, reasoning effort, files,
+``truncation: auto``, ...) is a 400 naming the field, never silently ignored.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
+from starlette.concurrency import run_in_threadpool
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
@@ -37,6 +40,7 @@ from tessellm.serve.context import ServerContext
 from tessellm.serve.engine_client import StepOutput
 from tessellm.serve.engine_protocol import RequestFailed
 from tessellm.serve.http_errors import RequestError
+from tessellm.serve.images import ImageRef, image_processor_of, process_prompt, with_markers
 from tessellm.serve.sampling import BODY_NAMES, check_model
 from tessellm.serve.streaming import EngineStream, MergedOutputs, admit
 from tessellm.serve.structured import JsonSchemaFormat, ResponseFormat, grammar_of
@@ -200,16 +204,48 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
         raise RequestError(400, f"{where}.role must be user, system, developer or assistant (got {role!r})",
                            param=f"{where}.role")
     content = item.get("content")
-    return {"role": role, "content": content if isinstance(content, str) else _text_of(content, f"{where}.content")}
+    return {"role": role, "content": content if isinstance(content, str) else _content(content, f"{where}.content")}
 
 
-def _text_of(parts: Any, where: str) -> str:
-    """The text of a list of content parts (input_text, output_text, refusal)."""
+def _content(parts: Any, where: str) -> str | list[Any]:
+    """A message's content parts: its text, or, where it holds ``input_image`` parts, a list
+    of text parts and ``ImageRef``s (serve/images.py reads them)."""
+    if not isinstance(parts, list) or not any(isinstance(p, dict) and p.get("type") == "input_image" for p in parts):
+        return _text_of(parts, where)
+    out: list[Any] = []
+    for j, part in enumerate(parts):
+        if isinstance(part, dict) and part.get("type") == "input_image":
+            out.append(_image_ref(part, f"{where}[{j}]"))
+        else:
+            out.append({"type": "text", "text": _text_of([part], where, first=j)})
+    return out
+
+
+def _image_ref(part: dict[str, Any], where: str) -> ImageRef:
+    """An ``input_image`` part's image: its ``image_url`` (a data: URL, or an http(s) URL the
+    server may fetch); a ``file_id`` is refused, as no files are stored here."""
+    if part.get("file_id") is not None:
+        raise RequestError(400, f"{where}.file_id: files are not stored on this server, so an input_image cannot "
+                                f"name one; send image_url with the image as a data: URL "
+                                f"(data:image/png;base64,...)", param=f"{where}.file_id")
+    url = part.get("image_url")
+    if not isinstance(url, str):
+        raise RequestError(400, f"{where}.image_url must be a string: the image as a data: URL (or an http(s) URL "
+                                f"where the server fetches them); got {url!r}", param=f"{where}.image_url")
+    if part.get("detail", "auto") not in ("auto", "low", "high", None):
+        raise RequestError(400, f"{where}.detail must be auto, low or high (got {part.get('detail')!r})",
+                           param=f"{where}.detail")
+    return ImageRef(url, f"{where}.image_url")
+
+
+def _text_of(parts: Any, where: str, first: int = 0) -> str:
+    """The text of a list of content parts (input_text, output_text, refusal); ``first``: the
+    index of the first part in its message, for errors."""
     if not isinstance(parts, list):
         raise RequestError(400, f"{where} must be a text or a list of content parts (got {type(parts).__name__})",
                            param=where)
     texts = []
-    for j, part in enumerate(parts):
+    for j, part in enumerate(parts, start=first):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind in ("input_text", "output_text") and isinstance(part.get("text"), str):
             texts.append(part["text"])
@@ -217,7 +253,8 @@ def _text_of(parts: Any, where: str) -> str:
             texts.append(part["refusal"])
         else:
             raise RequestError(400, f"{where}[{j}]: content part type {kind!r} is not supported by this server; it "
-                                    f"reads text only (input_text, output_text)", param=f"{where}[{j}].type")
+                                    f"reads input_text, output_text and, in a message, input_image",
+                               param=f"{where}[{j}].type")
     return "".join(texts)
 
 
@@ -305,6 +342,8 @@ class Turn:
     params: SamplingParams
     lora: str | None = None
     """The LoRA adapter it runs under (``model`` names it), None for the base model."""
+    images: list[Any] | None = None
+    """The prompt's processed images (None: none)."""
 
     def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                  failure: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -414,10 +453,13 @@ def add_routes(app: FastAPI, ctx: ServerContext, capacity: int = 1000) -> None:
 
     @app.post("/v1/responses")
     async def create_response(body: ResponsesRequest, request: Request):
-        turn = prepare(ctx, store, body)
+        if input_has_images(body.input) or body.previous_response_id is not None:
+            turn = await run_in_threadpool(prepare, ctx, store, body)  # images read and resized off the loop
+        else:
+            turn = prepare(ctx, store, body)
         try:
             admitted = await admit(ctx, request, turn.id, [turn.prompt], turn.params, body, prompt_param="input",
-                                   lora=turn.lora)
+                                   lora=turn.lora, images=[turn.images])
         except RequestError as exc:
             if exc.param in BODY_NAMES["structured_output"]:  # a schema the grammar backend cannot compile
                 param = "tools" if turn.calling and turn.calling.grammar() else "text.format"
@@ -473,9 +515,9 @@ def prepare(ctx: ServerContext, store: ResponseStore, body: ResponsesRequest) ->
                                     f"give one", param="tool_choice")
         constraint = calling.grammar()
     system = [{"role": "system", "content": body.instructions}] if body.instructions is not None else []
-    prompt = render_prompt(ctx, system + messages, calling)
+    prompt, images = render_prompt(ctx, system + messages, calling)
     return Turn("resp_" + uuid.uuid4().hex, int(time.time()), body, lora or ctx.model_name, messages, calling,
-                prompt, sampling(ctx, body, constraint), lora)
+                prompt, sampling(ctx, body, constraint), lora, images)
 
 
 def sampling(ctx: ServerContext, body: ResponsesRequest, constraint: GrammarSpec | None) -> SamplingParams:
@@ -489,20 +531,36 @@ def sampling(ctx: ServerContext, body: ResponsesRequest, constraint: GrammarSpec
         raise RequestError(400, str(exc)) from None
 
 
-def render_prompt(ctx: ServerContext, messages: list[dict[str, Any]], calling: ToolCalling | None) -> list[int]:
-    """The conversation rendered with the chat template (and the tools offered), as token ids."""
+def render_prompt(ctx: ServerContext, messages: list[dict[str, Any]],
+                  calling: ToolCalling | None) -> tuple[list[int], list[Any] | None]:
+    """The conversation rendered with the chat template (and the tools offered), as token ids,
+    and its processed images (None without ``input_image`` parts)."""
     tokenizer = ctx.tokenizer
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError(400, f"model {ctx.model_name!r} has no chat template; use /v1/completions", param="input")
+    processor = None
+    if any(isinstance(m.get("content"), list) for m in messages):
+        processor = image_processor_of(ctx, "input")
+        messages, images = with_markers(messages, processor.image_marker, ctx.engine.images, "input")
 
-    def render() -> list[int]:
+    def render() -> Any:
         text = render_chat(messages, tokenizer, calling)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return text if processor is not None else tokenizer(text, add_special_tokens=False)["input_ids"]
 
     try:
-        return ctx.engine.with_tokenizer(render)
+        rendered = ctx.engine.with_tokenizer(render)
     except Exception as exc:  # a template that rejects these messages (roles out of order, ...)
         raise RequestError(400, f"input could not be rendered with the chat template: {exc}", param="input") from None
+    if processor is None:
+        return rendered, None
+    return process_prompt(ctx, rendered, images, "input")
+
+
+def input_has_images(given: Any) -> bool:
+    """Whether a request's ``input`` holds an ``input_image`` part."""
+    return isinstance(given, list) and any(
+        isinstance(item, dict) and isinstance(item.get("content"), list)
+        and any(isinstance(p, dict) and p.get("type") == "input_image" for p in item["content"]) for item in given)
 
 
 def finish(turn: Turn, store: ResponseStore, outs: list[StepOutput],

@@ -139,17 +139,27 @@ def replica_serve_args(args: argparse.Namespace) -> list[str]:
         out += ["--set", item]
     for flag, value in (("--api-key", args.api_key), ("--served-model-name", args.served_model_name),
                         ("--max-request-bytes", args.max_request_bytes), ("--max-waiting", args.max_waiting),
-                        ("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank)):
+                        ("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank),
+                        ("--limit-mm-per-prompt", _mm(args)),
+                        ("--image-fetch-timeout", getattr(args, "image_fetch_timeout", None)),
+                        ("--image-fetch-max-bytes", getattr(args, "image_fetch_max_bytes", None))):
         if value is not None:
             out += [flag, str(value)]
     for name, path in args.lora:
         out += ["--lora", f"{name}={path}"]
     if args.allow_runtime_lora_updating:
         out.append("--allow-runtime-lora-updating")
+    if getattr(args, "allow_image_urls", False):
+        out.append("--allow-image-urls")
     out += ["--engine-core", args.engine_core, "--max-restarts", str(args.max_restarts)]
     if not args.restart:
         out.append("--no-restart")
     return out
+
+
+def _mm(args: argparse.Namespace) -> str | None:
+    limit = getattr(args, "limit_mm_per_prompt", None)
+    return None if limit is None else f"image={limit}"
 
 
 def refuse_parallel_inside(config: Any, flag: str) -> None:
