@@ -175,14 +175,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def _bench_embed(args: argparse.Namespace) -> int:
     """``tessellm bench --workload embed``: against sentence-transformers, interleaved."""
     from tessellm.bench.embed import EmbedParams, embed_texts, format_embed_report, run_embed_bench
-    from tessellm.bench.offline import describe_device, progress_enabled
+    from tessellm.bench.offline import progress_enabled
     from tessellm.bench.workloads import workload_params
     from tessellm.core.engine.llm import LLM
 
-    for flag in ("serve", "plot", "baseline"):
-        if getattr(args, flag):
-            raise ConfigError(f"--{flag} does not apply to --workload embed (it always compares with "
-                              f"sentence-transformers, in this process)")
+    _refuse_flags(args, "embed", "sentence-transformers")
     params = workload_params("embed", EmbedParams, args.workload_overrides)
     llm = LLM(args.config, overrides=args.overrides)
     if llm.pipeline.task == "generate":
@@ -190,45 +187,45 @@ def _bench_embed(args: argparse.Namespace) -> int:
                           "checkpoint names no pooling): serve an embedding model or set pooling.name")
     texts = embed_texts(params, llm.tokenizer, args.seed, args.num_requests or 100, llm.pipeline.resolved.max_model_len)
     report = run_embed_bench(llm, texts, params, progress_enabled(args.no_progress, args.json))
-    report.update(seed=args.seed, workload={"name": "embed", "params": params.model_dump()},
+    print(_described(report, args, llm, "embed", params, format_embed_report), flush=True)
+    return 0
+
+
+def _refuse_flags(args: argparse.Namespace, workload: str, reference: str) -> None:
+    """ConfigError for a flag of the serving/offline bench that a comparison workload ignores."""
+    for flag in ("serve", "plot", "baseline"):
+        if getattr(args, flag):
+            raise ConfigError(f"--{flag} does not apply to --workload {workload} (it always compares with "
+                              f"{reference}, in this process)")
+
+
+def _described(report: dict, args: argparse.Namespace, llm: Any, name: str, params: Any,
+               fmt: Callable[[dict], str]) -> str:
+    """A whole-process bench's report with its seed, workload, pipeline, device and command
+    added: as JSON with ``--json``, else ``fmt``'s text."""
+    from tessellm.bench.offline import describe_device
+
+    report.update(seed=args.seed, workload={"name": name, "params": params.model_dump()},
                   pipeline=json.loads(json.dumps(llm.pipeline.resolved.summary(), default=str)),
                   device=describe_device(llm.pipeline.resolved.device),
                   command=shlex.join(["tessellm", *(sys.argv[1:] if args.argv is None else args.argv)]))
-    print(json.dumps(report, indent=2) if args.json else format_embed_report(report), flush=True)
-    return 0
+    return json.dumps(report, indent=2) if args.json else fmt(report)
 
 
 def _bench_vision(args: argparse.Namespace) -> int:
     """``tessellm bench --workload vision``: prompts with images against transformers'
     generate on the same requests, interleaved."""
-    from pydantic import ValidationError
-
-    from tessellm.bench.offline import describe_device, progress_enabled
+    from tessellm.bench.offline import progress_enabled
     from tessellm.bench.vision import VisionParams, format_vision_report, run_vision_bench, vision_requests
-    from tessellm.bench.workloads import _parse_overrides
+    from tessellm.bench.workloads import workload_params
     from tessellm.core.engine.llm import LLM
 
-    for flag in ("serve", "plot", "baseline"):
-        if getattr(args, flag):
-            raise ConfigError(f"--{flag} does not apply to --workload vision (it always compares with "
-                              f"transformers' generate, in this process)")
-    values = _parse_overrides(args.workload_overrides)
-    unknown = sorted(set(values) - set(VisionParams.model_fields))
-    if unknown:
-        raise ConfigError(f"workload 'vision' has no parameter {unknown[0]!r}; allowed: "
-                          f"{', '.join(VisionParams.model_fields)}")
-    try:
-        params = VisionParams.model_validate(values)
-    except ValidationError as exc:
-        raise ConfigError(f"workload 'vision': {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from None
+    _refuse_flags(args, "vision", "transformers' generate")
+    params = workload_params("vision", VisionParams, args.workload_overrides)
     llm = LLM(args.config, overrides=args.overrides)
     requests = vision_requests(params, llm, args.seed, args.num_requests or 16)
     report = run_vision_bench(llm, requests, params, progress_enabled(args.no_progress, args.json))
-    report.update(seed=args.seed, workload={"name": "vision", "params": params.model_dump()},
-                  pipeline=json.loads(json.dumps(llm.pipeline.resolved.summary(), default=str)),
-                  device=describe_device(llm.pipeline.resolved.device),
-                  command=shlex.join(["tessellm", *(sys.argv[1:] if args.argv is None else args.argv)]))
-    print(json.dumps(report, indent=2) if args.json else format_vision_report(report), flush=True)
+    print(_described(report, args, llm, "vision", params, format_vision_report), flush=True)
     return 0
 
 
