@@ -16,6 +16,7 @@ it is collected at once. Launched either way, a step is collected by the same co
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -132,6 +133,11 @@ class Engine:
             self.images = ImageEncoder(runner.model.encode_images, runner.spec.hidden_size,
                                        EncoderCache(encoder_cache_tokens), self.stats)
         self._with_images: set[int] = set()  # live sequences whose prompt has images
+        self.lock = threading.RLock()
+        """Held by whoever drives the engine from a thread: an ``LLM`` call for its whole run, a
+        server's engine core on a thread of the same process for each pass of its loop. Two
+        threads never step or change the engine at once (a served ``LLM`` may still be
+        called: its call waits for the core's pass, and the core for the call)."""
 
     # ------------------------------------------------------------------ requests
 

@@ -210,16 +210,17 @@ class LLM(EmbedAndScore):
         their ids, in order, and their finished states. Whatever fails, no request (or its
         blocks) is left behind."""
         ids: list[str] = []
-        try:
-            for add in requests:
-                request_id = uuid.uuid4().hex
-                add(request_id)
-                ids.append(request_id)
-            return ids, self._run(ids, params, progress)
-        except BaseException:
-            for request_id in ids:
-                self.engine.abort(request_id)
-            raise
+        with self.engine.lock:  # a server's engine thread, if any, waits until these are done
+            try:
+                for add in requests:
+                    request_id = uuid.uuid4().hex
+                    add(request_id)
+                    ids.append(request_id)
+                return ids, self._run(ids, params, progress)
+            except BaseException:
+                for request_id in ids:
+                    self.engine.abort(request_id)
+                raise
 
     def _encode_prompts(self, prompts: list[Any], images: Seq[Seq[Any] | None] | None,
                         chat: bool) -> tuple[list[list[int]], list[Any]]:
@@ -267,11 +268,13 @@ class LLM(EmbedAndScore):
     def load_lora(self, name: str, path: str | Path) -> None:
         """Register the PEFT adapter folder ``path`` as ``name`` (the pipeline must serve LoRA:
         ``lora.enabled``, or adapters in the config)."""
-        self.engine.load_lora(name, str(path))
+        with self.engine.lock:
+            self.engine.load_lora(name, str(path))
 
     def unload_lora(self, name: str) -> None:
         """Unregister adapter ``name``; requests already running under it finish."""
-        self.engine.unload_lora(name)
+        with self.engine.lock:
+            self.engine.unload_lora(name)
 
     @property
     def lora_adapters(self) -> list[str]:

@@ -13,18 +13,12 @@ from tessellm.serve.app import build_app
 from tessellm.testing.serving import serving
 
 
-def _llm(cpu_config, tiny_model):
-    return LLM(cpu_config(tiny_model("llama"), max_model_len=256, scheduler={"name": "continuous"},
-                          cache={"name": "paged", "options": {"block_size": 8, "num_blocks": 256}}))
-
-
 @pytest.fixture(scope="module")
 def served(cpu_config, tiny_model):
-    """The server's URL, and an LLM of the same checkpoint for direct calls (the served one's
-    engine is stepped by the server's engine thread: generating on it here would race that)."""
-    with serving(build_app(_llm(cpu_config, tiny_model), model_name="tiny", api_key=None,
-                           max_request_bytes=64 * 1024)) as url:
-        yield url, _llm(cpu_config, tiny_model)
+    llm = LLM(cpu_config(tiny_model("llama"), max_model_len=256, scheduler={"name": "continuous"},
+                         cache={"name": "paged", "options": {"block_size": 8, "num_blocks": 256}}))
+    with serving(build_app(llm, model_name="tiny", api_key=None, max_request_bytes=64 * 1024)) as url:
+        yield url, llm
 
 
 @pytest.fixture(scope="module")

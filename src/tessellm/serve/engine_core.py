@@ -336,13 +336,15 @@ class EngineCore:
             while not self.stopping:
                 busy = self.engine.has_unfinished()
                 wait = 0.0 if busy else (PENDING_WAIT_S if self.has_pending else IDLE_WAIT_S)
-                for data in receive(wait):
-                    self.handle(data)
-                try:
-                    self.iteration()
-                except Exception:  # a bug outside stepping (publishing, gauges): log it, keep serving
-                    self.step_errors += 1
-                    logger.exception("tessellm engine core: error outside a step")
+                arrived = receive(wait)
+                with self.engine.lock:  # an LLM call on a thread of this process waits for the pass
+                    for data in arrived:
+                        self.handle(data)
+                    try:
+                        self.iteration()
+                    except Exception:  # a bug outside stepping (publishing, gauges): log it, keep serving
+                        self.step_errors += 1
+                        logger.exception("tessellm engine core: error outside a step")
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     def iteration(self) -> None:
