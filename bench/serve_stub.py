@@ -16,7 +16,12 @@ Reported per N (medians over ``--rounds``): output tokens/s of each and their ra
 whole run: the server admits its N requests over HTTP while it steps the first ones, the
 offline engine all at once), TTFT (p50, p99), and the host time per engine step by phase (the engine's own counters, from the
 server's /metrics: schedule, prepare, forward with the stub's sleep, sample, process, output
-to the streams) with the CPU seconds per step of the engine loop and of the API side.
+to the streams) with the CPU seconds per step of the engine loop, of the API side and of the
+clients (this process; on uvloop where it is installed, as the server is), the offline
+engine's phases per step, and the output tokens per CPU second of the API process
+(``api_tok_per_cpu_s``: the rate it could stream at with a core of its own; on a machine
+with fewer cores than the three processes, the client, the API process and the engine core
+share them, and the server's rate is bounded by their CPU seconds together).
 
     flock -x /tmp/tessellm-cpu.lock .venv/bin/python bench/serve_stub.py --json bench/results/serve_stub_cpu.json
     .venv/bin/python bench/serve_stub.py --clients 8 --max-tokens 8 --rounds 1    # the code path only
@@ -66,11 +71,20 @@ def prompts(n: int, length: int) -> list[list[int]]:
 
 def offline_round(llm: LLM, n: int, prompt_len: int, max_tokens: int) -> dict:
     params = {"max_tokens": max_tokens, "ignore_eos": True}
+    before, cpu = engine_counters(llm), time.process_time()
     start = time.perf_counter()
     outs = llm.generate(prompts(n, prompt_len), params, progress=False)
     elapsed = time.perf_counter() - start
+    counters = engine_counters(llm) | {"cpu:engine": before["cpu:engine"] + time.process_time() - cpu}
     tokens = sum(len(o.token_ids) for o in outs)
-    return {"tok_s": tokens / elapsed, "ttft_ms": sorted(o.ttft_s * 1e3 for o in outs)}
+    return {"tok_s": tokens / elapsed, "ttft_ms": sorted(o.ttft_s * 1e3 for o in outs),
+            "per_step": per_step(before, counters)}
+
+
+def engine_counters(llm: LLM) -> dict[str, float]:
+    """The offline engine's step counters, named as the server's /metrics are (``scrape``)."""
+    stats = llm.engine.stats
+    return {"steps": stats.steps, "cpu:engine": 0.0} | {"phase:" + k: v for k, v in stats.phase_seconds.items()}
 
 
 # ---------------------------------------------------------------------------- the server's client
@@ -175,22 +189,48 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_client(coro) -> dict:
+    """Run the clients' coroutine on uvloop where it is installed (the server's own loop):
+    on a small machine the load generator shares the cores with the server, and the lighter
+    it is, the less of the server's time it takes."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def server_round(port: int, n: int, prompt_len: int, max_tokens: int) -> dict:
+    """One round of N streaming clients, with the client's own CPU seconds."""
+    cpu = time.process_time()
+    out = run_client(server_round_async(port, n, prompt_len, max_tokens))
+    return out | {"client_cpu_s": time.process_time() - cpu}
+
+
 def run(args: argparse.Namespace, llm: LLM, server: ServeProcess) -> list[dict]:
     offline_round(llm, 4, args.prompt_len, 4)  # warm-up, not timed
-    asyncio.run(server_round_async(server.port, 4, args.prompt_len, 4))
+    server_round(server.port, 4, args.prompt_len, 4)
     results = []
     for n in args.clients:
         offline, served, steps = [], [], []
         for _ in range(args.rounds):  # A/B alternating: the machine's load drifts alike for both
             offline.append(offline_round(llm, n, args.prompt_len, args.max_tokens))
             before = scrape(server.url)
-            served.append(asyncio.run(server_round_async(server.port, n, args.prompt_len, args.max_tokens)))
+            served.append(server_round(server.port, n, args.prompt_len, args.max_tokens))
             steps.append(per_step(before, scrape(server.url)))
+            if steps[-1]:
+                steps[-1]["cpu:client"] = round(served[-1]["client_cpu_s"] / steps[-1]["steps"] * 1e3, 3)
         a, b = summary(offline), summary(served)
         ratios = [s["tok_s"] / o["tok_s"] for s, o in zip(served, offline)]
         host = {k: round(statistics.median(s.get(k, 0.0) for s in steps), 3) for k in steps[-1]}
+        alone = {k: round(statistics.median(o["per_step"].get(k, 0.0) for o in offline), 3)
+                 for k in offline[-1]["per_step"]}
+        # the rate the API process could stream at with a core of its own: tokens per second of its CPU
+        ceiling = [n * args.max_tokens / (st["cpu:api"] * st["steps"] / 1e3) for st in steps if st.get("cpu:api")]
         results.append({"clients": n, "offline": a, "server": b, "server_over_offline": round(statistics.median(ratios), 3),
-                        "ratio_rounds": [round(r, 3) for r in ratios], "server_ms_per_step": host})
+                        "ratio_rounds": [round(r, 3) for r in ratios], "server_ms_per_step": host,
+                        "offline_ms_per_step": alone,
+                        "api_tok_per_cpu_s": round(statistics.median(ceiling), 1) if ceiling else None})
         print(json.dumps(results[-1]), flush=True)
     return results
 

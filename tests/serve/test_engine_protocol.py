@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from tessellm.core.errors import InvalidRequestError, LoraAdapterError, RequestRejectedError
 from tessellm.core.interfaces.grammar import GrammarSpec
 from tessellm.core.interfaces.sequence import SamplingParams, TokenLogprob
-from tessellm.serve.engine_client import GENERATE, SampleDelta, StepOutput, _merge_outputs
+from tessellm.serve.engine_client import GENERATE
 from tessellm.serve.engine_protocol import (RequestFailed, decode_error, decode_logprobs, decode_params, encode_error,
                                             encode_logprobs, encode_params, pack, unpack)
 
@@ -49,15 +49,30 @@ def test_logprobs_and_generate_records_cross():
     lps = [None, TokenLogprob(-0.5, [(3, -0.5), (9, -1.25)])]
     assert decode_logprobs(unpack(pack(encode_logprobs(lps)))) == lps
     record = ["r1", True, [[0, [5, 6], "stop", encode_logprobs(lps[1:] * 2), 3]], 4, 2, 1, None]
-    out = GENERATE.decode(unpack(pack(record)))
+    out = GENERATE.reader()([unpack(pack(record))])
     assert out.finished and out.samples[0].token_ids == [5, 6] and out.samples[0].stop_text_len == 3
     assert out.samples[0].logprobs == [lps[1], lps[1]] and (out.prompt_tokens, out.cached_tokens) == (4, 1)
 
 
-def test_outputs_of_a_reader_behind_merge_into_one():
-    first = StepOutput("r", [SampleDelta(0, [1], ""), SampleDelta(1, [7], "")], False, 3, 2, 0, [None])
-    second = StepOutput("r", [SampleDelta(0, [2, 3], "", "length", None, None)], True, 3, 5, 0)
-    merged = _merge_outputs(first, second)
+def test_records_of_a_reader_behind_read_as_one_output():
+    read = GENERATE.reader()
+    first = ["r", False, [[0, [1], None, None, None], [1, [7], None, None, None]], 3, 2, 1, [None]]
+    last = ["r", True, [[0, [2, 3], "length", None, None]], 3, 5, 1, None]
+    merged = read([unpack(pack(first)), unpack(pack(last))])
     assert merged.finished and merged.completion_tokens == 5 and merged.prompt_logprobs == [None]
     by_index = {d.index: d for d in merged.samples}
     assert by_index[0].token_ids == [1, 2, 3] and by_index[0].finish_reason == "length" and by_index[1].token_ids == [7]
+
+
+def test_compact_records_keep_the_counts_of_the_first():
+    """A decode step's compact record carries only the new tokens: the reader keeps the
+    prompt's and cached tokens from the first record and counts the completion."""
+    read = GENERATE.reader()
+    head = read([["r", False, [[0, [4], None, None, None]], 6, 1, 2, None]])
+    assert (head.prompt_tokens, head.completion_tokens, head.cached_tokens) == (6, 1, 2)
+    caught_up = read([unpack(pack(["r", [5]])), unpack(pack(["r", [8, 9]]))])
+    assert not caught_up.finished and caught_up.samples[0].token_ids == [5, 8, 9]
+    assert (caught_up.prompt_tokens, caught_up.completion_tokens, caught_up.cached_tokens) == (6, 4, 2)
+    end = read([["r", [10]], ["r", True, [[0, [11], "stop", None, 2]], 6, 6, 2, None]])
+    assert end.finished and end.samples[0].token_ids == [10, 11] and end.samples[0].finish_reason == "stop"
+    assert end.samples[0].stop_text_len == 2 and end.completion_tokens == 6

@@ -15,7 +15,7 @@ from hypothesis import given, strategies as st
 from tessellm import LLM
 from tessellm.core.engine.outputs import StopRule
 from tessellm.core.interfaces.sequence import SamplingParams, Sequence
-from tessellm.serve.detokenize import IncrementalDetokenizer, SampleText
+from tessellm.serve.detokenize import IncrementalDetokenizer, SampleText, direct_decode
 from tessellm.serve.engine_thread import EngineThread
 
 MULTI_BYTE = "héllo wörld ñandú 日本語の文章 😀🤖🎉 Ωμέγα ∑∫ — “quotes” ‘x’ 한국어 عربى\n\tend"
@@ -61,6 +61,25 @@ def test_deltas_add_up_to_the_whole_decoding(tokenizer, pieces, data):
     detok = IncrementalDetokenizer(decode)
     text = "".join(detok.add(step, final=i == len(steps) - 1) for i, step in enumerate(steps))
     assert text == decode(ids)
+
+
+@given(data=st.data())
+def test_the_direct_decode_is_the_tokenizers(tokenizer, pieces, data):
+    """Streams decode through the tokenizers library directly where transformers' decode
+    adds nothing to it: the same text as ``tokenizer.decode``, specials skipped."""
+    ids = data.draw(token_ids(tokenizer, pieces))
+    assert direct_decode(tokenizer)(ids) == tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_a_tokenizer_that_cleans_up_spaces_decodes_through_transformers(tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, clean_up_tokenization_spaces=True)
+    tokenizer.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    ids = tokenizer.encode("Hello , world ! Isn 't it ?", add_special_tokens=False)
+    cleaned = tokenizer.decode(ids, skip_special_tokens=True)
+    assert cleaned != tokenizer._tokenizer.decode(ids, skip_special_tokens=True)  # the clean-up changed it
+    assert direct_decode(tokenizer)(ids) == cleaned
 
 
 @given(data=st.data())
@@ -113,23 +132,33 @@ def test_the_engine_thread_hands_out_tokens_and_the_reader_decodes_them(llm):
     """No decoding on the engine thread (no stop strings, so its stop rule decodes nothing);
     the streamed texts of n samples are the offline ones; the stop rule is the pipeline's own."""
     threads: set[str] = set()
-    decode = llm.tokenizer.decode
+    decode, library = llm.tokenizer.decode, llm.tokenizer._tokenizer
 
     def watched(*args, **kwargs):
         threads.add(threading.current_thread().name)
         return decode(*args, **kwargs)
 
-    engine = EngineThread(llm, max_waiting=8)
-    assert llm.engine.stop.decode_text == llm.pipeline._decode_text  # not replaced at run time
-    params = SamplingParams(max_tokens=24, n=3, temperature=1.0, seed=7, ignore_eos=True)
+    class WatchedLibrary:  # the tokenizers library's object, its decodes noted
+        def __getattr__(self, name):
+            return getattr(library, name)
+
+        def decode(self, *args, **kwargs):
+            threads.add(threading.current_thread().name)
+            return library.decode(*args, **kwargs)
+
     prompt = llm.encode("Once upon a time")
-    engine.start()
-    llm.tokenizer.decode = watched
+    llm.tokenizer.decode, llm.tokenizer._tokenizer = watched, WatchedLibrary()
     try:
-        texts = asyncio.run(stream_texts(engine, prompt, params))
+        engine = EngineThread(llm, max_waiting=8)
+        assert llm.engine.stop.decode_text == llm.pipeline._decode_text  # not replaced at run time
+        params = SamplingParams(max_tokens=24, n=3, temperature=1.0, seed=7, ignore_eos=True)
+        engine.start()
+        try:
+            texts = asyncio.run(stream_texts(engine, prompt, params))
+        finally:
+            engine.shutdown()
     finally:
-        llm.tokenizer.decode = decode
-        engine.shutdown()
+        llm.tokenizer.decode, llm.tokenizer._tokenizer = decode, library
     ref = llm.generate([prompt], params)[0].outputs
     assert [texts[i] for i in range(3)] == [o.text for o in ref]
     assert threads and "tessellm-engine" not in threads

@@ -48,16 +48,19 @@ from tessellm.serve.tools import ToolCalling, render_chat  # noqa: E402
 
 
 def build_app(engine: Any, *, model_name: str | None = None, api_key: str | None = None,
-              max_request_bytes: int = 1 << 20, max_waiting: int | None = 1024) -> FastAPI:
+              max_request_bytes: int = 1 << 20, max_waiting: int | None = 1024,
+              stream_interval: int = 1) -> FastAPI:
     """The server's app around ``engine``: an ``EngineClient`` (an engine core process's,
     serve/engine_process.py), or a loaded ``LLM``, whose engine core then runs on a thread
-    of this process while the app does."""
+    of this process while the app does. ``stream_interval``: a stream's events after its
+    first come every that many tokens (and at its end)."""
     if isinstance(engine, EngineClient):
         client, llm = engine, None
         client.max_waiting = max_waiting
     else:
         llm = engine
         client = EngineThread(llm, max_waiting=max_waiting)
+    client.stream_interval = stream_interval
     metrics = client.metrics = client.metrics or ServerMetrics(client.info)  # it records each request's metrics
     ctx = server_context(client, llm, model_name or client.info.model, int(time.time()))
 

@@ -23,6 +23,9 @@ def add_parser(sub: Any, add_config_args: Callable[[argparse.ArgumentParser], No
     sv.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest request body (default 1 MiB)")
     sv.add_argument("--max-waiting", type=int, default=1024,
                     help="requests waiting to run before new ones get 429 (default 1024)")
+    sv.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                    help="after a request's first token, stream its text every N tokens (and at its end): fewer, "
+                         "larger events when many streams run (default 1: every token)")
     sv.add_argument("--data-parallel", type=int, default=1, metavar="N",
                     help="N replicas of the pipeline, each its own process on this machine, behind one endpoint "
                          "(a router on --host/--port; see tessellm router for its flags; default 1)")
@@ -206,6 +209,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ConfigError(f"--data-parallel must be at least 1, got {args.data_parallel}")
     if args.max_request_bytes < 1024 or args.max_waiting < 1:
         raise ConfigError("--max-request-bytes must be at least 1024 and --max-waiting at least 1")
+    if args.stream_interval < 1:
+        raise ConfigError(f"--stream-interval must be at least 1, got {args.stream_interval}")
     if args.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be at least 0, got {args.max_restarts}")
     if args.data_parallel > 1:
@@ -252,7 +257,8 @@ def run_server(uvicorn: Any, engine: Any, args: argparse.Namespace) -> int:
     from tessellm.serve.supervise import CoreSupervisor
 
     app = build_app(engine, model_name=args.served_model_name, api_key=args.api_key,
-                    max_request_bytes=args.max_request_bytes, max_waiting=args.max_waiting)
+                    max_request_bytes=args.max_request_bytes, max_waiting=args.max_waiting,
+                    stream_interval=args.stream_interval)
     client = app.state.engine
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning"))
     gave_up: list[str] = []

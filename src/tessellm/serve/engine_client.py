@@ -34,10 +34,10 @@ from tessellm.core.config import ImagesConfig
 from tessellm.core.engine.llm import encode_prompt
 from tessellm.core.errors import RequestRejectedError
 from tessellm.core.interfaces.sequence import SamplingParams, TokenLogprob
-from tessellm.serve.detokenize import RequestText
+from tessellm.serve.detokenize import RequestText, direct_decode
 from tessellm.serve.engine_protocol import (EngineDead, EngineInfo, RequestFailed, RequestKind, decode_error,
-                                            decode_logprobs, encode_images, encode_params, pack, register_kind,
-                                            unpack)
+                                            decode_logprobs, encode_images, encode_params, is_compact, pack,
+                                            register_kind, unpack)
 
 logger = logging.getLogger("tessellm.server")
 
@@ -80,36 +80,64 @@ class ServerBusy(RequestRejectedError):
 
 def _generate_payload(prompt_ids: list[int], params: SamplingParams, *, priority: int = 0,
                       cache_salt: str | None = None, lora: str | None = None,
-                      images: list[Any] | None = None) -> dict[str, Any]:
+                      images: list[Any] | None = None, stream_interval: int = 1) -> dict[str, Any]:
     payload = {"prompt": list(prompt_ids), "params": encode_params(params), "priority": priority,
                "cache_salt": cache_salt, "lora": lora}
+    if stream_interval > 1:
+        payload["stream_interval"] = stream_interval
     if images:
         payload["images"] = encode_images(images)
     return payload
 
 
-def _generate_output(record: list[Any]) -> StepOutput:
-    request_id, finished, samples, prompt_tokens, completion, cached, prompt_lps = record
-    deltas = [SampleDelta(i, ids, "", reason, decode_logprobs(lps), cut) for i, ids, reason, lps, cut in samples]
-    return StepOutput(request_id, deltas, finished, prompt_tokens, completion, cached, decode_logprobs(prompt_lps))
+class GenerateReader:
+    """A generate request's records turned into ``StepOutput``s as its reader takes them:
+    several records waiting (a reader that fell behind) become one output, each sample's
+    tokens and logprobs joined. Keeps what a compact record leaves out: the prompt's and
+    cached tokens (from the first record) and the completion's count."""
+
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_tokens")
+
+    def __init__(self) -> None:
+        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
+
+    def __call__(self, records: list[list[Any]]) -> StepOutput:
+        samples: dict[int, SampleDelta] = {}
+        finished, prompt_lps = False, None
+        for record in records:
+            if is_compact(record):
+                self.completion_tokens += len(record[1])
+                _join(samples, 0, record[1], None, None, None)
+                continue
+            _, finished, deltas, self.prompt_tokens, self.completion_tokens, self.cached_tokens, lps = record
+            if prompt_lps is None:
+                prompt_lps = decode_logprobs(lps)
+            for index, ids, reason, sample_lps, cut in deltas:
+                _join(samples, index, ids, reason, decode_logprobs(sample_lps), cut)
+        return StepOutput(records[-1][0], list(samples.values()), finished, self.prompt_tokens,
+                          self.completion_tokens, self.cached_tokens, prompt_lps)
 
 
-def _merge_outputs(earlier: StepOutput, later: StepOutput) -> StepOutput:
-    """Two steps' outputs of one request as one: each sample's tokens (and logprobs) joined."""
-    samples = {d.index: d for d in earlier.samples}
-    for d in later.samples:
-        before = samples.get(d.index)
-        if before is None:
-            samples[d.index] = d
-            continue
-        lps = None if before.logprobs is None and d.logprobs is None else (before.logprobs or []) + (d.logprobs or [])
-        samples[d.index] = SampleDelta(d.index, before.token_ids + d.token_ids, "", d.finish_reason, lps,
-                                       d.stop_text_len)
-    return StepOutput(later.request_id, list(samples.values()), later.finished, later.prompt_tokens,
-                      later.completion_tokens, later.cached_tokens, earlier.prompt_logprobs)
+def _join(samples: dict[int, SampleDelta], index: int, ids: list[int], reason: str | None,
+          lps: list[TokenLogprob] | None, cut: int | None) -> None:
+    """Add a record's tokens of sample ``index`` to what ``samples`` holds of it (a record's
+    lists are its own: unpacked for this reader alone)."""
+    before = samples.get(index)
+    if before is None:
+        samples[index] = SampleDelta(index, ids, "", reason, lps, cut)
+        return
+    before.token_ids.extend(ids)
+    if lps is not None:
+        before.logprobs = (before.logprobs or []) + lps
+    before.finish_reason, before.stop_text_len = reason, cut
 
 
-GENERATE = register_kind(RequestKind("generate", _generate_payload, _generate_output, _merge_outputs))
+def _generate_samples(record: list[Any]) -> list[tuple[int, int, str | None]]:
+    return [(index, len(ids), reason) for index, ids, reason, _, _ in record[2]]
+
+
+GENERATE = register_kind(RequestKind("generate", _generate_payload, GenerateReader, merges=True,
+                                     samples=_generate_samples))
 
 
 class _Inbox:
@@ -123,17 +151,20 @@ class _Inbox:
         self.items.append(item)
         self.ready.set()
 
-    async def take(self, merge: Callable[[Any, Any], Any] | None) -> Any:
-        """The next output; with ``merge``, every output waiting joined into one (a reader
-        that fell behind catches up in one event)."""
+    async def take(self, read: Callable[[list[Any]], Any], merges: bool) -> Any:
+        """The next output, ``read`` from the next record; with ``merges``, from every record
+        waiting (a reader that fell behind catches up in one event). An exception waiting is
+        returned alone."""
         while not self.items:
             self.ready.clear()
             await self.ready.wait()
         item = self.items.popleft()
-        while merge is not None and self.items and not isinstance(item, BaseException) \
-                and not isinstance(self.items[0], BaseException):
-            item = merge(item, self.items.popleft())
-        return item
+        if isinstance(item, BaseException):
+            return item
+        records = [item]
+        while merges and self.items and not isinstance(self.items[0], BaseException):
+            records.append(self.items.popleft())
+        return read(records)
 
 
 @dataclass
@@ -172,6 +203,9 @@ class EngineClient:
         self.tokenizer_lock = tokenizer_lock or threading.Lock()
         self.max_waiting = max_waiting
         self.metrics = metrics
+        self.stream_interval = 1
+        """After a request's first tokens, its outputs come once a sample holds this many new
+        tokens, and at its end (``--stream-interval``): fewer, larger events under load."""
         self.info: EngineInfo = transport.info
         self.requests: dict[str, _Request] = {}
         self.aborts: deque[tuple[str, int, int]] = deque(maxlen=1000)
@@ -195,6 +229,7 @@ class EngineClient:
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count()
         self._down_reason: str | None = None
+        self._direct_decode = direct_decode(tokenizer)
         transport.connect(self._deliver)
 
     # ------------------------------------------------------------------ lifecycle
@@ -274,17 +309,20 @@ class EngineClient:
             raise ServerBusy(f"the server is busy: {self.num_waiting()} requests are waiting "
                              f"(limit {self.max_waiting}); retry later")
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
-                       **kwargs: Any) -> AsyncIterator[StepOutput]:
-        text = RequestText(self._decode, params.stop)  # detokenized here, as the outputs are read
-        async for out in self.submit(GENERATE, request_id, GENERATE.encode(prompt_ids, params, **kwargs)):
-            yield text.fill(out)
+    def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams,
+                 **kwargs: Any) -> AsyncIterator[StepOutput]:
+        """The request's outputs as it runs, their text detokenized here as they are read."""
+        text, read = RequestText(self._decode, params.stop), GenerateReader()
+        kwargs.setdefault("stream_interval", self.stream_interval)
+        return self.submit(GENERATE, request_id, GENERATE.encode(prompt_ids, params, **kwargs),
+                           read=lambda records: text.fill(read(records)))
 
     async def submit(self, kind: RequestKind, request_id: str, payload: dict[str, Any], *,
-                     check_room: bool = True) -> AsyncIterator[Any]:
-        """Send a request of ``kind`` and yield its decoded records until it finishes;
-        ``check_room`` False: the caller checked the waiting queue once for a batch of them
-        (``check_room()``), which is admitted whole."""
+                     check_room: bool = True, read: Callable[[list[Any]], Any] | None = None) -> AsyncIterator[Any]:
+        """Send a request of ``kind`` and yield its outputs until it finishes (``read``: what
+        turns its records into outputs, the kind's reader by default); ``check_room`` False:
+        the caller checked the waiting queue once for a batch of them (``check_room()``),
+        which is admitted whole."""
         if self._loop is not asyncio.get_running_loop():
             self._attach(asyncio.get_running_loop())
         if not self.alive:
@@ -293,13 +331,13 @@ class EngineClient:
             self.check_room()
         if request_id in self.requests:
             raise RequestRejectedError(f"request id {request_id!r} is already in use")
-        inbox = _Inbox()
+        inbox, read = _Inbox(), read or kind.reader()
         self.transport.send(pack(["add", request_id, kind.name, payload]))  # EngineDead if it cannot reach the core
         self.requests[request_id] = _Request(kind, inbox, time.perf_counter())
         finished = False
         try:
             while True:
-                item = await inbox.take(kind.merge)
+                item = await inbox.take(read, kind.merges)
                 if isinstance(item, BaseException):
                     finished = True  # the core already dropped it
                     raise item
@@ -347,15 +385,18 @@ class EngineClient:
         for request_id, *error in errors:
             self._end_with_error(request_id, decode_error(error))
         generated = 0
-        for record in records:
+        for record in records:  # kept as they came: each request's reader turns them into outputs
             request = self.requests.get(record[0])
             if request is None:
                 continue
-            out = request.kind.decode(record)
-            generated += self._track(request, out, now)
+            if is_compact(record):
+                generated += self._track(request, 0, len(record[1]), None, now)
+            else:
+                for index, count, reason in request.kind.samples(record):
+                    generated += self._track(request, index, count, reason, now)
             if request.queue is not None:
-                request.queue.put_nowait(out)
-            if out.finished:
+                request.queue.put_nowait(record)
+            if not is_compact(record) and record[1]:  # finished
                 del self.requests[record[0]]
                 self._record_finished(request, now)
         if generated and metrics is not None:
@@ -383,20 +424,18 @@ class EngineClient:
         if request is not None and request.queue is not None:
             request.queue.put_nowait(exc)
 
-    def _track(self, request: _Request, out: Any, now: float) -> int:
-        """Note the times of a request's tokens (its first token's: TTFT); the tokens counted."""
-        count = 0
-        for d in getattr(out, "samples", ()):
-            if d.token_ids:
-                count += len(d.token_ids)
-                if d.index not in request.first:
-                    request.first[d.index] = now
-                    if len(request.first) == 1 and self.metrics is not None:
-                        self.metrics.request_first_token(now - request.arrival)
-                request.last[d.index] = now
-                request.tokens[d.index] = request.tokens.get(d.index, 0) + len(d.token_ids)
-            if d.finish_reason is not None:
-                request.reasons[d.index] = d.finish_reason
+    def _track(self, request: _Request, index: int, count: int, reason: str | None, now: float) -> int:
+        """Note the times of a sample's new tokens (a request's first token's: TTFT); the
+        tokens counted."""
+        if count:
+            if index not in request.first:
+                request.first[index] = now
+                if len(request.first) == 1 and self.metrics is not None:
+                    self.metrics.request_first_token(now - request.arrival)
+            request.last[index] = now
+            request.tokens[index] = request.tokens.get(index, 0) + count
+        if reason is not None:
+            request.reasons[index] = reason
         return count
 
     def _record_finished(self, request: _Request, now: float) -> None:
@@ -460,7 +499,8 @@ class EngineClient:
         return self.with_tokenizer(encode_prompt, self.tokenizer, prompt)
 
     def _decode(self, ids: list[int]) -> str:
-        return self.with_tokenizer(self.tokenizer.decode, ids, skip_special_tokens=True)
+        with self.tokenizer_lock:
+            return self._direct_decode(ids)
 
 
 class ThreadTransport:

@@ -37,7 +37,7 @@ from tessellm.core.interfaces.decoder import Decoder
 from tessellm.core.interfaces.sequence import Sequence, SequenceStatus
 from tessellm.core.parallel.group import TensorParallelError
 from tessellm.serve.engine_protocol import (EngineInfo, decode_images, decode_params, encode_error, encode_logprobs,
-                                            pack, unpack)
+                                            is_compact, pack, unpack)
 from tessellm.serve.pooling_kind import PoolKind
 
 logger = logging.getLogger("tessellm.server")
@@ -68,15 +68,21 @@ class Progress:
     emitted: dict[int, int] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
     started: bool = False
+    interval: int = 1
+    """After the first record, one is sent once a sample holds this many new tokens (or
+    finished): the payload's ``stream_interval``."""
 
 
 class GenerateKind:
     """``generate``: a prompt's token ids with its sampling. Payload: ``prompt``, ``params``
     (``SamplingParams`` fields), ``priority``, ``cache_salt``, ``lora``, ``images`` (the
-    prompt's processed images, ``encode_images``; absent for a text prompt). Record:
+    prompt's processed images, ``encode_images``; absent for a text prompt),
+    ``stream_interval`` (after the first record, one every that many new tokens of a sample,
+    and at its end; 1 if absent). Record:
     ``[request_id, finished, samples, prompt_tokens, completion_tokens, cached_tokens,
     prompt_logprobs]``, a sample ``[index, new_token_ids, finish_reason, logprobs,
-    stop_text_len]``."""
+    stop_text_len]``; after the first, a decode step of one sample without logprobs that
+    did not finish it is the compact ``[request_id, new_token_ids]``."""
 
     name = "generate"
 
@@ -106,14 +112,15 @@ class GenerateKind:
             seq = seqs[0]
             sent = progress.emitted.get(0, 0)
             held = len(seq.token_ids) - seq.num_prompt_tokens
-            if held == sent:
+            if held - sent < progress.interval:
                 return None
             if seq.params.logprobs is None and not seq.joint:
                 progress.emitted[0] = held
-                return [request_id, False, [[0, seq.token_ids[seq.num_prompt_tokens + sent:], None, None, None]],
-                        seq.num_prompt_tokens, held, seq.num_cached_tokens or 0, None]
+                return [request_id, seq.token_ids[seq.num_prompt_tokens + sent:]]  # compact
         if state.seqs[0].joint and not state.finished:
             return None  # beams are regrouped every step: their tokens are final only at the end
+        if progress.started and not state.finished and not self._due(progress, seqs):
+            return None
         samples = [s for s in (self._sample(progress, seq) for seq in state.seqs) if s is not None]
         if not samples and not state.finished:
             return None
@@ -125,6 +132,18 @@ class GenerateKind:
             core.engine.pop_finished(request_id)
         return [request_id, state.finished, samples, first.num_prompt_tokens, completion,
                 first.num_cached_tokens or 0, prompt_lps]
+
+    @staticmethod
+    def _due(progress: Progress, seqs: list[Sequence]) -> bool:
+        """Whether a running request's samples hold enough new tokens (``progress.interval``),
+        or one finished, for a record."""
+        for seq in seqs:
+            if seq.sample_index in progress.done:
+                continue
+            held = len(seq.token_ids) - seq.num_prompt_tokens - progress.emitted.get(seq.sample_index, 0)
+            if seq.is_finished or held >= progress.interval:
+                return True
+        return False
 
     @staticmethod
     def _sample(progress: Progress, seq: Sequence) -> list[Any] | None:
@@ -274,7 +293,7 @@ class EngineCore:
         if waiting is not None:
             self.waiting_admission.append((waiting, kind, request_id, payload))
         else:
-            self.live[request_id] = (kind, Progress())
+            self.live[request_id] = (kind, Progress(interval=payload.get("stream_interval", 1)))
 
     def _abort(self, request_ids: list[str], asked_at: float) -> None:
         # The steps started by the time the API side asked (its time.monotonic(): one clock for
@@ -313,7 +332,7 @@ class EngineCore:
             except Exception as exc:
                 self.errors.append([request_id, *encode_error(exc)])
                 continue
-            self.live[request_id] = (kind, Progress())
+            self.live[request_id] = (kind, Progress(interval=payload.get("stream_interval", 1)))
             self._changed = True
         calls, self.deferred_calls = self.deferred_calls, []
         for call_id, deferred in calls:
@@ -401,7 +420,7 @@ class EngineCore:
             if record is None:
                 continue
             self.records.append(record)
-            if record[1]:  # finished
+            if not is_compact(record) and record[1]:  # finished
                 del self.live[request_id]
 
     def flush(self, stepped: bool) -> None:

@@ -34,6 +34,8 @@ from tessellm.serve.engine_protocol import EngineDead, EngineInfo, pack, unpack
 logger = logging.getLogger("tessellm.server")
 
 START_TIMEOUT_S = 900.0
+READ_POLL_MS = 100
+"""How often the reader thread looks up from its wait for the core's messages (to see ``stop``)."""
 
 
 class EngineStartError(TessellmError, RuntimeError):
@@ -167,11 +169,16 @@ class ProcessTransport:
         threading.Thread(target=wait, name="tessellm-core-watcher", daemon=True).start()
 
     def _read(self) -> None:
+        """The reader thread: every message to ``deliver``, until ``stop``. It alone touches
+        the socket it reads until then (a ZeroMQ socket closed under a thread blocked in it
+        aborts the process), and looks up from its wait every ``READ_POLL_MS``."""
         while not self._stopping:
             try:
-                data = self._pull.recv()
-            except zmq.ZMQError:  # closed: stopping
-                return
+                if not self._pull.poll(READ_POLL_MS):
+                    continue
+                data = self._pull.recv(zmq.NOBLOCK)
+            except zmq.ZMQError:  # nothing after all, or the context is ending
+                continue
             if self._deliver is not None:
                 self._deliver(data)
 
@@ -227,6 +234,8 @@ class ProcessTransport:
             if process.is_alive():
                 process.kill()
                 process.join()
+        if self._reader is not None:
+            self._reader.join(timeout=5 * READ_POLL_MS / 1000)
         self._push.close(linger=0)
         self._pull.close(linger=0)
         self._context.term()

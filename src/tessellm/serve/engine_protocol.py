@@ -18,7 +18,9 @@ From the core:
 
 - ``["ready", info]``: the core is built (``EngineInfo``'s fields);
 - ``["step", records, errors, admitted, aborted, gauges]``: one pass of its loop: each
-  request's progress (a record its kind decodes), the requests refused or failed
+  request's progress (a record its kind reads: ``[request_id, finished, ...]``; or, for the
+  common decode step, the compact ``[request_id, new_token_ids]``: sample 0 of a running
+  request gained these tokens, nothing else changed), the requests refused or failed
   (``[request_id, error, message, field]``), those admitted (``[request_id, prompt_tokens]``)
   and aborted (``[request_id, steps_started_when_asked, steps_started_when_done]``), and, now and then, the gauges;
 - ``["result", call_id, ok, value or error]``.
@@ -156,17 +158,26 @@ class EngineInfo:
 class RequestKind:
     """How one kind of request crosses: ``encode`` makes its payload on the API side
     (``encode(*args, **kwargs)``); the core's ``EngineCore`` admits and reports it with the
-    handler registered under the same name (serve/engine_core.py ``CORE_KINDS``), and
-    ``decode`` turns each of its records back into what the API side hands out (an object
-    with a ``finished`` flag)."""
+    handler registered under the same name (serve/engine_core.py ``CORE_KINDS``). The API
+    side keeps each request's records as they arrive and turns them into what it hands out
+    only when the request's reader takes them: ``reader()`` makes a request's reader, which
+    turns the records waiting, in order, into one output (an object with a ``finished``
+    flag)."""
 
     name: str
     encode: Callable[..., dict[str, Any]]
-    decode: Callable[[list[Any]], Any]
-    merge: Callable[[Any, Any], Any] | None = None
-    """``merge(earlier, later)``: two outputs of one request as one, when its reader is
-    behind (one event for several steps: the API side keeps up at any step rate); None: each
-    output is handed out alone."""
+    reader: Callable[[], Callable[[list[list[Any]]], Any]]
+    merges: bool = False
+    """Whether a reader that fell behind takes every record waiting as one output (one event
+    for several steps: the API side keeps up at any step rate); False: one at a time."""
+    samples: Callable[[list[Any]], list[tuple[int, int, str | None]]] = lambda record: []
+    """A full record's (sample index, new tokens, finish reason) per sample, for the
+    server's metrics (a compact record is sample 0's tokens)."""
+
+
+def is_compact(record: list[Any]) -> bool:
+    """A compact record: ``[request_id, new_token_ids]`` (sample 0 gained them; not finished)."""
+    return len(record) == 2
 
 
 REQUEST_KINDS: dict[str, RequestKind] = {}

@@ -40,12 +40,12 @@ def _pool_payload(*, input: Any = None, pair: tuple[str, str] | None = None, pro
             "truncate": truncate, "params": (params or PoolingParams()).model_dump(exclude_none=True), "lora": lora}
 
 
-def _pool_output(record: list[Any]) -> PooledOutput:
-    request_id, finished, values, prompt_tokens = record
+def _pool_output(records: list[list[Any]]) -> PooledOutput:
+    request_id, finished, values, prompt_tokens = records[0]  # one record: a pool request is reported once
     return PooledOutput(request_id, finished, values, prompt_tokens)
 
 
-POOL = register_kind(RequestKind("pool", _pool_payload, _pool_output))
+POOL = register_kind(RequestKind("pool", _pool_payload, lambda: _pool_output))
 
 
 class PoolKind:

@@ -222,18 +222,23 @@ async def close_streams(streams: list[EngineStreamT]) -> None:
 
 @dataclass
 class MergedOutputs:
-    """A response's engine streams read as one, each prompt's outputs as they come: every
-    stream is read by its own task into one queue. ``close()`` is synchronous (it runs
-    where the answer ends, even in a cancelled task): it stops the readers and aborts the
-    engine requests not finished."""
+    """A response's engine streams read as one, each prompt's outputs as they come: with
+    several prompts, every stream is read by its own task into one queue; a single stream
+    is read directly. ``close()`` is synchronous (it runs where the answer ends, even in a
+    cancelled task): it stops the readers and aborts the engine requests not finished."""
 
     admitted: Admitted
     lasts: dict[int, StepOutput] = field(default_factory=dict)
     _queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     _readers: list[asyncio.Future] = field(default_factory=list)
+    _head: StepOutput | None = None
+    """A single stream's first output, not handed out yet."""
 
     def __post_init__(self) -> None:
         a = self.admitted
+        if len(a.streams) == 1:
+            self._head = a.first[0]
+            return
         self._readers = [asyncio.ensure_future(self._read(p, out, stream))
                          for p, (out, stream) in enumerate(zip(a.first, a.streams))]
 
@@ -253,9 +258,14 @@ class MergedOutputs:
 
     async def next(self) -> tuple[int, StepOutput]:
         """The next output of any prompt, as (prompt index, output); raises the engine's error."""
-        p, out = await self._queue.get()
-        if isinstance(out, BaseException):
-            raise out
+        if self._readers:
+            p, out = await self._queue.get()
+            if isinstance(out, BaseException):
+                raise out
+        elif self._head is not None:
+            p, out, self._head = 0, self._head, None
+        else:
+            p, out = 0, await self.admitted.streams[0].__anext__()
         if out.finished:
             self.lasts[p] = out
         return p, out

@@ -139,6 +139,7 @@ def replica_serve_args(args: argparse.Namespace) -> list[str]:
         out += ["--set", item]
     for flag, value in (("--api-key", args.api_key), ("--served-model-name", args.served_model_name),
                         ("--max-request-bytes", args.max_request_bytes), ("--max-waiting", args.max_waiting),
+                        ("--stream-interval", getattr(args, "stream_interval", None)),
                         ("--max-loras", args.max_loras), ("--max-lora-rank", args.max_lora_rank),
                         ("--limit-mm-per-prompt", _mm(args)),
                         ("--image-fetch-timeout", getattr(args, "image_fetch_timeout", None)),
