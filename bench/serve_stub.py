@@ -90,27 +90,28 @@ def engine_counters(llm: LLM) -> dict[str, float]:
 # ---------------------------------------------------------------------------- the server's client
 
 
-async def one_stream(port: int, body: bytes, sent: float) -> tuple[float, float, int]:
+async def one_stream(port: int, body: bytes, sent: float) -> tuple[float, float, int, int]:
     """POST ``body`` and read the stream to its end: (time to the first event, time to its
-    end, completion tokens from the final usage chunk)."""
+    end, completion tokens from the final usage chunk, events with a chunk, usage included)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
     writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     await writer.drain()
-    first, tail = None, b""
+    first, tail, events = None, b"", 0
     while True:
         chunk = await reader.read(1 << 16)
         if not chunk:
             break
         if first is None and b"data: {" in chunk:
             first = time.perf_counter() - sent
+        events += chunk.count(b"data: {")
         tail = (tail + chunk)[-4096:]
     end = time.perf_counter() - sent
     writer.close()
     usage = re.findall(rb'"completion_tokens": (\d+)', tail)
     if first is None or not usage:
         raise RuntimeError(f"a stream ended without events or usage: {tail[-300:]!r}")
-    return first, end, int(usage[-1])
+    return first, end, int(usage[-1]), events
 
 
 async def server_round_async(port: int, n: int, prompt_len: int, max_tokens: int) -> dict:
@@ -120,7 +121,8 @@ async def server_round_async(port: int, n: int, prompt_len: int, max_tokens: int
     start = time.perf_counter()
     results = await asyncio.gather(*(one_stream(port, b, start) for b in bodies))
     elapsed = time.perf_counter() - start
-    return {"tok_s": sum(t for _, _, t in results) / elapsed, "ttft_ms": sorted(f * 1e3 for f, _, _ in results)}
+    return {"tok_s": sum(r[2] for r in results) / elapsed, "ttft_ms": sorted(r[0] * 1e3 for r in results),
+            "events": statistics.median(r[3] for r in results)}
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -155,7 +157,8 @@ def summary(rounds: list[dict]) -> dict:
     return {"tok_s": round(statistics.median(r["tok_s"] for r in rounds), 1),
             "tok_s_rounds": [round(r["tok_s"], 1) for r in rounds],
             "ttft_ms_p50": round(statistics.median(percentile(r["ttft_ms"], 0.5) for r in rounds), 2),
-            "ttft_ms_p99": round(statistics.median(percentile(r["ttft_ms"], 0.99) for r in rounds), 2)}
+            "ttft_ms_p99": round(statistics.median(percentile(r["ttft_ms"], 0.99) for r in rounds), 2)} | \
+        ({"events_per_stream": statistics.median(r["events"] for r in rounds)} if "events" in rounds[0] else {})
 
 
 def main(argv: list[str] | None = None) -> int:
