@@ -11,11 +11,10 @@ naming what to send instead.
 
 from __future__ import annotations
 
-import base64
-import binascii
 from typing import Any
 
 from tessellm.core.errors import InvalidRequestError
+from tessellm.core.model.vision import data_url_bytes
 
 IMAGE_PARTS = ("image_url", "input_image", "image")
 TEXT_PARTS = ("text", "input_text")
@@ -70,14 +69,7 @@ def _part(m: int, p: int, part: Any, images: list[Any]) -> dict:
 def _image_value(where: str, value: Any) -> Any:
     """An image part's value for ``read_image``: a data: URL's bytes; an http(s) URL refused."""
     if isinstance(value, str) and value.startswith("data:"):
-        head, _, data = value.partition(",")
-        if not head.endswith(";base64"):
-            raise InvalidRequestError(f"{where}: a data: URL must be base64 (data:image/png;base64,...)",
-                                      field="messages")
-        try:
-            return base64.b64decode(data, validate=True)
-        except (binascii.Error, ValueError):
-            raise InvalidRequestError(f"{where}: the data: URL is not valid base64", field="messages") from None
+        return data_url_bytes(value, where, field="messages")
     if isinstance(value, str) and value.startswith(("http://", "https://")):
         raise InvalidRequestError(f"{where}: LLM.chat fetches nothing; give the image as a data: URL, a path, "
                                   f"bytes or a PIL image", field="messages")

@@ -11,6 +11,8 @@ needs torchvision) is built without one, as images are all it processes here.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import io
 import json
 from pathlib import Path
@@ -59,6 +61,19 @@ class MRotaryEmbedding(RotaryEmbedding):
 
 
 # ---------------------------------------------------------------------------- the API side
+
+
+def data_url_bytes(url: str, where: str, field: str | None = None) -> bytes:
+    """The bytes of a ``data:<type>;base64,<payload>`` URL; InvalidRequestError naming
+    ``where`` (and the request ``field``) for a data: URL that is not base64, or whose payload
+    is not valid base64."""
+    head, _, payload = url.partition(",")
+    if not head.startswith("data:") or not head.endswith(";base64"):
+        raise InvalidRequestError(f"{where}: a data: URL must be base64 (data:image/<format>;base64,...)", field=field)
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidRequestError(f"{where}: the data: URL's payload is not valid base64", field=field) from None
 
 
 def read_image(item: Any, index: int = 0) -> Any:

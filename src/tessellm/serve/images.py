@@ -13,14 +13,12 @@ too large or too slow, and an image sent to a model that takes none."""
 
 from __future__ import annotations
 
-import base64
-import binascii
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from tessellm.core.errors import InvalidRequestError
-from tessellm.core.model.vision import read_image
+from tessellm.core.model.vision import data_url_bytes, read_image
 from tessellm.serve.http_errors import RequestError
 
 
@@ -61,14 +59,10 @@ def image_from_url(url: str, where: str, policy: Any) -> Any:
     if not url.startswith("data:") or "," not in url:
         raise RequestError(400, f"{where}: {url[:40]!r} is not a data: or http(s) URL; send "
                                 f"data:image/<format>;base64,<bytes>", param=where)
-    head, payload = url[5:].split(",", 1)
-    if not head.endswith(";base64"):
-        raise RequestError(400, f"{where}: the data: URL must be base64 (data:image/<format>;base64,...)",
-                           param=where)
     try:
-        raw = base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError):
-        raise RequestError(400, f"{where}: the data: URL's payload is not valid base64", param=where) from None
+        raw = data_url_bytes(url, where)
+    except InvalidRequestError as exc:
+        raise RequestError(400, str(exc), param=where) from None
     return _read(raw, where)
 
 
