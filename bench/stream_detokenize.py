@@ -138,7 +138,7 @@ def run(arm: str, ids: list[int], prompt: list[int], stop: list[str], llm: Any) 
     def decode(token_ids: list[int]) -> str:
         return llm.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    reader, legacy = RequestText(decode, stop), Legacy(decode, stop)
+    reader, legacy, read = RequestText(decode, stop), Legacy(decode, stop), GENERATE.reader()
     steps, engine_side, texts = [], [], []  # per step: all of it, the engine thread's part
     for i, token in enumerate(ids):
         seq.token_ids.append(token)
@@ -149,7 +149,7 @@ def run(arm: str, ids: list[int], prompt: list[int], stop: list[str], llm: Any) 
             record = kind.record(core, "r", progress)  # the engine core's part
             published = time.perf_counter_ns()
             if record is not None:
-                texts += [d.text for d in reader.fill(GENERATE.decode(record)).samples]
+                texts += [d.text for d in reader.fill(read([record])).samples]
             engine_side.append(published - start)
         else:
             out = legacy.step(seq)
