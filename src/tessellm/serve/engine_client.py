@@ -245,6 +245,9 @@ class EngineClient:
             early, self._early = self._early, []
         for item in early:
             self._receive(item)
+        read_on = getattr(self.transport, "read_on", None)
+        if read_on is not None:  # a transport the loop reads itself (the core process's sockets)
+            read_on(loop, self._receive)
 
     def shutdown(self) -> None:
         self.transport.stop()
@@ -261,8 +264,8 @@ class EngineClient:
         return None if self.transport.alive else "the engine loop is not running"
 
     def _deliver(self, item: Any) -> None:
-        """From the transport's thread: a packed message (bytes) or the core's exit (an int
-        or None status, wrapped as ``("exit", status)``)."""
+        """From the transport's thread: a packed message (bytes; a thread core's) or the core's
+        exit (an int or None status, wrapped as ``("exit", status)``)."""
         loop = self._loop
         if loop is None:
             with self._early_lock:
@@ -277,6 +280,9 @@ class EngineClient:
 
     def _receive(self, item: Any) -> None:
         if isinstance(item, tuple):
+            drain = getattr(self.transport, "drain", None)
+            if drain is not None:  # the dead core's last messages first
+                drain()
             self._core_exited(*item[1:])
             return
         message = unpack(item)

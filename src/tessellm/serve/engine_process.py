@@ -7,14 +7,16 @@ the server's threads or sockets) builds the pipeline from the same config, conne
 loop: requests, aborts and calls in on one socket, outputs out on the other, as msgpack
 (serve/engine_protocol.py). It dies with its parent (Linux's parent-death signal).
 
-``ProcessTransport`` is the API side's end: a reader thread hands each message to the
-``EngineClient`` on the event loop, and a watcher thread tells it when the process exits,
-with its status. ``restart()`` starts a new core on the same sockets (serve/supervise.py
+``ProcessTransport`` is the API side's end: the event loop reads the core's messages
+itself (the socket's descriptor is one of those it watches; no thread in between, as vLLM's
+API server reads its engine core's), and a watcher thread tells the ``EngineClient`` when
+the process exits, with its status. ``restart()`` starts a new core on the same sockets (serve/supervise.py
 decides when).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -34,8 +36,6 @@ from tessellm.serve.engine_protocol import EngineDead, EngineInfo, pack, unpack
 logger = logging.getLogger("tessellm.server")
 
 START_TIMEOUT_S = 900.0
-READ_POLL_MS = 100
-"""How often the reader thread looks up from its wait for the core's messages (to see ``stop``)."""
 
 
 class EngineStartError(TessellmError, RuntimeError):
@@ -117,7 +117,7 @@ class ProcessTransport:
         self.info: EngineInfo | None = None
         self.starts = 0
         self._stopping = False
-        self._reader: threading.Thread | None = None
+        self._reading: tuple[Any, Callable[[bytes], None]] | None = None  # (event loop, receive)
 
     # ------------------------------------------------------------------ starting
 
@@ -151,12 +151,22 @@ class ProcessTransport:
                 raise EngineStartError(f"the engine core did not start within {self.start_timeout_s:.0f} s")
 
     def connect(self, deliver: Callable[[Any], None]) -> None:
-        """Hand every message and the process's exit to ``deliver`` (from this transport's threads)."""
+        """Hand the process's exit to ``deliver`` (from a watcher thread); its messages go to
+        the ``receive`` of ``read_on``."""
         self._deliver = deliver
-        if self._reader is None:
-            self._reader = threading.Thread(target=self._read, name="tessellm-core-reader", daemon=True)
-            self._reader.start()
         self._watch(self.process)
+
+    def read_on(self, loop: asyncio.AbstractEventLoop, receive: Callable[[bytes], None]) -> None:
+        """Read the core's messages on ``loop`` (from the thread that runs it), each handed to
+        ``receive`` as it is read: the socket's descriptor is watched by the loop, no thread
+        of ours between them. Called again with another loop, moves there. Until then the
+        messages wait in the socket."""
+        fd = self._pull.getsockopt(zmq.FD)
+        if self._reading is not None and self._reading[0] is not loop and not self._reading[0].is_closed():
+            self._reading[0].remove_reader(fd)
+        self._reading = (loop, receive)
+        loop.add_reader(fd, self.drain)
+        self.drain()  # what came before: the descriptor signals changes, not what is waiting
 
     def _watch(self, process: Any) -> None:
         def wait() -> None:
@@ -168,19 +178,22 @@ class ProcessTransport:
 
         threading.Thread(target=wait, name="tessellm-core-watcher", daemon=True).start()
 
-    def _read(self) -> None:
-        """The reader thread: every message to ``deliver``, until ``stop``. It alone touches
-        the socket it reads until then (a ZeroMQ socket closed under a thread blocked in it
-        aborts the process), and looks up from its wait every ``READ_POLL_MS``."""
-        while not self._stopping:
+    def drain(self) -> None:
+        """Every message waiting, to ``receive`` (on the loop of ``read_on``). ZeroMQ's
+        descriptor only says that something changed: the socket's own events say whether a
+        message is there, and are read until none is."""
+        if self._reading is None or self._stopping:
+            return
+        receive = self._reading[1]
+        while self._pull.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
-                if not self._pull.poll(READ_POLL_MS):
-                    continue
                 data = self._pull.recv(zmq.NOBLOCK)
-            except zmq.ZMQError:  # nothing after all, or the context is ending
-                continue
-            if self._deliver is not None:
-                self._deliver(data)
+            except zmq.Again:
+                return
+            try:
+                receive(data)
+            except Exception:  # a bug handling one message: the others are still read
+                logger.exception("a message from the engine core could not be handled")
 
     def restart(self) -> EngineInfo:
         """A new core on the same sockets (its messages reach the client as before, its
@@ -234,8 +247,11 @@ class ProcessTransport:
             if process.is_alive():
                 process.kill()
                 process.join()
-        if self._reader is not None:
-            self._reader.join(timeout=5 * READ_POLL_MS / 1000)
+        if self._reading is not None and not self._reading[0].is_closed():
+            try:
+                self._reading[0].remove_reader(self._pull.getsockopt(zmq.FD))
+            except RuntimeError:  # stopped from another thread than the loop's
+                pass
         self._push.close(linger=0)
         self._pull.close(linger=0)
         self._context.term()
