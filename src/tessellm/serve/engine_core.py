@@ -108,13 +108,13 @@ class GenerateKind:
         if state is None:
             return None
         seqs = state.seqs
-        if progress.started and len(seqs) == 1 and not state.finished:  # the common case, spelled out
+        if progress.started and len(seqs) == 1:  # the common case, spelled out: a running sample's decode step
             seq = seqs[0]
-            sent = progress.emitted.get(0, 0)
-            held = len(seq.token_ids) - seq.num_prompt_tokens
-            if held - sent < progress.interval:
-                return None
-            if seq.params.logprobs is None and not seq.joint:
+            if not seq.is_finished and seq.params.logprobs is None and not seq.joint:
+                sent = progress.emitted.get(0, 0)
+                held = len(seq.token_ids) - seq.num_prompt_tokens
+                if held - sent < progress.interval:
+                    return None
                 progress.emitted[0] = held
                 return [request_id, seq.token_ids[seq.num_prompt_tokens + sent:]]  # compact
         if state.seqs[0].joint and not state.finished:
