@@ -78,3 +78,8 @@ def test_a_stream_interval_below_one_is_refused():
     args = build_parser().parse_args(["serve", "--stream-interval", "0"])
     with pytest.raises(ConfigError, match="--stream-interval must be at least 1, got 0"):
         cmd_serve(args)
+
+
+def test_build_app_refuses_a_stream_interval_below_one(llm):
+    with pytest.raises(ConfigError, match="stream_interval must be at least 1, got -2"):
+        build_app(llm, stream_interval=-2)

@@ -36,6 +36,7 @@ from tessellm.serve.context import ServerContext  # noqa: E402
 from tessellm.serve.engine_client import EngineClient  # noqa: E402
 from tessellm.serve.engine_thread import EngineThread  # noqa: E402
 from tessellm.core.engine.gc_freeze import frozen_heap  # noqa: E402
+from tessellm.core.errors import ConfigError  # noqa: E402
 from tessellm.core.version import __version__  # noqa: E402
 from tessellm.serve.errors import error  # noqa: E402
 from tessellm.serve.images import has_images  # noqa: E402
@@ -54,6 +55,8 @@ def build_app(engine: Any, *, model_name: str | None = None, api_key: str | None
     serve/engine_process.py), or a loaded ``LLM``, whose engine core then runs on a thread
     of this process while the app does. ``stream_interval``: a stream's events after its
     first come every that many tokens (and at its end)."""
+    if stream_interval < 1:
+        raise ConfigError(f"stream_interval must be at least 1, got {stream_interval}")
     if isinstance(engine, EngineClient):
         client, llm = engine, None
         client.max_waiting = max_waiting

@@ -10,8 +10,8 @@ loop: requests, aborts and calls in on one socket, outputs out on the other, as 
 ``ProcessTransport`` is the API side's end: the event loop reads the core's messages
 itself (the socket's descriptor is one of those it watches; no thread in between, as vLLM's
 API server reads its engine core's), and a watcher thread tells the ``EngineClient`` when
-the process exits, with its status. ``restart()`` starts a new core on the same sockets (serve/supervise.py
-decides when).
+the process exits, with its status. ``restart()`` starts a new core on the same sockets
+(serve/supervise.py decides when).
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ class ProcessTransport:
         if self._reading is not None and not self._reading[0].is_closed():
             try:
                 self._reading[0].remove_reader(self._pull.getsockopt(zmq.FD))
-            except RuntimeError:  # stopped from another thread than the loop's
+            except RuntimeError:  # a loop being torn down
                 pass
         self._push.close(linger=0)
         self._pull.close(linger=0)
