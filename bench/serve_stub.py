@@ -18,10 +18,12 @@ offline engine all at once), TTFT (p50, p99), and the host time per engine step 
 server's /metrics: schedule, prepare, forward with the stub's sleep, sample, process, output
 to the streams) with the CPU seconds per step of the engine loop, of the API side and of the
 clients (this process; on uvloop where it is installed, as the server is), the offline
-engine's phases per step, and the output tokens per CPU second of the API process
-(``api_tok_per_cpu_s``: the rate it could stream at with a core of its own; on a machine
-with fewer cores than the three processes, the client, the API process and the engine core
-share them, and the server's rate is bounded by their CPU seconds together).
+engine's phases per step, the events each stream got (``events_per_stream``: fewer than
+its tokens where the API side fell behind and merged them) and the output tokens per CPU
+second of the API process (``api_tok_per_cpu_s``, at that merging: an API side with more
+CPU writes more, smaller events). On a machine with fewer cores than the three processes,
+the client, the API process and the engine core share them, and the server's rate is bounded
+by their CPU seconds together.
 
     flock -x /tmp/tessellm-cpu.lock .venv/bin/python bench/serve_stub.py --json bench/results/serve_stub_cpu.json
     .venv/bin/python bench/serve_stub.py --clients 8 --max-tokens 8 --rounds 1    # the code path only
@@ -228,7 +230,7 @@ def run(args: argparse.Namespace, llm: LLM, server: ServeProcess) -> list[dict]:
         host = {k: round(statistics.median(s.get(k, 0.0) for s in steps), 3) for k in steps[-1]}
         alone = {k: round(statistics.median(o["per_step"].get(k, 0.0) for o in offline), 3)
                  for k in offline[-1]["per_step"]}
-        # the rate the API process could stream at with a core of its own: tokens per second of its CPU
+        # output tokens per second of the API process's CPU, at the merging of this run
         ceiling = [n * args.max_tokens / (st["cpu:api"] * st["steps"] / 1e3) for st in steps if st.get("cpu:api")]
         results.append({"clients": n, "offline": a, "server": b, "server_over_offline": round(statistics.median(ratios), 3),
                         "ratio_rounds": [round(r, 3) for r in ratios], "server_ms_per_step": host,
