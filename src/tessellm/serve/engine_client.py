@@ -395,14 +395,15 @@ class EngineClient:
             request = self.requests.get(record[0])
             if request is None:
                 continue
-            if is_compact(record):
+            compact = is_compact(record)
+            if compact:
                 generated += self._track(request, 0, len(record[1]), None, now)
             else:
                 for index, count, reason in request.kind.samples(record):
                     generated += self._track(request, index, count, reason, now)
             if request.queue is not None:
                 request.queue.put_nowait(record)
-            if not is_compact(record) and record[1]:  # finished
+            if not compact and record[1]:  # finished
                 del self.requests[record[0]]
                 self._record_finished(request, now)
         if generated and metrics is not None:
